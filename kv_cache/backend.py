@@ -1,0 +1,115 @@
+"""vLLM attention backend over kv_cache.ops: what vLLM's Attention layers call on the Neuron platform."""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+)
+
+from kv_cache import ops
+
+
+@dataclass
+class NeuronAttentionMetadata:
+    """Per-step attention inputs; all tensors, all of bucketed shape, so a compiled graph never specialises on
+    a per-step Python value.
+
+    block_table:     [rows, context_blocks] block ids of each row's context window (padding: null block)
+    query_positions: [rows, queries_per_row] absolute positions of the queries
+    slot_mapping:    [rows * queries_per_row] cache slot each new key/value is written to
+    """
+
+    block_table: torch.Tensor
+    query_positions: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMetadata]):
+    """Required by vLLM's interface; the Neuron model runner builds padded metadata itself."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> NeuronAttentionMetadata:
+        raise NotImplementedError(
+            "NeuronAttentionBackend metadata is built by worker.model_runner for bucketed shapes"
+        )
+
+
+class NeuronAttentionBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type["NeuronAttentionImpl"]:
+        return NeuronAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[NeuronAttentionMetadataBuilder]:
+        return NeuronAttentionMetadataBuilder
+
+
+class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+    ) -> None:
+        unsupported = {
+            "ALiBi": alibi_slopes is not None,
+            "sliding-window attention": sliding_window is not None,
+            "logits soft-capping": bool(logits_soft_cap),
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            f"kv_cache_dtype {kv_cache_dtype}": kv_cache_dtype != "auto",
+            "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
+        }
+        refused = [name for name, present in unsupported.items() if present]
+        if refused:
+            raise NotImplementedError(f"Neuron attention does not support {', '.join(refused)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: NeuronAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ops.write_kv(kv_cache, key, value, attn_metadata.slot_mapping)
+        rows, queries_per_row = attn_metadata.query_positions.shape
+        attended = ops.paged_attention(
+            query.view(rows, queries_per_row, self.num_heads, self.head_size),
+            kv_cache,
+            attn_metadata.block_table,
+            attn_metadata.query_positions,
+            self.scale,
+        )
+        output.copy_(attended.view_as(output))
+        return output

@@ -1,0 +1,34 @@
+"""Where KV lives: per-layer tensor shapes, allocation in device memory, the null block, slot mapping."""
+
+import numpy as np
+import torch
+
+# vLLM's block pool never hands out block 0 (its null block); padded rows write to and read from it.
+NULL_BLOCK = 0
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def kv_bytes_per_block(block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
+    return 2 * block_size * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+
+
+def allocate(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """One contiguous, zeroed layer cache (zeros keep padded reads of the null block finite)."""
+    return torch.zeros(
+        kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype, device=device
+    )
+
+
+def slot_mapping(block_row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Flat cache slots of token positions, given the request's block ids (computed on the host)."""
+    return block_row[positions // block_size] * block_size + positions % block_size

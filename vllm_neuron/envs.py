@@ -1,0 +1,92 @@
+"""Every VLLM_NEURON_* environment variable: its type, its default and one line of help.
+
+Read lazily (``envs.VLLM_NEURON_DEVICE``) so a test or the CLI can set a variable after import.
+"""
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _str(name: str, default: str) -> Callable[[], str]:
+    return lambda: os.environ.get(name, default).strip().lower() or default
+
+
+def _int(name: str, default: int) -> Callable[[], int]:
+    def read() -> int:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+    return read
+
+
+def _int_list(name: str) -> Callable[[], list[int] | None]:
+    def read() -> list[int] | None:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            return None
+        try:
+            return [int(part) for part in raw.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} must be a comma-separated list of integers") from None
+
+    return read
+
+
+# name -> (reader, help)
+_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
+    "VLLM_NEURON_DEVICE": (
+        _str("VLLM_NEURON_DEVICE", "auto"),
+        "auto | neuron | cpu. auto activates the plugin only where TorchNeuron sees a Neuron device; "
+        "cpu runs the same plugin on the host CPU (development and CI).",
+    ),
+    "VLLM_NEURON_COMPILE_BACKEND": (
+        _str("VLLM_NEURON_COMPILE_BACKEND", ""),
+        "torch.compile backend of the model step: neuron (default on Trainium), eager (default on CPU), "
+        "inductor, or none (no torch.compile, for debugging).",
+    ),
+    "VLLM_NEURON_MODEL_CACHE": (
+        lambda: os.environ.get("VLLM_NEURON_MODEL_CACHE", ""),
+        "Folder for the converted default model (default: $XDG_CACHE_HOME/vllm-neuron/models).",
+    ),
+    "VLLM_NEURON_CPU_KV_CACHE_BYTES": (
+        _int("VLLM_NEURON_CPU_KV_CACHE_BYTES", 512 * 1024**2),
+        "CPU mode: bytes of host memory for the KV cache when --kv-cache-memory-bytes is not given.",
+    ),
+    "VLLM_NEURON_GRAPH_RESERVE_BYTES": (
+        _int("VLLM_NEURON_GRAPH_RESERVE_BYTES", 4 * 1024**3),
+        "Neuron mode: device memory kept free for compiled graphs when sizing the KV cache.",
+    ),
+    "VLLM_NEURON_PREFILL_BUCKETS": (
+        _int_list("VLLM_NEURON_PREFILL_BUCKETS"),
+        "Comma-separated prefill token buckets (overrides additional_config prefill_buckets).",
+    ),
+    "VLLM_NEURON_DECODE_BATCH_BUCKETS": (
+        _int_list("VLLM_NEURON_DECODE_BATCH_BUCKETS"),
+        "Comma-separated decode batch-size buckets (overrides additional_config decode_batch_buckets).",
+    ),
+    "VLLM_NEURON_CONTEXT_BUCKETS": (
+        _int_list("VLLM_NEURON_CONTEXT_BUCKETS"),
+        "Comma-separated context-length buckets in tokens (overrides additional_config context_buckets).",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARIABLES:
+        return _VARIABLES[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def names() -> list[str]:
+    return list(_VARIABLES)
+
+
+def describe() -> dict[str, str]:
+    """Name -> help text, for the README and `vllm-neuron info`."""
+    return {name: help_text for name, (_, help_text) in _VARIABLES.items()}

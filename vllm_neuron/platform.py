@@ -1,0 +1,213 @@
+"""NeuronPlatform: vLLM's questions about the device, answered from NeuronConfig and the device module."""
+
+import contextlib
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm_neuron import device as neuron_device
+from vllm_neuron.config import DEFAULT_BLOCK_SIZE, NeuronConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.pooling_params import PoolingParams
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+logger = init_logger("vllm.vllm_neuron.platform")
+
+# Our runner drives vLLM's V1 scheduler protocol; the V2 runner changes what the scheduler sends.
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+WORKER_CLS = "worker.neuron_worker.NeuronWorker"
+ATTENTION_BACKEND_CLS = "kv_cache.backend.NeuronAttentionBackend"
+
+
+class UnsupportedConfigError(ValueError):
+    """A model or engine setting the plugin refuses at start-up; the message says why and what to change."""
+
+
+class NeuronPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = neuron_device.device_type()
+    device_type: str = neuron_device.device_type()
+    dispatch_key: str = neuron_device.dispatch_key()
+    dist_backend: str = neuron_device.dist_backend()
+    ray_device_key: str = "neuron_cores"
+    device_control_env_var: str = "NEURON_RT_VISIBLE_CORES"
+    # vLLM compiles small helpers with dynamic=True; the static-only neuron backend must never see them.
+    simple_compile_backend: str = "eager"
+    supported_quantization: list[str] = []
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return neuron_device.device_name(device_id)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return neuron_device.total_memory(device_id)
+
+    @classmethod
+    def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
+        return float(neuron_device.memory_in_use())
+
+    @classmethod
+    def set_device(cls, torch_device: torch.device) -> None:
+        neuron_device.set_device(torch_device)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        neuron_device.manual_seed_all(seed)
+
+    @classmethod
+    def inference_mode(cls):
+        # no_grad rather than inference_mode: inference tensors cannot be mutated by compiled graphs later.
+        return torch.no_grad()
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # vllm._C does not exist in a VLLM_TARGET_DEVICE=empty build; our ops are plain torch.
+        return None
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        # The attention layer calls our backend directly, so dynamo traces attention into the same graph.
+        return False
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return False
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
+        if dtype == torch.float64:
+            raise UnsupportedConfigError(
+                "dtype float64 is not supported: TorchNeuron computes float64 as float32. "
+                "Use --dtype float32, float16 or bfloat16."
+            )
+
+    @classmethod
+    def get_attn_backend_cls(
+        cls,
+        selected_backend: "AttentionBackendEnum",
+        attn_selector_config: "AttentionSelectorConfig",
+        num_heads: int | None = None,
+    ) -> str:
+        if attn_selector_config.use_mla or attn_selector_config.use_sparse:
+            raise UnsupportedConfigError(
+                "MLA and sparse attention models are not supported by the Neuron plugin"
+            )
+        if attn_selector_config.has_sink:
+            raise UnsupportedConfigError("attention sinks are not supported by the Neuron plugin")
+        return ATTENTION_BACKEND_CLS
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config: "VllmConfig") -> None:
+        # check_and_update_config fixed the block size, and the buckets were validated against it.
+        return None
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: "VllmConfig") -> None:
+        # vLLM builds throwaway configs without a model; there is nothing to check in those.
+        model_config = vllm_config.model_config
+        if model_config is None:
+            return
+        _refuse_unsupported(vllm_config)
+
+        cache_config = vllm_config.cache_config
+        if not cache_config.user_specified_block_size:
+            cache_config.block_size = DEFAULT_BLOCK_SIZE
+
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        # The model runner compiles the whole step itself, per bucket; vLLM's own compilation would mark
+        # dynamic dimensions, which the static-shape neuron backend refuses.
+        compilation_config = vllm_config.compilation_config
+        compilation_config.mode = CompilationMode.NONE
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        compilation_config.cudagraph_capture_sizes = []
+        vllm_config.scheduler_config.async_scheduling = False
+
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = WORKER_CLS
+        # TorchNeuron cannot re-initialise its runtime in a forked child.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+        neuron_config = NeuronConfig.from_vllm_config(vllm_config)
+        vllm_config.additional_config = neuron_config.as_additional_config()
+        logger.info(
+            "Neuron plugin (%s mode, compile backend %s): block size %d, %s",
+            neuron_device.mode(),
+            neuron_device.compile_backend(),
+            cache_config.block_size,
+            neuron_config.buckets.describe(),
+        )
+
+    @classmethod
+    def validate_request(cls, processed_inputs: object, params: "SamplingParams | PoolingParams") -> None:
+        from vllm.exceptions import VLLMValidationError
+
+        prompt_logprobs = getattr(params, "prompt_logprobs", None)
+        if prompt_logprobs is not None:
+            raise VLLMValidationError(
+                "prompt_logprobs is not supported by the Neuron plugin yet; remove it from the request",
+                parameter="prompt_logprobs",
+                value=prompt_logprobs,
+            )
+
+    @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        # Our own VLLM_NEURON_* variables are not vLLM's; hide them from vLLM's unknown-variable check.
+        with _without_plugin_variables():
+            super().validate_environ(hard_fail)
+
+
+@contextlib.contextmanager
+def _without_plugin_variables():
+    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("VLLM_NEURON_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
+    model_config = vllm_config.model_config
+    NeuronPlatform.check_if_supports_dtype(model_config.dtype)
+    refusals = {
+        "sliding-window attention is not supported yet (the model config sets sliding_window); "
+        "use a model without it": model_config.get_sliding_window() is not None
+        and not model_config.disable_sliding_window,
+        "vLLM's V2 model runner is not supported: unset VLLM_USE_V2_MODEL_RUNNER": (
+            vllm_config.use_v2_model_runner
+        ),
+        "pipeline parallelism is not supported: use --pipeline-parallel-size 1": (
+            vllm_config.parallel_config.pipeline_parallel_size > 1
+        ),
+        "tensor parallelism is not supported yet: use --tensor-parallel-size 1": (
+            vllm_config.parallel_config.tensor_parallel_size > 1
+        ),
+        "speculative decoding is not supported: remove --speculative-config": (
+            vllm_config.speculative_config is not None
+        ),
+        "LoRA is not supported: remove --enable-lora": vllm_config.lora_config is not None,
+        "only text generation models are supported (this model is a pooling or multimodal model)": (
+            model_config.runner_type != "generate" or model_config.is_multimodal_model
+        ),
+    }
+    for message, refused in refusals.items():
+        if refused:
+            raise UnsupportedConfigError(f"Neuron plugin: {message}")

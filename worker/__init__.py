@@ -1,0 +1,1 @@
+"""The worker vLLM's engine talks to, and the model runner that executes one scheduler step at a time."""

@@ -1,0 +1,122 @@
+"""The persistent batch: vLLM's InputBatch kept in step with the scheduler's output, on the host.
+
+Follows the protocol of vLLM's GPU runner (finished requests leave, unscheduled ones are parked, new and
+resumed ones join, sampled tokens are appended here because the scheduler does not send them back),
+without the parts we do not support (speculative decoding, pipeline parallelism, async scheduling).
+"""
+
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.sampling_params import SamplingType
+from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+
+class PersistentBatch:
+    def __init__(self, vllm_config: "VllmConfig", block_size: int) -> None:
+        model_config = vllm_config.model_config
+        scheduler_config = vllm_config.scheduler_config
+        self.max_model_len = model_config.max_model_len
+        self.block_size = block_size
+        host = torch.device("cpu")
+        custom_logitsprocs = tuple(model_config.logits_processors or ())
+        self.requests: dict[str, CachedRequestState] = {}
+        self.batch = InputBatch(
+            max_num_reqs=scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            device=host,
+            vocab_size=model_config.get_vocab_size(),
+            block_sizes=[block_size],
+            max_num_blocks_per_req=[-(-self.max_model_len // block_size)],
+            logitsprocs=build_logitsprocs(vllm_config, host, False, False, custom_logitsprocs),
+            logitsprocs_need_output_token_ids=bool(custom_logitsprocs),
+        )
+
+    @property
+    def block_table(self):
+        """[max_num_reqs, max_blocks_per_req] block ids, zero (the null block) where none is allocated."""
+        return self.batch.block_table[0].block_table.np
+
+    def update(self, scheduler_output: "SchedulerOutput") -> None:
+        batch = self.batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+
+        # Requests not scheduled this step (preempted, or waiting their turn) leave the batch but keep their
+        # state; resumed ones leave too so they re-enter below with their new block ids.
+        scheduled = scheduler_output.num_scheduled_tokens.keys()
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id in batch.req_id_to_index.keys() - (scheduled - cached.resumed_req_ids):
+            batch.remove_request(req_id)
+
+        to_add: list[CachedRequestState] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
+                generator = torch.Generator(device="cpu")
+                generator.manual_seed(params.seed)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                prompt_embeds=new.prompt_embeds,
+                prompt_is_token_ids=new.prompt_is_token_ids,
+                mm_features=new.mm_features,
+                sampling_params=params,
+                pooling_params=new.pooling_params,
+                generator=generator,
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=[],
+                lora_request=new.lora_request,
+            )
+            self.requests[new.req_id] = state
+            to_add.append(state)
+
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            num_output_tokens = cached.num_output_tokens[i]
+            index = batch.req_id_to_index.get(req_id)
+            if num_output_tokens < len(state.output_token_ids):
+                # The scheduler dropped tokens (e.g. a failed KV load): align with it.
+                del state.output_token_ids[num_output_tokens:]
+                if index is not None:
+                    batch.num_tokens_no_spec[index] = batch.num_prompt_tokens[index] + num_output_tokens
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = new_block_ids
+            elif new_block_ids is not None:
+                for ids, added in zip(state.block_ids, new_block_ids, strict=True):
+                    ids.extend(added)
+            if index is None:
+                to_add.append(state)
+                continue
+            batch.num_computed_tokens_cpu[index] = state.num_computed_tokens
+            if new_block_ids is not None:
+                batch.block_table.append_row(new_block_ids, index)
+
+        for state in to_add:
+            batch.add_request(state)
+        batch.condense()
+        batch.refresh_metadata()
+
+    def append_sampled(self, sampled: list[list[int]]) -> None:
+        """Record each request's new tokens (in batch order); the scheduler does not send them back."""
+        batch = self.batch
+        for index, (req_id, tokens) in enumerate(zip(batch.req_ids, sampled, strict=True)):
+            if not tokens:
+                continue
+            start = batch.num_tokens_no_spec[index]
+            end = start + len(tokens)
+            batch.token_ids_cpu[index, start:end] = tokens
+            batch.is_token_ids[index, start:end] = True
+            batch.num_tokens_no_spec[index] = end
+            self.requests[req_id].output_token_ids.extend(tokens)

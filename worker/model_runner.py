@@ -1,0 +1,233 @@
+"""One scheduler step on static shapes: update the persistent batch, split the step into bucketed calls,
+run the compiled model, and sample on the host with vLLM's Sampler."""
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.attention import Attention
+from vllm.model_executor.model_loader import get_model
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.structured_output.utils import apply_grammar_bitmask
+from vllm.v1.worker.utils import bind_kv_cache
+
+from kv_cache import layout
+from vllm_neuron import compile as neuron_compile
+from vllm_neuron import device as neuron_device
+from vllm_neuron.buckets import pick_bucket, round_up
+from vllm_neuron.config import NeuronConfig
+from worker import step_inputs
+from worker.input_batch import PersistentBatch
+from worker.step_inputs import Chunk, StepInputs
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+
+logger = init_logger("vllm.vllm_neuron.model_runner")
+
+
+class ModelStep(torch.nn.Module):
+    """What gets compiled: the model forward and the logits of the rows we keep."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor):
+        hidden = self.model(input_ids=input_ids, positions=positions)
+        return self.model.compute_logits(hidden.index_select(0, logits_indices))
+
+
+@dataclass
+class _PendingStep:
+    """Logits of a step between execute_model and sample_tokens (the grammar bitmask arrives in between)."""
+
+    scheduler_output: "SchedulerOutput"
+    logits: torch.Tensor
+    partial_prefill_rows: list[int]
+
+
+class NeuronModelRunner:
+    def __init__(self, vllm_config: "VllmConfig", device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.device = device
+        self.neuron_config = NeuronConfig.from_vllm_config(vllm_config)
+        self.buckets = self.neuron_config.buckets
+        self.block_size = vllm_config.cache_config.block_size
+        self.batch = PersistentBatch(vllm_config, self.block_size)
+        self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
+        self.model: torch.nn.Module | None = None
+        self.compiled_step = None
+        self.graphs: neuron_compile.GraphCounter | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self._pending: _PendingStep | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        self.model = get_model(vllm_config=self.vllm_config)
+        self.compiled_step, self.graphs = neuron_compile.compile_static(
+            ModelStep(self.model), neuron_device.compile_backend(), self.buckets.num_graphs
+        )
+        logger.info("Model loaded on %s in %.1f s", self.device, time.perf_counter() - start)
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        layers = self.vllm_config.compilation_config.static_forward_context
+        return {
+            name: spec
+            for name, layer in layers.items()
+            if isinstance(layer, Attention)
+            and (spec := layer.get_kv_cache_spec(self.vllm_config)) is not None
+        }
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        caches: dict[str, torch.Tensor] = {}
+        for group in kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            assert isinstance(spec, AttentionSpec)
+            for name in group.layer_names:
+                caches[name] = layout.allocate(
+                    kv_cache_config.num_blocks,
+                    spec.block_size,
+                    spec.num_kv_heads,
+                    spec.head_size,
+                    spec.dtype,
+                    self.device,
+                )
+        bind_kv_cache(caches, self.vllm_config.compilation_config.static_forward_context, self.kv_caches)
+        logger.info(
+            "KV cache: %d blocks of %d tokens in %d layers",
+            kv_cache_config.num_blocks,
+            self.block_size,
+            len(caches),
+        )
+
+    def warm_up(self) -> float:
+        """Compile every bucket shape by running each once on padding; returns the seconds it took."""
+        start = time.perf_counter()
+        blocks = np.zeros(
+            round_up(self.buckets.context_tokens[-1], self.block_size) // self.block_size, np.int64
+        )
+        for tokens, context in self.buckets.prefill_shapes():
+            count = min(tokens, context)
+            self._run(
+                step_inputs.prefill_inputs(
+                    Chunk(np.zeros(count, np.int64), 0, blocks), tokens, context, self.block_size, self.device
+                )
+            )
+        for batch, context in self.buckets.decode_shapes():
+            self._run(
+                step_inputs.decode_inputs(
+                    [Chunk(np.zeros(1, np.int64), 0, blocks)], batch, context, self.block_size, self.device
+                )
+            )
+        neuron_device.synchronize()
+        seconds = time.perf_counter() - start
+        logger.info(
+            "Warm-up compiled %d graphs in %.1f s (%s)",
+            self.graphs.num_graphs if self.graphs else 0,
+            seconds,
+            self.buckets.describe(),
+        )
+        return seconds
+
+    # ---- one step -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput | None:
+        self.batch.update(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self.batch.batch
+        decode: list[tuple[int, Chunk]] = []
+        prefill: list[tuple[int, Chunk]] = []
+        partial: list[int] = []
+        for row, req_id in enumerate(batch.req_ids):
+            count = scheduler_output.num_scheduled_tokens[req_id]
+            start = int(batch.num_computed_tokens_cpu[row])
+            chunk = Chunk(batch.token_ids_cpu[row, start : start + count], start, self.batch.block_table[row])
+            (decode if count == 1 else prefill).append((row, chunk))
+            if start + count < batch.num_tokens_no_spec[row]:
+                partial.append(row)  # prefill not finished: this row's sample is discarded
+
+        logits = torch.empty(batch.num_reqs, self.model_config.get_vocab_size(), dtype=torch.float32)
+        self._run_decode(decode, logits)
+        self._run_prefill(prefill, logits)
+        self._pending = _PendingStep(scheduler_output, logits, partial)
+        return None
+
+    def _run_decode(self, rows: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
+        largest = self.buckets.decode_batch[-1]
+        for first in range(0, len(rows), largest):
+            group = rows[first : first + largest]
+            chunks = [chunk for _, chunk in group]
+            batch_bucket = pick_bucket(self.buckets.decode_batch, len(chunks))
+            context = pick_bucket(self.buckets.context_tokens, max(c.start for c in chunks) + 1)
+            inputs = step_inputs.decode_inputs(chunks, batch_bucket, context, self.block_size, self.device)
+            logits[[row for row, _ in group]] = self._run(inputs)
+
+    def _run_prefill(self, rows: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
+        largest = self.buckets.prefill_tokens[-1]
+        for row, chunk in rows:
+            # A chunk longer than the largest bucket runs as consecutive sub-chunks; attention reads the
+            # earlier ones back from the cache.
+            for offset in range(0, len(chunk.token_ids), largest):
+                part = Chunk(
+                    chunk.token_ids[offset : offset + largest], chunk.start + offset, chunk.block_row
+                )
+                tokens = pick_bucket(self.buckets.prefill_tokens, len(part.token_ids))
+                context = pick_bucket(self.buckets.context_tokens, part.start + len(part.token_ids))
+                out = self._run(
+                    step_inputs.prefill_inputs(part, tokens, context, self.block_size, self.device)
+                )
+            logits[row] = out[0]
+
+    def _run(self, inputs: StepInputs) -> torch.Tensor:
+        """One compiled call; returns the float32 host logits of its real rows."""
+        layers = self.vllm_config.compilation_config.static_forward_context
+        metadata = {name: inputs.metadata for name, layer in layers.items() if isinstance(layer, Attention)}
+        with set_forward_context(metadata, self.vllm_config, num_tokens=inputs.input_ids.shape[0]):
+            out = self.compiled_step(inputs.input_ids, inputs.positions, inputs.logits_indices)
+        return out[: inputs.num_real_rows].to("cpu", torch.float32)
+
+    @torch.no_grad()
+    def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self.batch.batch
+        if grammar_output is not None:
+            apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, pending.logits)
+        # A discarded sample must not advance a seeded request's generator, or its output would depend on
+        # how its prompt was chunked.
+        saved_rng = {
+            row: batch.generators[row].get_state()
+            for row in pending.partial_prefill_rows
+            if row in batch.generators
+        }
+        sampler_output = self.sampler(logits=pending.logits, sampling_metadata=batch.sampling_metadata)
+        for row, state in saved_rng.items():
+            batch.generators[row].set_state(state)
+
+        sampled = sampler_output.sampled_token_ids.tolist()
+        for row in pending.partial_prefill_rows:
+            sampled[row] = []
+        logprobs = sampler_output.logprobs_tensors
+        output = ModelRunnerOutput(
+            req_ids=list(batch.req_ids),
+            req_id_to_index=dict(batch.req_id_to_index),
+            sampled_token_ids=sampled,
+            logprobs=logprobs.tolists() if logprobs is not None else None,
+            prompt_logprobs_dict={},
+        )
+        self.batch.append_sampled(sampled)
+        return output

@@ -1,0 +1,129 @@
+"""NeuronWorker: the worker vLLM's engine talks to: device set-up, KV sizing, warm-up, steps."""
+
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.logger import init_logger
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from vllm_neuron import device as neuron_device
+from vllm_neuron import envs
+from worker.model_runner import NeuronModelRunner
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+    from vllm.tasks import SupportedTask
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+
+logger = init_logger("vllm.vllm_neuron.worker")
+
+
+class NeuronWorker(WorkerBase):
+    model_runner: NeuronModelRunner
+
+    def init_device(self) -> None:
+        self.device = neuron_device.torch_device(self.local_rank)
+        neuron_device.set_device(self.device)
+        init_worker_distributed_environment(
+            self.vllm_config,
+            self.rank,
+            self.distributed_init_method,
+            self.local_rank,
+            neuron_device.dist_backend(),
+        )
+        set_random_seed(self.model_config.seed)
+        self.model_runner = NeuronModelRunner(self.vllm_config, self.device)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        if load_dummy_weights:
+            self.load_config.load_format = "dummy"
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.load_model()
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model_runner.model
+
+    def get_kv_cache_spec(self) -> dict[str, "KVCacheSpec"]:
+        return self.model_runner.get_kv_cache_spec()
+
+    def determine_available_memory(self) -> int:
+        """Bytes for the KV cache.
+
+        Neuron: free device memory with the weights resident, minus a reserve for the compiled graphs that
+        warm-up loads later. CPU: a fixed budget, never "all host memory".
+        """
+        requested = self.cache_config.kv_cache_memory_bytes
+        if requested:
+            return int(requested)
+        if neuron_device.mode() == "cpu":
+            return envs.VLLM_NEURON_CPU_KV_CACHE_BYTES
+        free = neuron_device.free_memory(self.local_rank)
+        reserve = envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
+        available = int(free * self.cache_config.gpu_memory_utilization) - reserve
+        if available <= 0:
+            raise RuntimeError(
+                f"No device memory left for the KV cache: {free / 2**30:.1f} GiB free after loading the "
+                f"weights, {reserve / 2**30:.1f} GiB reserved for compiled graphs. Use a larger "
+                "--tensor-parallel-size, a smaller model, or lower VLLM_NEURON_GRAPH_RESERVE_BYTES."
+            )
+        return available
+
+    def initialize_from_config(self, kv_cache_config: "KVCacheConfig") -> None:
+        self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        with set_current_vllm_config(self.vllm_config):
+            seconds = self.model_runner.warm_up()
+        # Warm-up consumed random numbers; serving starts from the configured seed.
+        set_random_seed(self.model_config.seed)
+        return CompilationTimes(language_model=seconds, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple["SupportedTask", ...]:
+        return ("generate",)
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        raise RuntimeError(
+            "The Neuron plugin needs a fixed --max-model-len: its context buckets are validated at start-up"
+        )
+
+    def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput | None":
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: "GrammarOutput | None") -> "ModelRunnerOutput":
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def check_health(self) -> None:
+        return None
+
+    def reset_encoder_cache(self) -> None:
+        return None
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None, **kwargs: object) -> None:
+        raise RuntimeError("profiling is not supported by the Neuron plugin yet")
+
+    def sleep(self, level: int = 1) -> None:
+        logger.warning("sleep mode is not supported by the Neuron plugin; ignoring")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        logger.warning("sleep mode is not supported by the Neuron plugin; ignoring")
+
+    def add_lora(self, lora_request: "LoRARequest") -> bool:
+        raise RuntimeError("LoRA is not supported by the Neuron plugin")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        raise RuntimeError("LoRA is not supported by the Neuron plugin")
+
+    def pin_lora(self, lora_id: int) -> bool:
+        raise RuntimeError("LoRA is not supported by the Neuron plugin")
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:
+        return None
