@@ -1,7 +1,7 @@
 """`vllm-neuron`: vLLM's OpenAI server with the Neuron plugin active, and an environment check.
 
-    vllm-neuron serve [MODEL] [any `vllm serve` option]
-    vllm-neuron info
+vllm-neuron serve [MODEL] [any `vllm serve` option]
+vllm-neuron info
 """
 
 import json
@@ -102,7 +102,9 @@ def _run_vllm_serve(argv: list[str]) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     cli_env_setup()
-    parser = FlexibleArgumentParser(prog="vllm-neuron", description="vLLM on AWS Trainium through TorchNeuron")
+    parser = FlexibleArgumentParser(
+        prog="vllm-neuron", description="vLLM on AWS Trainium through TorchNeuron"
+    )
     subparsers = parser.add_subparsers(required=True, dest="subparser")
     command = ServeSubcommand()
     command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)

@@ -120,10 +120,18 @@ def validate_buckets(
         )
     misaligned = [c for c in buckets.context_tokens if c % block_size]
     if misaligned:
-        raise BucketError(f"context buckets {misaligned} are not multiples of the KV block size {block_size}")
+        raise BucketError(
+            f"context buckets {misaligned} are not multiples of the KV block size {block_size}: "
+            "change context_buckets / VLLM_NEURON_CONTEXT_BUCKETS or --block-size"
+        )
     if buckets.context_tokens[-1] < max_model_len:
         raise BucketError(
             f"the largest context bucket {buckets.context_tokens[-1]} is below "
             f"max_model_len={max_model_len}: "
             f"add a context bucket >= {round_up(max_model_len, block_size)} or lower --max-model-len"
+        )
+    if buckets.prefill_tokens[-1] > buckets.context_tokens[-1]:
+        raise BucketError(
+            f"prefill bucket {buckets.prefill_tokens[-1]} exceeds the largest context bucket "
+            f"{buckets.context_tokens[-1]}, so no chunk could use it: lower prefill_buckets"
         )

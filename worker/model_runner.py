@@ -191,6 +191,7 @@ class NeuronModelRunner:
                 )
             logits[row] = out[0]
 
+    @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         """One compiled call; returns the float32 host logits of its real rows."""
         layers = self.vllm_config.compilation_config.static_forward_context

@@ -1,0 +1,84 @@
+"""Test-wide settings and shared fixtures: a tiny model built offline, a cached engine, HF references."""
+
+import os
+
+# Before anything imports vLLM: our plugin in CPU mode, the engine core in this process, nothing leaves
+# 127.0.0.1, no hub lookups, no usage reports.
+os.environ["VLLM_NEURON_DEVICE"] = "cpu"
+os.environ.update(
+    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    VLLM_HOST_IP="127.0.0.1",
+    HF_HUB_OFFLINE="1",
+    TRANSFORMERS_OFFLINE="1",
+    VLLM_NO_USAGE_STATS="1",
+    DO_NOT_TRACK="1",
+    TOKENIZERS_PARALLELISM="false",
+)
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.tiny_model import build_tiny_llama  # noqa: E402
+
+# The engine configuration shared by engine and server tests: small enough to warm up in seconds, and
+# chosen so that prompts exercise every path: chunked prefill across steps (prompt > 96 tokens), sub-chunks
+# within a step (chunk > 64), decode batches of several buckets, two context buckets.
+MAX_MODEL_LEN = 256
+ENGINE_KWARGS = dict(
+    dtype="float32",
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=4,
+    max_num_batched_tokens=96,
+    seed=0,
+    additional_config={
+        "prefill_buckets": [32, 64],
+        "decode_batch_buckets": [1, 2, 4],
+        "context_buckets": [128, 256],
+    },
+)
+EXPECTED_GRAPHS = 10  # prefill (32,128) (32,256) (64,128) (64,256) + decode 3 batch x 2 context
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_model_dir):
+    """One engine for the whole session: warm-up compiles every bucket once."""
+    from vllm import LLM
+
+    engine = LLM(model=str(tiny_model_dir), **ENGINE_KWARGS)
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def model_runner(llm):
+    """The NeuronModelRunner inside an in-process engine."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """HF transformers greedy decoding with its KV cache; like ignore_eos in vLLM it neither stops at EOS nor
+    bans it (generate's min_new_tokens would ban it)."""
+    import torch
+
+    tokens: list[int] = []
+    step_input, past = torch.tensor([prompt_ids]), None
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            result = hf_model(input_ids=step_input, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            tokens.append(int(result.logits[0, -1].argmax()))
+            step_input = torch.tensor([[tokens[-1]]])
+    return tokens

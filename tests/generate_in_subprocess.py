@@ -1,0 +1,31 @@
+"""Run one vLLM engine in a fresh process and print its greedy token ids as JSON.
+
+A process picks its vLLM platform once, so comparisons with vLLM's own CPU platform (plugin off) and
+engines of other dtypes run here, in their own process, with the environment the caller chose.
+
+    python tests/generate_in_subprocess.py '{"model": DIR, "engine": {}, "prompts": [[1]], "max_tokens": 4}'
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    request = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    llm = LLM(model=request["model"], **request["engine"])
+    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = {
+        "platform": type(current_platform).__name__,
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""vllm_neuron.buckets: picking, default sets, the (tokens, context) shapes to compile, validation."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from vllm_neuron.buckets import (
+    BucketConfig,
+    BucketError,
+    default_buckets,
+    pick_bucket,
+    powers_of_two,
+    validate_buckets,
+)
+
+# ---- pick_bucket, powers_of_two --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "size, bucket", [(1, 1), (2, 4), (4, 4), (5, 16), (15, 16), (16, 16), (17, 128), (128, 128)]
+)
+def test_pick_bucket_is_the_smallest_that_holds_the_size(size, bucket):
+    assert pick_bucket([1, 4, 16, 128], size) == bucket
+
+
+def test_pick_bucket_above_the_largest_raises_naming_the_size():
+    with pytest.raises(BucketError, match=r"\b129\b.*\b128\b"):
+        pick_bucket([1, 4, 16, 128], 129)
+    assert issubclass(BucketError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "start, stop, expected",
+    [
+        (1, 1, [1]),
+        (1, 8, [1, 2, 4, 8]),
+        (1, 6, [1, 2, 4, 6]),
+        (128, 300, [128, 256, 300]),
+        (512, 512, [512]),
+        (128, 64, [64]),  # a start above stop gives stop alone
+    ],
+)
+def test_powers_of_two(start, stop, expected):
+    assert powers_of_two(start, stop) == expected
+
+
+# ---- default_buckets -------------------------------------------------------------------------------
+
+LIMITS = [
+    dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, block_size=16),
+    dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=2048, block_size=32),
+    dict(max_model_len=100, max_num_seqs=3, max_num_batched_tokens=64, block_size=16),
+    dict(max_model_len=1000, max_num_seqs=1, max_num_batched_tokens=4096, block_size=128),
+    dict(max_model_len=513, max_num_seqs=5, max_num_batched_tokens=513, block_size=16),
+    dict(max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=512, block_size=48),
+]
+
+
+def is_strictly_ascending(values) -> bool:
+    return all(a < b for a, b in itertools.pairwise(values))
+
+
+@pytest.mark.parametrize("limits", LIMITS, ids=lambda lim: "-".join(map(str, lim.values())))
+def test_default_buckets_cover_the_engine_limits(limits):
+    buckets = default_buckets(**limits)
+    block_size, max_model_len = limits["block_size"], limits["max_model_len"]
+
+    assert buckets.prefill_tokens[-1] == min(limits["max_num_batched_tokens"], max_model_len)
+    assert buckets.decode_batch[-1] == limits["max_num_seqs"]
+    assert buckets.context_tokens[-1] >= max_model_len
+    assert buckets.context_tokens[-1] - max_model_len < block_size  # no more than one block of slack
+    assert all(c % block_size == 0 for c in buckets.context_tokens)
+    assert buckets.decode_batch[0] == 1
+    for values in (buckets.prefill_tokens, buckets.decode_batch, buckets.context_tokens):
+        assert is_strictly_ascending(values)
+    validate_buckets(buckets, **limits)  # the defaults are always a valid set
+    assert set(reachable_prefill_shapes(buckets)) == set(buckets.prefill_shapes())
+
+
+def test_default_buckets_example():
+    buckets = default_buckets(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512, block_size=16)
+    assert buckets == BucketConfig(
+        prefill_tokens=(128, 256, 512), decode_batch=(1, 2, 4, 8), context_tokens=(512, 1024, 2048)
+    )
+
+
+# ---- shapes ----------------------------------------------------------------------------------------
+
+CONFIGS = [
+    BucketConfig(prefill_tokens=(4, 16, 64), decode_batch=(1, 2), context_tokens=(8, 16, 32, 64)),
+    BucketConfig(prefill_tokens=(8,), decode_batch=(1,), context_tokens=(8, 24, 40)),
+    BucketConfig(prefill_tokens=(3, 5, 32), decode_batch=(1, 4), context_tokens=(4, 12, 16, 48)),
+    BucketConfig(prefill_tokens=(16, 32), decode_batch=(2,), context_tokens=(64,)),
+]
+
+
+def reachable_prefill_shapes(buckets: BucketConfig) -> set[tuple[int, int]]:
+    """Brute force: every chunk of n tokens starting at `start` that fits the largest context bucket."""
+    max_context = buckets.context_tokens[-1]
+    context_of_end = np.array([pick_bucket(buckets.context_tokens, end) for end in range(1, max_context + 1)])
+    shapes = set()
+    for n in range(1, min(buckets.prefill_tokens[-1], max_context) + 1):
+        tokens = pick_bucket(buckets.prefill_tokens, n)
+        ends = n + np.arange(0, max_context - n + 1)  # start + n for every start
+        shapes.update((tokens, int(context)) for context in np.unique(context_of_end[ends - 1]))
+    return shapes
+
+
+@pytest.mark.parametrize("buckets", CONFIGS, ids=range(len(CONFIGS)))
+def test_prefill_shapes_hold_every_reachable_combination(buckets):
+    shapes = buckets.prefill_shapes()
+    assert len(shapes) == len(set(shapes)), "duplicate shapes"
+    assert reachable_prefill_shapes(buckets) <= set(shapes)
+
+
+@pytest.mark.parametrize("buckets", CONFIGS, ids=range(len(CONFIGS)))
+def test_prefill_shapes_skip_contexts_too_small_for_the_token_bucket(buckets):
+    """A chunk using token bucket T is longer than the bucket below T, so needs at least that context."""
+    below = dict(zip(buckets.prefill_tokens, (0, *buckets.prefill_tokens[:-1]), strict=True))
+    for tokens, context in buckets.prefill_shapes():
+        assert tokens in buckets.prefill_tokens and context in buckets.context_tokens
+        assert context >= pick_bucket(buckets.context_tokens, below[tokens] + 1)
+    # ... and holds nothing no chunk can reach: every shape is a graph compiled at startup.
+    assert set(buckets.prefill_shapes()) == reachable_prefill_shapes(buckets)
+
+
+def test_prefill_shapes_example():
+    buckets = CONFIGS[0]
+    assert buckets.prefill_shapes() == [
+        (4, 8), (4, 16), (4, 32), (4, 64),
+        (16, 8), (16, 16), (16, 32), (16, 64),
+        (64, 32), (64, 64),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("buckets", CONFIGS, ids=range(len(CONFIGS)))
+def test_decode_shapes_are_every_batch_with_every_context(buckets):
+    shapes = buckets.decode_shapes()
+    assert shapes == list(itertools.product(buckets.decode_batch, buckets.context_tokens))
+
+
+def test_num_graphs_counts_prefill_and_decode_shapes():
+    buckets = CONFIGS[0]
+    assert buckets.num_graphs == 10 + 2 * 4
+    for config in CONFIGS:
+        assert config.num_graphs == len(config.prefill_shapes()) + len(config.decode_shapes())
+    assert "18 graphs" in buckets.describe()
+
+
+# ---- validate_buckets ------------------------------------------------------------------------------
+
+ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=8)
+VALID = dict(prefill_tokens=(8, 32), decode_batch=(1, 2, 4), context_tokens=(16, 64))
+
+
+def validate(**changes):
+    validate_buckets(BucketConfig(**{**VALID, **changes}), **ENGINE)
+
+
+def test_validate_accepts_a_valid_set():
+    validate()
+    validate(context_tokens=(72,))  # above max_model_len is fine
+
+
+@pytest.mark.parametrize(
+    "changes, setting",
+    [
+        (dict(prefill_tokens=()), "prefill_buckets"),
+        (dict(decode_batch=()), "decode_batch_buckets"),
+        (dict(context_tokens=()), "context_buckets"),
+        (dict(prefill_tokens=(32, 8)), "prefill_buckets"),
+        (dict(decode_batch=(1, 4, 2)), "decode_batch_buckets"),
+        (dict(context_tokens=(64, 16)), "context_buckets"),
+        (dict(prefill_tokens=(8, 8, 32)), "prefill_buckets"),
+        (dict(decode_batch=(1, 1, 4)), "VLLM_NEURON_DECODE_BATCH_BUCKETS"),
+        (dict(context_tokens=(16, 64, 64)), "VLLM_NEURON_CONTEXT_BUCKETS"),
+        (dict(prefill_tokens=(0, 32)), "prefill_buckets"),
+        (dict(decode_batch=(-1, 4)), "decode_batch_buckets"),
+        (dict(context_tokens=(0, 64)), "context_buckets"),
+        (dict(prefill_tokens=(8, 64)), "--max-num-batched-tokens"),
+        (dict(decode_batch=(1, 8)), "--max-num-seqs"),
+        (dict(context_tokens=(16, 56)), "--max-model-len"),
+    ],
+    ids=lambda value: "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else None,
+)
+def test_validate_rejects_naming_the_setting(changes, setting):
+    with pytest.raises(BucketError) as error:
+        validate(**changes)
+    assert setting in str(error.value)
+
+
+def test_validate_rejects_non_integers():
+    for bad in [(True, 32), (8.0, 32)]:
+        with pytest.raises(BucketError, match="prefill_buckets"):
+            validate(prefill_tokens=bad)
+
+
+def test_validate_context_below_max_model_len_names_the_bucket_to_add():
+    with pytest.raises(BucketError, match=r"context bucket >= 64"):
+        validate(context_tokens=(16, 56))
+
+
+def test_validate_rejects_context_not_a_multiple_of_the_block_size():
+    with pytest.raises(BucketError, match=r"\[12\].*block size 8"):
+        validate(context_tokens=(12, 64))
+
+
+def test_validate_misaligned_context_names_the_setting():
+    with pytest.raises(BucketError) as error:
+        validate(context_tokens=(12, 64))
+    assert "context_buckets" in str(error.value) or "--block-size" in str(error.value)
+
+
+def test_validated_buckets_always_have_prefill_shapes():
+    buckets = BucketConfig(prefill_tokens=(32, 64), decode_batch=(1,), context_tokens=(32,))
+    limits = dict(max_model_len=32, max_num_seqs=1, max_num_batched_tokens=64, block_size=16)
+    try:
+        validate_buckets(buckets, **limits)
+    except BucketError as error:  # rejecting the unreachable bucket 64 is a fix too
+        assert "prefill_buckets" in str(error)
+    else:
+        assert (32, 32) in buckets.prefill_shapes()

@@ -1,0 +1,115 @@
+"""Start-up checks: the plugin activates only when asked for, and refuses what it cannot serve with a message
+that says what to change."""
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+import vllm_neuron
+from vllm_neuron import device
+
+
+def engine_config(model_dir, **overrides):
+    """vLLM wraps errors raised by the platform hook in a pydantic ValidationError (a ValueError)."""
+    kwargs = dict(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=4)
+    kwargs.update(overrides)
+    return EngineArgs(**kwargs).create_engine_config()
+
+
+@pytest.fixture
+def fresh_device_mode():
+    device.mode.cache_clear()
+    yield
+    device.mode.cache_clear()
+
+
+def test_register_stays_inactive_without_neuron_or_cpu_mode(monkeypatch):
+    monkeypatch.delenv("VLLM_NEURON_DEVICE", raising=False)
+    assert not device.neuron_device_present()
+    assert vllm_neuron.register() is None  # vLLM keeps its own platform; CPU mode is never chosen silently
+    monkeypatch.setenv("VLLM_NEURON_DEVICE", "auto")
+    assert vllm_neuron.register() is None
+
+
+def test_register_activates_cpu_mode_when_asked(monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_DEVICE", "cpu")
+    assert vllm_neuron.register() == "vllm_neuron.platform.NeuronPlatform"
+
+
+def test_unknown_device_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="use auto, neuron or cpu"):
+        vllm_neuron.register()
+
+
+def test_neuron_mode_without_a_device_says_what_to_do(monkeypatch, fresh_device_mode):
+    monkeypatch.setenv("VLLM_NEURON_DEVICE", "neuron")
+    with pytest.raises(RuntimeError, match="VLLM_NEURON_DEVICE=cpu"):
+        device.mode()
+
+
+def test_engine_config_gets_our_worker_buckets_and_no_vllm_compilation(tiny_model_dir):
+    from vllm.config import CompilationMode
+
+    config = engine_config(tiny_model_dir, max_num_batched_tokens=128)
+    assert config.parallel_config.worker_cls == "worker.neuron_worker.NeuronWorker"
+    assert config.compilation_config.mode == CompilationMode.NONE
+    assert config.scheduler_config.async_scheduling is False
+    assert config.cache_config.block_size == 32
+    assert config.additional_config == {
+        "prefill_buckets": [128],
+        "decode_batch_buckets": [1, 2, 4],
+        "context_buckets": [256],
+    }
+
+
+def test_bucket_overrides_from_environment_win(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_DECODE_BATCH_BUCKETS", "2,4")
+    config = engine_config(tiny_model_dir, additional_config={"decode_batch_buckets": [1, 4]})
+    assert config.additional_config["decode_batch_buckets"] == [2, 4]
+
+
+def test_float64_is_refused(tiny_model_dir):
+    import torch
+
+    with pytest.raises(ValueError, match="TorchNeuron computes float64 as float32"):
+        engine_config(tiny_model_dir, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("additional_config", "message"),
+    [
+        ({"decode_batch_buckets": [1, 8]}, "exceeds max_num_seqs=4"),
+        ({"context_buckets": [128]}, "below max_model_len=256"),
+        ({"context_buckets": [100, 256]}, "not multiples of the KV block size"),
+        ({"prefill_buckets": [64, 32]}, "strictly ascending"),
+        ({"prefill_bucket": [64]}, "unknown --additional-config keys"),
+        ({"prefill_buckets": 64}, "must be a list of integers"),
+    ],
+)
+def test_invalid_buckets_fail_at_start_up(tiny_model_dir, additional_config, message):
+    with pytest.raises(ValueError, match=message):
+        engine_config(tiny_model_dir, additional_config=additional_config)
+
+
+def test_malformed_bucket_variable_is_refused(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_PREFILL_BUCKETS", "64,lots")
+    with pytest.raises(ValueError, match="VLLM_NEURON_PREFILL_BUCKETS"):
+        engine_config(tiny_model_dir)
+
+
+def test_sliding_window_models_are_refused(tmp_path, tiny_model_dir):
+    from transformers import MistralConfig
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    MistralConfig(
+        vocab_size=452,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=64,
+    ).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="sliding-window"):
+        engine_config(tmp_path)

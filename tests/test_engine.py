@@ -1,0 +1,127 @@
+"""The plugin inside a real vLLM engine on the tiny model: greedy tokens equal HF transformers, batches of
+mixed lengths, continuous batching, sampling parameters, and no compile after warm-up."""
+
+import random
+
+import pytest
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from tests.conftest import EXPECTED_GRAPHS, MAX_MODEL_LEN, hf_greedy, model_runner
+
+pytestmark = pytest.mark.slow
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 400) for _ in range(length)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def generate_ids(llm, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_platform_is_the_plugin_in_cpu_mode(llm):
+    from vllm.platforms import current_platform
+
+    from vllm_neuron.platform import NeuronPlatform
+
+    assert isinstance(current_platform, NeuronPlatform)
+    assert current_platform.device_type == "cpu"
+    runner = model_runner(llm)
+    assert type(runner).__module__ == "worker.model_runner"
+    assert runner.graphs.num_graphs == EXPECTED_GRAPHS == runner.buckets.num_graphs
+
+
+def test_one_prompt_matches_hf(llm, hf_model):
+    prompt = random_prompt(12, seed=1)
+    assert generate_ids(llm, [prompt], greedy(24)) == [hf_greedy(hf_model, prompt, 24)]
+
+
+def test_batch_of_very_different_lengths_matches_hf(llm, hf_model):
+    # 1 token; one decode bucket; a chunk split into sub-chunks (> 64); a prompt the scheduler chunks over
+    # several steps (> 96 tokens) while other requests decode; one near max_model_len.
+    lengths = [1, 7, 70, 150, MAX_MODEL_LEN - 20]
+    prompts = [random_prompt(n, seed=n) for n in lengths]
+    max_tokens = 16
+    got = generate_ids(llm, prompts, greedy(max_tokens))
+    expected = [hf_greedy(hf_model, p, max_tokens) for p in prompts]
+    assert got == expected
+    assert model_runner(llm).graphs.num_graphs == EXPECTED_GRAPHS
+
+
+def test_requests_joining_mid_decode_match_hf(llm, hf_model):
+    """Continuous batching: requests arrive while others are decoding, and leave at different steps."""
+    engine = llm.llm_engine
+    plan = {  # request id -> (arrival step, prompt, max tokens)
+        "a": (0, random_prompt(20, seed=11), 30),
+        "b": (3, random_prompt(5, seed=12), 8),
+        "c": (3, random_prompt(110, seed=13), 12),
+        "d": (9, random_prompt(40, seed=14), 20),
+        "e": (15, random_prompt(3, seed=15), 5),
+    }
+    finished: dict[str, list[int]] = {}
+    step = 0
+    while len(finished) < len(plan):
+        for req_id, (arrival, prompt, max_tokens) in plan.items():
+            if arrival == step:
+                engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), greedy(max_tokens))
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+        step += 1
+        assert step < 200, "engine did not finish the scripted requests"
+    for req_id, (_, prompt, max_tokens) in plan.items():
+        assert finished[req_id] == hf_greedy(hf_model, prompt, max_tokens), req_id
+    assert model_runner(llm).graphs.num_graphs == EXPECTED_GRAPHS
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm):
+    prompt = random_prompt(30, seed=21)
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = generate_ids(llm, [prompt], params)[0]
+    again = generate_ids(llm, [prompt], params)[0]
+    with_others = generate_ids(llm, [random_prompt(90, seed=22), prompt, random_prompt(4, seed=23)], params)[
+        1
+    ]
+    assert alone == again == with_others
+    other_seed = SamplingParams(max_tokens=20, temperature=1.0, seed=99, ignore_eos=True)
+    assert generate_ids(llm, [prompt], other_seed)[0] != alone
+
+
+def test_sampling_parameters(llm, tiny_model_dir):
+    prompt = TokensPrompt(prompt_token_ids=random_prompt(16, seed=31))
+    out = llm.generate(
+        prompt,
+        SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, logprobs=2, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        assert len(completion.token_ids) == 6
+        assert len(completion.logprobs) == 6
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+            assert token in entry and len(entry) >= 2
+
+    penalized = SamplingParams(
+        max_tokens=24, temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=1.0
+    )
+    plain = greedy(24)
+    assert generate_ids(llm, [prompt["prompt_token_ids"]], penalized) != generate_ids(
+        llm, [prompt["prompt_token_ids"]], plain
+    )
+
+    text = llm.generate("The quick brown fox", SamplingParams(max_tokens=30, temperature=0.0), use_tqdm=False)
+    full = text[0].outputs[0].text
+    assert len(full) > 3
+    stop = full[2:4]
+    stopped = llm.generate(
+        "The quick brown fox", SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stop not in stopped.text and full.startswith(stopped.text)
+    assert model_runner(llm).graphs.num_graphs == EXPECTED_GRAPHS

@@ -1,0 +1,333 @@
+"""kv_cache.ops against contiguous-KV references: paged writes, decode and prefill attention, GQA, tracing."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kv_cache.layout import NULL_BLOCK, allocate
+from kv_cache.ops import paged_attention, reference_attention, write_kv
+
+HEAD_SIZE = 8
+SCALE = HEAD_SIZE**-0.5
+HEADS = [(4, 4), (4, 2), (4, 1), (8, 2)]  # (num_heads, num_kv_heads): GQA ratios 1, 2, 4
+BLOCK_SIZES = [4, 16]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = list(TOLERANCE)
+
+
+@dataclass
+class Sequence:
+    keys: torch.Tensor  # [length, kv_heads, head_size], contiguous
+    values: torch.Tensor
+    blocks: torch.Tensor  # [ceil(length / block_size)] distinct non-null block ids, in sequence order
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[0]
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype) -> list[Sequence]:
+    """Random K/V per sequence, each on a random, shuffled set of distinct blocks from 1..num_blocks-1."""
+    pool = torch.randperm(num_blocks - 1, generator=gen) + 1
+    sequences, used = [], 0
+    for length in lengths:
+        count = -(-length // block_size)
+        blocks = pool[used : used + count]
+        used += count
+        keys = randn(gen, length, kv_heads, HEAD_SIZE, dtype=dtype)
+        values = randn(gen, length, kv_heads, HEAD_SIZE, dtype=dtype)
+        sequences.append(Sequence(keys, values, blocks))
+    assert used <= num_blocks - 1, "pool too small for these lengths"
+    return sequences
+
+
+def slots_of(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return blocks[positions // block_size] * block_size + positions % block_size
+
+
+def write_sequence(kv_cache, seq: Sequence, block_size: int, start: int = 0, stop: int | None = None):
+    positions = torch.arange(start, seq.length if stop is None else stop)
+    write_kv(
+        kv_cache, seq.keys[positions], seq.values[positions], slots_of(seq.blocks, positions, block_size)
+    )
+
+
+def padded_table(blocks: torch.Tensor, width: int) -> torch.Tensor:
+    row = torch.full((width,), NULL_BLOCK, dtype=torch.int64)
+    row[: blocks.numel()] = blocks
+    return row
+
+
+def sdpa_attention(query, keys, values, positions, scale):
+    """Independent check of reference_attention: SDPA in float64 with K/V repeated per head, explicit mask."""
+    group = query.shape[1] // keys.shape[1]
+    q = query.double().transpose(0, 1)  # [heads, q, d]
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    mask = torch.arange(keys.shape[0]).view(1, -1) <= positions.view(-1, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).to(query.dtype)
+
+
+def assert_close(actual, expected, dtype):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def expected_attention(query, seq: Sequence, positions, dtype):
+    """reference_attention over the sequence's contiguous K/V, itself checked against SDPA."""
+    keys, values = seq.keys[: int(positions.max()) + 1], seq.values[: int(positions.max()) + 1]
+    expected = reference_attention(query, keys, values, positions, SCALE)
+    assert_close(expected, sdpa_attention(query, keys, values, positions, SCALE), dtype)
+    return expected
+
+
+# ---- the reference itself --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads, kv_heads", HEADS)
+def test_reference_matches_sdpa_and_is_causal(heads, kv_heads):
+    gen = torch.Generator().manual_seed(0)
+    length = 11
+    query = randn(gen, length, heads, HEAD_SIZE, dtype=torch.float32)
+    keys = randn(gen, length, kv_heads, HEAD_SIZE, dtype=torch.float32)
+    values = randn(gen, length, kv_heads, HEAD_SIZE, dtype=torch.float32)
+    positions = torch.arange(length)
+
+    expected = reference_attention(query, keys, values, positions, SCALE)
+    assert_close(expected, sdpa_attention(query, keys, values, positions, SCALE), torch.float32)
+    # Position 0 sees only key 0: the output is value 0 of its KV head.
+    group = heads // kv_heads
+    assert_close(expected[0], values[0].repeat_interleave(group, dim=0), torch.float32)
+    # Keys after a query's position do not matter; keys at or before it do.
+    changed = keys.clone()
+    changed[6:] += 5.0
+    altered = reference_attention(query, changed, values, positions, SCALE)
+    assert_close(altered[:6], expected[:6], torch.float32)
+    assert not torch.allclose(altered[6:], expected[6:])
+
+
+# ---- write_kv --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_write_kv_writes_exactly_the_targeted_slots(block_size, dtype):
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, kv_heads = 6, 2
+    kv_cache = randn(gen, 2, num_blocks, block_size, kv_heads, HEAD_SIZE, dtype=dtype)
+    before = kv_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:7]
+    key = randn(gen, 7, kv_heads, HEAD_SIZE, dtype=dtype)
+    value = randn(gen, 7, kv_heads, HEAD_SIZE, dtype=dtype)
+
+    write_kv(kv_cache, key, value, slots)
+
+    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, HEAD_SIZE)
+    assert torch.equal(flat[0, slots], key)
+    assert torch.equal(flat[1, slots], value)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched], before.view_as(flat)[:, untouched])
+    # The slot formula is block * block_size + offset.
+    block, offset = int(slots[0]) // block_size, int(slots[0]) % block_size
+    assert torch.equal(kv_cache[0, block, offset], key[0])
+    assert torch.equal(kv_cache[1, block, offset], value[0])
+
+
+# ---- decode ----------------------------------------------------------------------------------------
+
+
+def decode_case(heads, kv_heads, block_size, dtype, seed=2, num_padded_rows=2):
+    """A cache holding several sequences, and a padded decode batch (query at seq_len - 1) over them."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 6 * block_size, (5,), generator=gen).tolist()
+    lengths[0] = 1  # a sequence of a single token
+    lengths[1] = 3 * block_size  # exactly full blocks
+    width = max(-(-n // block_size) for n in lengths) + 1  # wider than any row: zero-padded tables
+    num_blocks = 1 + sum(-(-n // block_size) for n in lengths) + 3
+    kv_cache = allocate(num_blocks, block_size, kv_heads, HEAD_SIZE, dtype, torch.device("cpu"))
+    sequences = make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype)
+    for seq in sequences:
+        write_sequence(kv_cache, seq, block_size)
+
+    rows = len(sequences) + num_padded_rows
+    query = randn(gen, rows, 1, heads, HEAD_SIZE, dtype=dtype)
+    block_table = torch.full((rows, width), NULL_BLOCK, dtype=torch.int64)
+    positions = torch.zeros(rows, 1, dtype=torch.int64)
+    for row, seq in enumerate(sequences):
+        block_table[row] = padded_table(seq.blocks, width)
+        positions[row, 0] = seq.length - 1
+    return kv_cache, sequences, query, block_table, positions
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("heads, kv_heads", HEADS)
+def test_decode_matches_contiguous_reference(heads, kv_heads, block_size, dtype):
+    kv_cache, sequences, query, block_table, positions = decode_case(heads, kv_heads, block_size, dtype)
+
+    out = paged_attention(query, kv_cache, block_table, positions, SCALE)
+
+    assert out.shape == query.shape and out.dtype == dtype
+    for row, seq in enumerate(sequences):
+        expected = expected_attention(query[row], seq, positions[row], dtype)
+        assert_close(out[row], expected, dtype)
+    # Fully padded rows read the (zeroed) null block at position 0: finite, equal to null block value 0.
+    padded = out[len(sequences) :]
+    assert torch.isfinite(padded.float()).all()
+    null_value = kv_cache[1, NULL_BLOCK, 0].repeat_interleave(heads // kv_heads, dim=0)
+    assert_close(padded, null_value.expand_as(padded), dtype)
+
+
+def test_decode_depends_on_blocks_and_position():
+    """The inputs discriminate: a foreign block or a wrong position gives a different answer.
+
+    (A decode query sees its whole context, so reordering its own blocks would not change the result.)
+    """
+    kv_cache, sequences, query, block_table, positions = decode_case(4, 2, 4, torch.float32)
+    out = paged_attention(query, kv_cache, block_table, positions, SCALE)
+    row = 1  # three full blocks
+    foreign = block_table.clone()
+    foreign[row, 0] = sequences[2].blocks[0]
+    assert not torch.allclose(paged_attention(query, kv_cache, foreign, positions, SCALE)[row], out[row])
+    earlier = positions.clone()
+    earlier[row] -= 1
+    assert not torch.allclose(paged_attention(query, kv_cache, block_table, earlier, SCALE)[row], out[row])
+
+
+# ---- prefill ---------------------------------------------------------------------------------------
+
+
+def prefill_case(
+    heads, kv_heads, block_size, dtype, start, count, seed=3, token_bucket=None, width=None, num_blocks=None
+):
+    """One sequence's chunk (positions start..start+count-1) over its cached prefix, padded to a bucket.
+
+    Other sequences share the cache so a wrong block read shows; padded slots write garbage to slot 0 of
+    the null block, as the model runner does.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    token_bucket = token_bucket or count + 3
+    length = start + count
+    others = torch.randint(1, 3 * block_size, (3,), generator=gen).tolist()
+    lengths = [length, *others]
+    width = width or -(-length // block_size) + 2
+    num_blocks = num_blocks or 1 + sum(-(-n // block_size) for n in lengths) + 2
+    kv_cache = allocate(num_blocks, block_size, kv_heads, HEAD_SIZE, dtype, torch.device("cpu"))
+    seq, *rest = make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype)
+    for other in rest:
+        write_sequence(kv_cache, other, block_size)
+    write_sequence(kv_cache, seq, block_size, stop=start)  # the cached prefix
+
+    positions = torch.zeros(token_bucket, dtype=torch.int64)
+    positions[:count] = torch.arange(start, length)
+    slots = torch.full((token_bucket,), NULL_BLOCK * block_size, dtype=torch.int64)
+    slots[:count] = slots_of(seq.blocks, positions[:count], block_size)
+    chunk_keys = randn(gen, token_bucket, kv_heads, HEAD_SIZE, dtype=dtype)
+    chunk_values = randn(gen, token_bucket, kv_heads, HEAD_SIZE, dtype=dtype)
+    chunk_keys[:count], chunk_values[:count] = seq.keys[start:], seq.values[start:]
+    query = randn(gen, 1, token_bucket, heads, HEAD_SIZE, dtype=dtype)
+    block_table = padded_table(seq.blocks, width).view(1, width)
+    inputs = (kv_cache, chunk_keys, chunk_values, slots, query, block_table, positions.view(1, -1))
+    return seq, inputs
+
+
+def write_then_attend(kv_cache, key, value, slots, query, block_table, positions):
+    write_kv(kv_cache, key, value, slots)
+    return paged_attention(query, kv_cache, block_table, positions, SCALE)
+
+
+@pytest.mark.parametrize(
+    "start, count", [(0, 7), (5, 6), (13, 9)], ids=["no-prefix", "prefix", "long-prefix"]
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("heads, kv_heads", HEADS)
+def test_prefill_chunk_matches_contiguous_reference(heads, kv_heads, block_size, dtype, start, count):
+    seq, inputs = prefill_case(heads, kv_heads, block_size, dtype, start, count)
+    query, positions = inputs[4], inputs[6]
+
+    out = write_then_attend(*inputs)
+
+    assert out.shape == query.shape and out.dtype == dtype
+    expected = expected_attention(query[0, :count], seq, positions[0, :count], dtype)
+    assert_close(out[0, :count], expected, dtype)
+    assert torch.isfinite(out[0, count:].float()).all()
+
+
+def test_prefill_reads_the_chunk_written_in_the_same_call():
+    """Without the chunk's own write, attention at the chunk positions would differ (keys are read back)."""
+    seq, inputs = prefill_case(4, 2, 4, torch.float32, start=5, count=6)
+    kv_cache, _, _, _, query, block_table, positions = inputs
+    stale = paged_attention(query, kv_cache.clone(), block_table, positions, SCALE)
+    out = write_then_attend(*inputs)
+    assert not torch.allclose(stale[0, :6], out[0, :6])
+
+
+def test_prefill_depends_on_block_order():
+    """Causal queries see a prefix of the context, so swapping two of the row's blocks changes them."""
+    seq, inputs = prefill_case(4, 2, 4, torch.float32, start=0, count=12)
+    kv_cache, key, value, slots, query, block_table, positions = inputs
+    out = write_then_attend(*inputs)
+    swapped = block_table.clone()
+    swapped[0, [0, 1]] = swapped[0, [1, 0]]
+    altered = paged_attention(query, kv_cache, swapped, positions, SCALE)
+    assert not torch.allclose(altered[0, :8], out[0, :8])
+    torch.testing.assert_close(altered[0, 8:12], out[0, 8:12])  # queries that see both blocks agree
+
+
+# ---- tracing ---------------------------------------------------------------------------------------
+
+
+def clone_inputs(inputs):
+    return tuple(t.clone() for t in inputs)
+
+
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_compiled_fullgraph_matches_eager(case):
+    torch._dynamo.reset()
+    if case == "decode":
+        kv_cache, _, query, block_table, positions = decode_case(8, 2, 4, torch.float32)
+        rows = query.shape[0]
+        key = torch.randn(rows, 2, HEAD_SIZE)
+        value = torch.randn(rows, 2, HEAD_SIZE)
+        slots = torch.arange(rows) + 4  # somewhere in block 1
+        inputs = (kv_cache, key, value, slots, query, block_table, positions)
+    else:
+        _, inputs = prefill_case(8, 2, 4, torch.float32, start=5, count=6)
+
+    eager_inputs = clone_inputs(inputs)
+    expected = write_then_attend(*eager_inputs)
+    compiled = torch.compile(write_then_attend, backend="eager", fullgraph=True, dynamic=False)
+    out = compiled(*inputs)
+
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(inputs[0], eager_inputs[0])  # the cache write happened in the graph too
+
+
+def test_new_values_same_shapes_do_not_recompile():
+    torch._dynamo.reset()
+    graphs = 0
+
+    def backend(gm, example_inputs):
+        nonlocal graphs
+        graphs += 1
+        return gm.forward
+
+    compiled = torch.compile(write_then_attend, backend=backend, fullgraph=True, dynamic=False)
+    # Same shapes, different block tables, positions, slots and values (different seed and prefix length).
+    for seed, start in [(3, 5), (4, 9), (5, 1)]:
+        _, inputs = prefill_case(
+            8, 2, 4, torch.float32, start, count=6, seed=seed, token_bucket=8, width=6, num_blocks=20
+        )
+        eager_inputs = clone_inputs(inputs)
+        torch.testing.assert_close(compiled(*inputs), write_then_attend(*eager_inputs))
+        torch.testing.assert_close(inputs[0], eager_inputs[0])
+    assert graphs == 1
