@@ -63,7 +63,12 @@ def ensure_default_model(dir: Path | None = None) -> Path:
     # A sibling, so the final rename stays on one filesystem and is atomic.
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.tmp-", dir=model_dir.parent))
     try:
-        _convert(gguf_path, tmp_dir)
+        # A fresh interpreter: transformers decides at import whether accelerate is available, so packages
+        # installed just now are only seen there; it also hands the ~1 GB of conversion memory back.
+        subprocess.run(
+            [sys.executable, "-m", "server.default_model", "--convert", str(gguf_path), str(tmp_dir)],
+            check=True,
+        )
         # mkdtemp and safetensors make owner-only files, but the cache may be read by another user.
         for path in [tmp_dir, *tmp_dir.iterdir()]:
             path.chmod(0o755 if path.is_dir() else 0o644)
@@ -146,8 +151,12 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=f"Prepare the default model ({DEFAULT_MODEL_NAME}).")
     parser.add_argument("--dir", type=Path, help=f"target folder (default: {default_model_dir()})")
+    parser.add_argument("--convert", nargs=2, type=Path, metavar=("GGUF", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.convert:
+        _convert(*args.convert)
+        return
     print(ensure_default_model(args.dir))
 
 
