@@ -113,3 +113,12 @@ def test_sliding_window_models_are_refused(tmp_path, tiny_model_dir):
     ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="sliding-window"):
         engine_config(tmp_path)
+
+
+def test_readme_documents_every_variable():
+    from pathlib import Path
+
+    from vllm_neuron import envs
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert [name for name in envs.names() if f"`{name}`" not in readme] == []

@@ -125,3 +125,20 @@ def test_sampling_parameters(llm, tiny_model_dir):
     )[0].outputs[0]
     assert stopped.finish_reason == "stop" and stop not in stopped.text and full.startswith(stopped.text)
     assert model_runner(llm).graphs.num_graphs == EXPECTED_GRAPHS
+
+
+def test_structured_output_and_logit_bias(llm):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    choices = ["Paris", "Tokyo", "vLLM"]
+    params = SamplingParams(
+        max_tokens=16, temperature=0.0, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    outputs = llm.generate(["The capital of Japan is", "Hello, my name is"], params, use_tqdm=False)
+    assert all(o.outputs[0].text in choices for o in outputs)
+
+    prompt = random_prompt(10, seed=41)
+    favoured = 123
+    biased = SamplingParams(max_tokens=5, temperature=0.0, logit_bias={favoured: 100.0}, ignore_eos=True)
+    assert generate_ids(llm, [prompt], biased) == [[favoured] * 5]
+    assert model_runner(llm).graphs.num_graphs == EXPECTED_GRAPHS
