@@ -5,6 +5,8 @@ import os
 # Before anything imports vLLM: our plugin in CPU mode, the engine core in this process, nothing leaves
 # 127.0.0.1, no hub lookups, no usage reports.
 os.environ["VLLM_NEURON_DEVICE"] = "cpu"
+# Any compile after warm-up fails the test that caused it.
+os.environ["VLLM_NEURON_STRICT_SHAPES"] = "1"
 os.environ.update(
     VLLM_ENABLE_V1_MULTIPROCESSING="0",
     VLLM_HOST_IP="127.0.0.1",

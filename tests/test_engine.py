@@ -35,7 +35,7 @@ def test_platform_is_the_plugin_in_cpu_mode(llm):
     assert current_platform.device_type == "cpu"
     runner = model_runner(llm)
     assert type(runner).__module__ == "worker.model_runner"
-    assert runner.graphs.num_graphs == EXPECTED_GRAPHS == runner.buckets.num_graphs
+    assert runner.recorder.num_graphs == EXPECTED_GRAPHS == runner.buckets.num_graphs
 
 
 def test_one_prompt_matches_hf(llm, hf_model):
@@ -52,7 +52,7 @@ def test_batch_of_very_different_lengths_matches_hf(llm, hf_model):
     got = generate_ids(llm, prompts, greedy(max_tokens))
     expected = [hf_greedy(hf_model, p, max_tokens) for p in prompts]
     assert got == expected
-    assert model_runner(llm).graphs.num_graphs == EXPECTED_GRAPHS
+    assert model_runner(llm).recorder.num_graphs == EXPECTED_GRAPHS
 
 
 def test_requests_joining_mid_decode_match_hf(llm, hf_model):
@@ -78,7 +78,7 @@ def test_requests_joining_mid_decode_match_hf(llm, hf_model):
         assert step < 200, "engine did not finish the scripted requests"
     for req_id, (_, prompt, max_tokens) in plan.items():
         assert finished[req_id] == hf_greedy(hf_model, prompt, max_tokens), req_id
-    assert model_runner(llm).graphs.num_graphs == EXPECTED_GRAPHS
+    assert model_runner(llm).recorder.num_graphs == EXPECTED_GRAPHS
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm):
@@ -124,7 +124,7 @@ def test_sampling_parameters(llm, tiny_model_dir):
         "The quick brown fox", SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]), use_tqdm=False
     )[0].outputs[0]
     assert stopped.finish_reason == "stop" and stop not in stopped.text and full.startswith(stopped.text)
-    assert model_runner(llm).graphs.num_graphs == EXPECTED_GRAPHS
+    assert model_runner(llm).recorder.num_graphs == EXPECTED_GRAPHS
 
 
 def test_structured_output_and_logit_bias(llm):
@@ -141,4 +141,4 @@ def test_structured_output_and_logit_bias(llm):
     favoured = 123
     biased = SamplingParams(max_tokens=5, temperature=0.0, logit_bias={favoured: 100.0}, ignore_eos=True)
     assert generate_ids(llm, [prompt], biased) == [[favoured] * 5]
-    assert model_runner(llm).graphs.num_graphs == EXPECTED_GRAPHS
+    assert model_runner(llm).recorder.num_graphs == EXPECTED_GRAPHS

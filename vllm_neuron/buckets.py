@@ -135,3 +135,15 @@ def validate_buckets(
             f"prefill bucket {buckets.prefill_tokens[-1]} exceeds the largest context bucket "
             f"{buckets.context_tokens[-1]}, so no chunk could use it: lower prefill_buckets"
         )
+    # A bucket no call can use is a graph compiled for nothing.
+    max_chunk = min(max_num_batched_tokens, max_model_len)
+    if len(buckets.prefill_tokens) > 1 and buckets.prefill_tokens[-2] >= max_chunk:
+        raise BucketError(
+            f"prefill buckets above {buckets.prefill_tokens[-2]} are never used: no chunk is longer than "
+            f"min(max_num_batched_tokens, max_model_len) = {max_chunk}; shorten prefill_buckets"
+        )
+    if len(buckets.context_tokens) > 1 and buckets.context_tokens[-2] >= max_model_len:
+        raise BucketError(
+            f"context buckets above {buckets.context_tokens[-2]} are never used: no context is longer than "
+            f"max_model_len={max_model_len}; shorten context_buckets"
+        )

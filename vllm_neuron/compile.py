@@ -1,50 +1,116 @@
-"""The only caller of torch.compile: static shapes, full graphs, and a count of the graphs compiled."""
+"""The only caller of torch.compile: static shapes, full graphs, every graph recorded, recompiles guarded.
 
+`CompileRecorder` sits between dynamo and the real backend (neuron, eager, inductor). Dynamo hands a
+backend one graph per new input signature, so the recorder sees every compile, whatever the backend:
+- it refuses what TorchNeuron's compiler refuses (symbolic shapes, float64, non-contiguous inputs), so CPU
+  runs fail where a Neuron compile would;
+- it records the input shapes of each graph;
+- once armed (after warm-up), a new graph is an unexpected recompile: counted and logged with its shapes,
+  or refused with an error in strict mode.
+"""
+
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+logger = logging.getLogger("vllm.vllm_neuron.compile")
+
+Shapes = tuple[tuple[int, ...], ...]
+
+
+class NeuronCompileError(RuntimeError):
+    """A graph TorchNeuron's compiler would refuse."""
+
+
+class UnexpectedRecompileError(RuntimeError):
+    """A new graph after warm-up while recompiles are forbidden (VLLM_NEURON_STRICT_SHAPES=1)."""
+
+
+def check_neuron_constraints(graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+    """Raise NeuronCompileError for what torch.compile(backend="neuron") cannot compile."""
+    for position, value in enumerate(example_inputs):
+        if isinstance(value, torch.SymInt | torch.SymFloat):
+            raise NeuronCompileError(
+                f"input {position} is a symbolic scalar: TorchNeuron needs static shapes"
+            )
+        if not isinstance(value, torch.Tensor):
+            continue
+        if any(isinstance(size, torch.SymInt) for size in value.shape):
+            raise NeuronCompileError(
+                f"input {position} has a dynamic shape {tuple(value.shape)}: TorchNeuron needs static shapes"
+            )
+        if value.dtype == torch.float64:
+            raise NeuronCompileError(f"input {position} is float64: TorchNeuron computes float64 as float32")
+        if not value.is_contiguous():
+            raise NeuronCompileError(
+                f"input {position} of shape {tuple(value.shape)} is not contiguous: TorchNeuron graphs need "
+                "contiguous inputs"
+            )
+    for node in graph_module.graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and value.dtype == torch.float64:
+            raise NeuronCompileError(f"graph node {node.name} ({node.target}) computes in float64")
+
 
 @dataclass
-class GraphCounter:
-    """A torch.compile backend that records each graph it is handed, then delegates to the real backend.
-
-    Dynamo hands a backend one graph per new input shape, so the count is the number of compiles.
-    """
-
+class CompileRecorder:
     backend_name: str
-    shapes: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
+    strict: bool = False
+    graphs: list[Shapes] = field(default_factory=list)
+    unexpected: list[Shapes] = field(default_factory=list)
+    armed: bool = False
+    # What the runner is about to call (e.g. "decode batch 4 x context 256"), for recompile messages.
+    current_call: str = ""
+    on_unexpected: Callable[[Shapes], None] | None = None
 
     def __post_init__(self) -> None:
         self._inner = torch._dynamo.lookup_backend(self.backend_name)
 
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        self.shapes.append(tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)))
+        check_neuron_constraints(graph_module, example_inputs)
+        shapes = tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
+        if self.armed:
+            self._unexpected(shapes)
+        self.graphs.append(shapes)
         return self._inner(graph_module, example_inputs)
+
+    def _unexpected(self, shapes: Shapes) -> None:
+        described = f"{self.current_call or 'a call'} (input shapes {list(shapes)[:4]}...)"
+        advice = (
+            "Every call should be padded to a configured bucket: check prefill_buckets, decode_batch_buckets "
+            "and context_buckets (--additional-config or VLLM_NEURON_*_BUCKETS), and report this as a bug."
+        )
+        if self.strict:
+            raise UnexpectedRecompileError(
+                f"refused a recompile after warm-up for {described} (VLLM_NEURON_STRICT_SHAPES=1). {advice}"
+            )
+        self.unexpected.append(shapes)
+        if self.on_unexpected is not None:
+            self.on_unexpected(shapes)
+        logger.warning("Unexpected recompile after warm-up for %s. %s", described, advice)
 
     @property
     def num_graphs(self) -> int:
-        return len(self.shapes)
+        return len(self.graphs)
 
 
 def compile_static(
-    module: torch.nn.Module, backend_name: str, expected_graphs: int
-) -> tuple[Callable, GraphCounter]:
-    """Compile `module` for static shapes: one graph per bucket shape, no graph breaks.
-
-    backend "none" returns the module uncompiled (debugging); its counter stays at zero.
-    """
-    counter = GraphCounter("eager" if backend_name == "none" else backend_name)
+    module: torch.nn.Module, backend_name: str, expected_graphs: int, *, strict: bool = False
+) -> tuple[Callable, CompileRecorder]:
+    """Compile `module` for static shapes: one graph per bucket shape, no graph breaks, default mode (the only
+    mode TorchNeuron has). Backend "none" returns the module uncompiled (debugging); nothing is recorded."""
+    recorder = CompileRecorder("eager" if backend_name == "none" else backend_name, strict=strict)
     if backend_name == "none":
-        return module, counter
-    # Each bucket is one more cache entry for the same code object; the defaults (8) would silently fall
-    # back to eager execution past that.
+        return module, recorder
+    # Each bucket is one more cache entry for the same code; past the limit (default 8) dynamo would
+    # silently fall back to running the module uncompiled.
     limit = expected_graphs + 8
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
     torch._dynamo.config.accumulated_cache_size_limit = max(
         torch._dynamo.config.accumulated_cache_size_limit, limit
     )
-    compiled = torch.compile(module, backend=counter, dynamic=False, fullgraph=True)
-    return compiled, counter
+    compiled = torch.compile(module, backend=recorder, dynamic=False, fullgraph=True, mode="default")
+    return compiled, recorder

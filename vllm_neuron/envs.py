@@ -25,6 +25,18 @@ def _int(name: str, default: int) -> Callable[[], int]:
     return read
 
 
+def _bool(name: str) -> Callable[[], bool]:
+    def read() -> bool:
+        raw = os.environ.get(name, "").strip().lower()
+        if raw in ("", "0", "false", "no", "off"):
+            return False
+        if raw in ("1", "true", "yes", "on"):
+            return True
+        raise ValueError(f"{name}={raw!r}: use 1 or 0")
+
+    return read
+
+
 def _int_list(name: str) -> Callable[[], list[int] | None]:
     def read() -> list[int] | None:
         raw = os.environ.get(name, "").strip()
@@ -49,6 +61,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _str("VLLM_NEURON_COMPILE_BACKEND", ""),
         "torch.compile backend of the model step: neuron (default on Trainium), eager (default on CPU), "
         "inductor, or none (no torch.compile, for debugging).",
+    ),
+    "VLLM_NEURON_STRICT_SHAPES": (
+        _bool("VLLM_NEURON_STRICT_SHAPES"),
+        "1: a compile after warm-up (a shape outside the buckets) is refused with an error instead of being "
+        "counted and logged.",
     ),
     "VLLM_NEURON_MODEL_CACHE": (
         lambda: os.environ.get("VLLM_NEURON_MODEL_CACHE", ""),

@@ -5,7 +5,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
@@ -20,9 +19,10 @@ from vllm.v1.worker.utils import bind_kv_cache
 from kv_cache import layout
 from vllm_neuron import compile as neuron_compile
 from vllm_neuron import device as neuron_device
-from vllm_neuron.buckets import pick_bucket, round_up
+from vllm_neuron import envs
+from vllm_neuron.buckets import pick_bucket
 from vllm_neuron.config import NeuronConfig
-from worker import step_inputs
+from worker import step_inputs, warmup
 from worker.input_batch import PersistentBatch
 from worker.step_inputs import Chunk, StepInputs
 
@@ -66,7 +66,7 @@ class NeuronModelRunner:
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
         self.model: torch.nn.Module | None = None
         self.compiled_step = None
-        self.graphs: neuron_compile.GraphCounter | None = None
+        self.recorder: neuron_compile.CompileRecorder | None = None
         self.kv_caches: list[torch.Tensor] = []
         self._pending: _PendingStep | None = None
 
@@ -75,8 +75,11 @@ class NeuronModelRunner:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model = get_model(vllm_config=self.vllm_config)
-        self.compiled_step, self.graphs = neuron_compile.compile_static(
-            ModelStep(self.model), neuron_device.compile_backend(), self.buckets.num_graphs
+        self.compiled_step, self.recorder = neuron_compile.compile_static(
+            ModelStep(self.model),
+            neuron_device.compile_backend(),
+            self.buckets.num_graphs,
+            strict=envs.VLLM_NEURON_STRICT_SHAPES,
         )
         logger.info("Model loaded on %s in %.1f s", self.device, time.perf_counter() - start)
 
@@ -112,33 +115,32 @@ class NeuronModelRunner:
         )
 
     def warm_up(self) -> float:
-        """Compile every bucket shape by running each once on padding; returns the seconds it took."""
-        start = time.perf_counter()
-        blocks = np.zeros(
-            round_up(self.buckets.context_tokens[-1], self.block_size) // self.block_size, np.int64
+        """Compile every bucket by pushing synthetic scheduler steps through execute_model, then arm the
+        recompile guard. Returns the seconds it took."""
+        seconds = {"prefill": 0.0, "decode": 0.0}
+        graphs = {"prefill": 0, "decode": 0}
+        steps = warmup.warmup_steps(
+            self.buckets, max_model_len=self.model_config.max_model_len, block_size=self.block_size
         )
-        for tokens, context in self.buckets.prefill_shapes():
-            count = min(tokens, context)
-            self._run(
-                step_inputs.prefill_inputs(
-                    Chunk(np.zeros(count, np.int64), 0, blocks), tokens, context, self.block_size, self.device
-                )
-            )
-        for batch, context in self.buckets.decode_shapes():
-            self._run(
-                step_inputs.decode_inputs(
-                    [Chunk(np.zeros(1, np.int64), 0, blocks)], batch, context, self.block_size, self.device
-                )
-            )
-        neuron_device.synchronize()
-        seconds = time.perf_counter() - start
+        for item in steps:
+            before, start = self.recorder.num_graphs, time.perf_counter()
+            if self.execute_model(item.step) is None:
+                self.sample_tokens(None)
+            self.execute_model(warmup.finish_step(item.request_ids))
+            neuron_device.synchronize()
+            seconds[item.phase] += time.perf_counter() - start
+            graphs[item.phase] += self.recorder.num_graphs - before
+        self.recorder.armed = True
         logger.info(
-            "Warm-up compiled %d graphs in %.1f s (%s)",
-            self.graphs.num_graphs if self.graphs else 0,
-            seconds,
+            "Warm-up compiled %d graphs (prefill %d in %.1f s, decode %d in %.1f s) for %s",
+            self.recorder.num_graphs,
+            graphs["prefill"],
+            seconds["prefill"],
+            graphs["decode"],
+            seconds["decode"],
             self.buckets.describe(),
         )
-        return seconds
+        return sum(seconds.values())
 
     # ---- one step -----------------------------------------------------------------------------------
 
@@ -173,6 +175,9 @@ class NeuronModelRunner:
             batch_bucket = pick_bucket(self.buckets.decode_batch, len(chunks))
             context = pick_bucket(self.buckets.context_tokens, max(c.start for c in chunks) + 1)
             inputs = step_inputs.decode_inputs(chunks, batch_bucket, context, self.block_size, self.device)
+            self.recorder.current_call = (
+                f"decode of {len(chunks)} requests: batch {batch_bucket} x context {context}"
+            )
             logits[[row for row, _ in group]] = self._run(inputs)
 
     def _run_prefill(self, rows: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
@@ -186,6 +191,10 @@ class NeuronModelRunner:
                 )
                 tokens = pick_bucket(self.buckets.prefill_tokens, len(part.token_ids))
                 context = pick_bucket(self.buckets.context_tokens, part.start + len(part.token_ids))
+                count = len(part.token_ids)
+                self.recorder.current_call = (
+                    f"prefill of {count} tokens at {part.start}: tokens {tokens} x context {context}"
+                )
                 out = self._run(
                     step_inputs.prefill_inputs(part, tokens, context, self.block_size, self.device)
                 )
