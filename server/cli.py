@@ -4,10 +4,13 @@ vllm-neuron serve [MODEL] [any `vllm serve` option]
 vllm-neuron info
 """
 
+import atexit
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 
 from server import default_model
 from vllm_neuron import device, envs
@@ -29,6 +32,7 @@ DEFAULT_MODEL_DEFAULTS = {"--max-model-len": "2048"}
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _share_metrics_across_processes()
     command = argv[0] if argv else ""
     if command == "info":
         print(json.dumps(info(), indent=2))
@@ -37,6 +41,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(USAGE, file=sys.stderr if command not in ("-h", "--help") else sys.stdout)
         raise SystemExit(0 if command in ("-h", "--help") else 2)
+
+
+def _share_metrics_across_processes() -> None:
+    """The plugin's series are recorded in the engine-core process; with a multiprocess directory, set before
+    prometheus_client is first imported, vLLM's /metrics collects them beside its own."""
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_client" in sys.modules:
+        return
+    directory = tempfile.mkdtemp(prefix="vllm-neuron-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
 
 
 def info() -> dict[str, object]:

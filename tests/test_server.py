@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ENGINE_KWARGS, MAX_MODEL_LEN, hf_greedy
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, MAX_MODEL_LEN, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -193,3 +193,30 @@ def test_bad_requests_get_4xx_while_a_stream_keeps_going(server, client):
     assert not worker.is_alive() and len(streamed) >= 50  # one chunk per token (a few may merge)
     after = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3, temperature=0)
     assert after.usage.completion_tokens >= 1
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """{label set: value} of one series in Prometheus text format."""
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, _, value = line.rpartition(" ")
+            values[labels[len(name) :]] = float(value)
+    return values
+
+
+def test_plugin_series_on_metrics_after_traffic(server, client):
+    client.completions.create(model=MODEL_NAME, prompt=[7] * 100, max_tokens=5, temperature=0)
+    status, body = http("GET", server[0] + "/metrics")
+    text = body.decode()
+    assert status == 200 and "vllm:generation_tokens_total" in text  # vLLM's own series are still there
+    assert list(metric_values(text, "vllm_neuron:compiled_graphs").values()) == [EXPECTED_GRAPHS]
+    assert list(metric_values(text, "vllm_neuron:unexpected_recompiles_total").values()) == [0.0]
+    real = metric_values(text, "vllm_neuron:padding_real_tokens_total")
+    slots = metric_values(text, "vllm_neuron:padding_slots_total")
+    for phase in ("prefill", "decode"):
+        label = f'{{phase="{phase}"}}'
+        assert 0 < real[label] <= slots[label]
+    buckets = metric_values(text, "vllm_neuron:bucket_calls_total")
+    assert any('phase="prefill"' in k and 'bucket="64x128"' in k for k in buckets)
+    assert set(metric_values(text, "vllm_neuron:warmup_seconds")) == {'{phase="decode"}', '{phase="prefill"}'}

@@ -14,6 +14,7 @@ wants decode buckets just below max_num_seqs. This module
 
 import itertools
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,9 @@ from vllm_neuron.buckets import BucketConfig, BucketError, round_up, validate_bu
 # ROUNDING_TOLERANCE more token slots: hardware tiles and DMA like aligned sizes.
 PREFILL_ALIGNMENTS = (16, 8)
 ROUNDING_TOLERANCE = 0.005
+# Weight of attention efficiency (prefill_context + decode_context) next to token and batch efficiency in the
+# score auto_buckets maximises.
+CONTEXT_WEIGHT = 0.5
 # Candidate scores closer than this count as a tie, and the tie goes to fewer graphs (shorter warm-up).
 SCORE_TIE = 1e-3
 
@@ -69,7 +73,9 @@ class TrafficShape:
     def from_dict(cls, config: Mapping[str, Any]) -> "TrafficShape":
         """From JSON config: {"prompt_len": [8, 2048], "output_len": [8, 256], "concurrency": 32}."""
         if not isinstance(config, Mapping):
-            raise ValueError(f"traffic must be an object with prompt_len, output_len, concurrency; got {config!r}")
+            raise ValueError(
+                f"traffic must be an object with prompt_len, output_len, concurrency; got {config!r}"
+            )
         expected = {"prompt_len", "output_len", "concurrency"}
         unknown, missing = sorted(set(config) - expected), sorted(expected - set(config))
         if unknown or missing:
@@ -79,7 +85,9 @@ class TrafficShape:
                 + (f"; missing {missing}" if missing else "")
             )
         return cls(
-            prompt_len=config["prompt_len"], output_len=config["output_len"], concurrency=config["concurrency"]
+            prompt_len=config["prompt_len"],
+            output_len=config["output_len"],
+            concurrency=config["concurrency"],
         )
 
 
@@ -87,16 +95,45 @@ class TrafficShape:
 
 
 @dataclass(frozen=True)
-class _Trace:
-    """The model calls a simulated run makes before bucketing: they do not depend on the buckets, because
-    vLLM's scheduler never sees them. Bucketing one trace many ways is what makes the search cheap."""
+class _DecodeBlock:
+    """`steps` consecutive decode steps of the same rows: row contexts (position + 1, in batch order) at the
+    first step, each one longer at every following step."""
 
-    prefill_len: np.ndarray  # tokens of each prefill chunk (> 1 token; 1-token chunks run as decode rows)
-    prefill_start: np.ndarray  # its first position
-    decode_steps: tuple[np.ndarray, ...]  # per step with decode rows: each row's context (position + 1)
-    decode_rows: np.ndarray  # rows of each such step
-    decode_max_context: np.ndarray  # the longest row context of each step
-    decode_sum_context: np.ndarray  # the summed row contexts of each step
+    contexts: np.ndarray
+    steps: int
+
+
+@dataclass(frozen=True)
+class _Trace:
+    """The model calls of a simulated run before bucketing. They do not depend on the buckets (vLLM's
+    scheduler never sees them), so one trace can be bucketed many ways: that is what makes the search cheap.
+    """
+
+    prefill_len: np.ndarray  # tokens of each prefill chunk (> 1; a 1-token chunk runs as a decode row)
+    prefill_start: np.ndarray  # the chunk's first position
+    decode_blocks: tuple[_DecodeBlock, ...]
+    decode_rows: np.ndarray  # per step with decode rows: how many
+    decode_max_context: np.ndarray  # ... the longest row context
+    decode_sum_context: np.ndarray  # ... the summed row contexts
+
+
+def _expand(blocks: Sequence[_DecodeBlock], group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, longest context, summed contexts) per decode call when a step's rows are cut into calls of at
+    most `group` rows in batch order, as the runner does."""
+    rows: list[np.ndarray] = []
+    longest: list[np.ndarray] = []
+    summed: list[np.ndarray] = []
+    for block in blocks:
+        later = np.arange(block.steps, dtype=np.int64)
+        for first in range(0, len(block.contexts), group):
+            part = block.contexts[first : first + group]
+            rows.append(np.full(block.steps, len(part), np.int64))
+            longest.append(part.max() + later)
+            summed.append(part.sum() + len(part) * later)
+    if not rows:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    return np.concatenate(rows), np.concatenate(longest), np.concatenate(summed)
 
 
 def _log_uniform(rng: np.random.Generator, bounds: tuple[int, int], size: int) -> np.ndarray:
@@ -107,12 +144,12 @@ def _log_uniform(rng: np.random.Generator, bounds: tuple[int, int], size: int) -
 
 def _sample_requests(
     traffic: TrafficShape, max_model_len: int, count: int, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[list[int], list[int]]:
     """Prompt and output lengths, clamped so prompt + output <= max_model_len with at least one output."""
     rng = np.random.default_rng(seed)
     prompts = np.minimum(_log_uniform(rng, traffic.prompt_len, count), max(max_model_len - 1, 1))
     outputs = np.maximum(np.minimum(_log_uniform(rng, traffic.output_len, count), max_model_len - prompts), 1)
-    return prompts, outputs
+    return prompts.tolist(), outputs.tolist()
 
 
 def _trace(
@@ -127,61 +164,49 @@ def _trace(
     """Run the scheduler model until `num_requests` requests finished.
 
     Clients keep `traffic.concurrency` requests in flight: a finished request is replaced at once, so the
-    trace is the steady state (plus the start-up burst), without a drain tail of shrinking batches that a
-    real server under constant load never sees. Per step, like vLLM's v1 scheduler with chunked prefill:
-    running requests that are decoding get 1 token each, then requests part-way through their prompt, then
-    waiting requests are admitted while fewer than max_num_seqs run; prompts are chunked to fit the token
-    budget. The KV cache is assumed large enough (no preemption)."""
+    trace is the steady state (after the start-up burst) without a drain tail of shrinking batches that a
+    server under constant load never sees. Each step, like vLLM's v1 scheduler with chunked prefill:
+    running requests that are decoding get 1 token each, then requests part-way through their prompt get
+    the next chunk, then waiting requests are admitted while fewer than max_num_seqs run, their prompt
+    chunked to what is left of the token budget. The KV cache is assumed large enough (no preemption).
+    """
     if num_requests < 1:
         raise ValueError(f"num_requests must be positive, got {num_requests}")
-    # More requests than will finish are drawn so that the arrivals never run dry during the measured part.
+    # Enough requests that arrivals never run dry before `num_requests` have finished.
     prompts, outputs = _sample_requests(traffic, max_model_len, num_requests + traffic.concurrency, seed)
-    computed = np.zeros(len(prompts), np.int64)  # tokens with KV in the cache
-    generated = np.zeros(len(prompts), np.int64)
-    waiting = list(range(min(traffic.concurrency, len(prompts))))
-    next_arrival = len(waiting)
-    running: list[int] = []
+    computed = [0] * len(prompts)  # tokens with KV in the cache
+    generated = [0] * len(prompts)
+    waiting = deque(range(traffic.concurrency))
+    next_arrival = traffic.concurrency
+    running: list[int] = []  # admission order stands in for the runner's batch order
     finished = 0
     prefill_len: list[int] = []
     prefill_start: list[int] = []
-    decode_steps: list[np.ndarray] = []
+    blocks: list[_DecodeBlock] = []
 
     while finished < num_requests:
-        budget = max_num_batched_tokens
-        scheduled: list[tuple[int, int]] = []  # (request, tokens) in batch order
-        decoding = [r for r in running if computed[r] >= prompts[r]]
-        prefilling = [r for r in running if computed[r] < prompts[r]]
-        for request in decoding:
-            if budget == 0:
-                break
-            scheduled.append((request, 1))
-            budget -= 1
-        for request in prefilling:
-            if budget == 0:
-                break
-            count = min(int(prompts[request] - computed[request]), budget)
-            scheduled.append((request, count))
-            budget -= count
-        while waiting and budget > 0 and len(running) < max_num_seqs:
-            request = waiting.pop(0)
-            running.append(request)
-            count = min(int(prompts[request]), budget)
-            scheduled.append((request, count))
-            budget -= count
-
-        # Map to calls as the runner does: every 1-token request is a decode row, the rest prefill calls.
-        rows = [int(computed[r]) + 1 for r, count in scheduled if count == 1]
-        if rows:
-            decode_steps.append(np.asarray(rows, np.int64))
-        for request, count in scheduled:
-            if count > 1:
-                prefill_len.append(count)
-                prefill_start.append(int(computed[request]))
+        steps = _decode_only_steps(running, waiting, computed, prompts, generated, outputs, max_num_seqs)
+        if steps and len(running) <= max_num_batched_tokens:
+            # Nothing can change until the next request finishes: skip to it in one go (decode-heavy
+            # traffic would otherwise cost one Python iteration per step).
+            blocks.append(_DecodeBlock(np.asarray([computed[r] + 1 for r in running], np.int64), steps))
+            scheduled = [(r, steps) for r in running]
+        else:
+            scheduled = _schedule(running, waiting, computed, prompts, max_num_seqs, max_num_batched_tokens)
+            # Map to calls as the runner does: every 1-token request is a decode row, the rest prefill calls.
+            rows = [computed[r] + 1 for r, count in scheduled if count == 1]
+            if rows:
+                blocks.append(_DecodeBlock(np.asarray(rows, np.int64), 1))
+            for request, count in scheduled:
+                if count > 1:
+                    prefill_len.append(count)
+                    prefill_start.append(computed[request])
 
         for request, count in scheduled:
+            was_decoding = computed[request] >= prompts[request]
             computed[request] += count
-            if computed[request] >= prompts[request]:  # this step sampled a token
-                generated[request] += 1
+            if computed[request] >= prompts[request]:  # a token was sampled at every decode step
+                generated[request] += count if was_decoding else 1
                 if generated[request] >= outputs[request]:
                     running.remove(request)
                     finished += 1
@@ -189,14 +214,66 @@ def _trace(
                         waiting.append(next_arrival)
                         next_arrival += 1
 
+    rows, longest, summed = _expand(blocks, max(max_num_seqs, 1))
     return _Trace(
         prefill_len=np.asarray(prefill_len, np.int64),
         prefill_start=np.asarray(prefill_start, np.int64),
-        decode_steps=tuple(decode_steps),
-        decode_rows=np.asarray([len(s) for s in decode_steps], np.int64),
-        decode_max_context=np.asarray([s.max() for s in decode_steps], np.int64),
-        decode_sum_context=np.asarray([s.sum() for s in decode_steps], np.int64),
+        decode_blocks=tuple(blocks),
+        decode_rows=rows,
+        decode_max_context=longest,
+        decode_sum_context=summed,
     )
+
+
+def _decode_only_steps(
+    running: list[int],
+    waiting: deque[int],
+    computed: list[int],
+    prompts: list[int],
+    generated: list[int],
+    outputs: list[int],
+    max_num_seqs: int,
+) -> int:
+    """How many coming steps are plain decode steps of exactly the running requests (0 if the next is not):
+    every running request is past its prompt and nobody can be admitted, until the first one finishes."""
+    if not running or (waiting and len(running) < max_num_seqs):
+        return 0
+    if any(computed[r] < prompts[r] for r in running):
+        return 0
+    return min(outputs[r] - generated[r] for r in running)
+
+
+def _schedule(
+    running: list[int],
+    waiting: deque[int],
+    computed: list[int],
+    prompts: list[int],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> list[tuple[int, int]]:
+    """One step: (request, tokens) in batch order; admits waiting requests into `running`."""
+    budget = max_num_batched_tokens
+    scheduled: list[tuple[int, int]] = []
+    decoding = [r for r in running if computed[r] >= prompts[r]]
+    prefilling = [r for r in running if computed[r] < prompts[r]]
+    for request in decoding:
+        if budget == 0:
+            break
+        scheduled.append((request, 1))
+        budget -= 1
+    for request in prefilling:
+        if budget == 0:
+            break
+        count = min(prompts[request] - computed[request], budget)
+        scheduled.append((request, count))
+        budget -= count
+    while waiting and budget > 0 and len(running) < max_num_seqs:
+        request = waiting.popleft()
+        running.append(request)
+        count = min(prompts[request], budget)
+        scheduled.append((request, count))
+        budget -= count
+    return scheduled
 
 
 def _pick(buckets: Sequence[int], sizes: np.ndarray, name: str) -> np.ndarray:
@@ -204,7 +281,9 @@ def _pick(buckets: Sequence[int], sizes: np.ndarray, name: str) -> np.ndarray:
     values = np.asarray(buckets, np.int64)
     index = np.searchsorted(values, sizes, side="left")
     if len(sizes) and index.max() == len(values):
-        raise BucketError(f"{name} size {int(sizes.max())} exceeds the largest bucket {values[-1]} of {list(buckets)}")
+        raise BucketError(
+            f"{name} size {int(sizes.max())} exceeds the largest bucket {values[-1]} of {list(buckets)}"
+        )
     return values[index]
 
 
@@ -224,17 +303,10 @@ def _split_prefill(trace: _Trace, largest: int) -> tuple[np.ndarray, np.ndarray]
 
 def _decode_calls(trace: _Trace, largest: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rows, longest context, summed contexts) per decode call; a step with more rows than the largest
-    decode bucket is split into groups of that size in batch order, as in the runner."""
+    decode bucket is split into calls of that many rows, as in the runner."""
     if not len(trace.decode_rows) or trace.decode_rows.max() <= largest:
         return trace.decode_rows, trace.decode_max_context, trace.decode_sum_context
-    groups = [
-        step[first : first + largest] for step in trace.decode_steps for first in range(0, len(step), largest)
-    ]
-    return (
-        np.asarray([len(g) for g in groups], np.int64),
-        np.asarray([g.max() for g in groups], np.int64),
-        np.asarray([g.sum() for g in groups], np.int64),
-    )
+    return _expand(trace.decode_blocks, largest)
 
 
 def _ratio(real: float, padded: float) -> float:
@@ -285,6 +357,7 @@ def simulate(
     - `prefill_calls`, `decode_calls`: compiled calls of each phase; `graphs`: `buckets.num_graphs`.
     An efficiency is 1.0 where a phase made no calls. Raises BucketError if a call fits no bucket.
     """
+    _check_limits(max_model_len, max_num_seqs, max_num_batched_tokens)
     trace = _trace(
         traffic,
         max_model_len=max_model_len,
@@ -294,6 +367,13 @@ def simulate(
         seed=seed,
     )
     return _evaluate(buckets, trace)
+
+
+def _check_limits(*positive: int) -> None:
+    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size")
+    for name, value in zip(names, positive, strict=False):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 # ---- optimal 1-D bucketing ---------------------------------------------------------------------------
@@ -358,8 +438,11 @@ def _align_prefill(boundaries: list[int], values: np.ndarray, weights: np.ndarra
 
 
 def _score(result: Mapping[str, float | int]) -> float:
-    """What auto_buckets maximises: token and batch padding efficiency of the two phases."""
-    return float(result["prefill"]) + float(result["decode"])
+    """What auto_buckets maximises: token and batch padding efficiency of the two phases, plus attention
+    efficiency at CONTEXT_WEIGHT (without it one context bucket at max_model_len always wins, since context
+    buckets multiply graphs but do not change token or batch padding)."""
+    attention = float(result["prefill_context"]) + float(result["decode_context"])
+    return float(result["prefill"]) + float(result["decode"]) + CONTEXT_WEIGHT * attention
 
 
 def auto_buckets(
@@ -371,13 +454,17 @@ def auto_buckets(
     block_size: int,
     graph_budget: int = 24,
     seed: int = 0,
+    num_requests: int = 1600,
 ) -> BucketConfig:
     """The bucket set with the best simulated padding efficiency for `traffic` within `graph_budget` graphs.
 
     The largest bucket of each dimension is the engine limit (min(max_num_batched_tokens, max_model_len)
     tokens, max_num_seqs rows, max_model_len rounded up to the block size), so no chunk or decode step is
-    ever split, and the result always passes `validate_buckets` for the same limits. Raises ValueError if
-    even one bucket per dimension exceeds the budget."""
+    ever split, and the result always passes `validate_buckets` for the same limits. `num_requests` is the
+    length of the simulated run the buckets are fitted to: more than `simulate`'s default so the boundaries
+    follow the traffic's distribution rather than one sample of it. Deterministic for a given `seed`.
+    Raises ValueError if even one bucket per dimension exceeds the budget."""
+    _check_limits(max_model_len, max_num_seqs, max_num_batched_tokens, block_size)
     limits = dict(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
@@ -388,25 +475,26 @@ def auto_buckets(
     minimal = BucketConfig((max_chunk,), (max_num_seqs,), (max_context,))
     if minimal.num_graphs > graph_budget:
         raise ValueError(
-            f"graph_budget={graph_budget} is below the minimal bucket set {minimal.describe()}: "
+            f"graph_budget={graph_budget} is below the minimal bucket set ({minimal.describe()}): "
             f"raise graph_budget to at least {minimal.num_graphs}"
         )
-    trace = _trace(traffic, **limits, num_requests=400, seed=seed)
-    prefill_options = _prefill_options(trace, max_chunk, graph_budget)
-    decode_options = _decode_options(trace, max_num_seqs, graph_budget)
-    context_options = _context_options(trace, block_size, max_context, graph_budget)
+    trace = _trace(traffic, **limits, num_requests=num_requests, seed=seed)
+    # Each dimension gets at most graph_budget - 1 buckets: the other phase needs a graph too.
+    most = graph_budget - 1
+    prefill_options = _prefill_options(trace, max_chunk, most)
+    decode_options = _decode_options(trace, max_num_seqs, most)
+    context_options = _context_options(trace, block_size, max_context, most)
 
     best, best_key = minimal, None
     for prefill, decode, context in itertools.product(prefill_options, decode_options, context_options):
-        # Each prefill bucket needs >= 1 graph, each decode bucket one per context bucket.
+        # A lower bound: each prefill bucket has >= 1 graph, each decode bucket one per context bucket.
         if len(prefill) + len(decode) * len(context) > graph_budget:
             continue
         candidate = BucketConfig(prefill, decode, context)
         graphs = candidate.num_graphs
         if graphs > graph_budget:
             continue
-        score = _score(_evaluate(candidate, trace))
-        key = (score, graphs)
+        key = (_score(_evaluate(candidate, trace)), graphs)
         if best_key is None or _better(key, best_key):
             best, best_key = candidate, key
     validate_buckets(best, **limits, block_size=block_size)
@@ -421,23 +509,36 @@ def _better(key: tuple[float, int], than: tuple[float, int]) -> bool:
     return score > best_score
 
 
-def _prefill_options(trace: _Trace, max_chunk: int, budget: int) -> list[tuple[int, ...]]:
+def _coarsen(values: np.ndarray) -> np.ndarray:
+    """Round each value up to 1/64 of its power of two (exact below 128): candidate boundaries stay within
+    1.6% of any value, the dynamic programme stays small (64 candidates per octave) and the boundaries do
+    not chase individual sampled lengths."""
+    granule = 2 ** np.maximum(np.floor(np.log2(np.maximum(values, 1))).astype(np.int64) - 6, 0)
+    return -(-values // granule) * granule
+
+
+def _prefill_options(trace: _Trace, max_chunk: int, most: int) -> list[tuple[int, ...]]:
     lengths = np.minimum(trace.prefill_len, max_chunk)
     weights = np.ones(len(lengths))  # every chunk pays its bucket in token slots
+    candidates = np.minimum(_coarsen(lengths), max_chunk)
     return [
-        _align_prefill(b, lengths, weights) for b in _optimal_boundaries(lengths, weights, max_chunk, budget)
+        _align_prefill(b, lengths, weights) for b in _optimal_boundaries(candidates, weights, max_chunk, most)
     ]
 
 
-def _decode_options(trace: _Trace, max_num_seqs: int, budget: int) -> list[tuple[int, ...]]:
-    rows = np.minimum(trace.decode_rows, max_num_seqs)
-    return [tuple(b) for b in _optimal_boundaries(rows, np.ones(len(rows)), max_num_seqs, budget)]
+def _decode_options(trace: _Trace, max_num_seqs: int, most: int) -> list[tuple[int, ...]]:
+    rows = np.minimum(trace.decode_rows, max_num_seqs)  # every call pays its bucket in rows
+    return [tuple(b) for b in _optimal_boundaries(rows, np.ones(len(rows)), max_num_seqs, most)]
 
 
-def _context_options(trace: _Trace, block_size: int, max_context: int, budget: int) -> list[tuple[int, ...]]:
+def _context_options(trace: _Trace, block_size: int, max_context: int, most: int) -> list[tuple[int, ...]]:
     """Context needs rounded up to whole blocks (a context bucket must be a multiple of the block size),
     weighted by the rows or tokens that read them."""
     needs = np.concatenate((trace.prefill_start + trace.prefill_len, trace.decode_max_context))
     weights = np.concatenate((trace.prefill_len, trace.decode_rows)).astype(float)
-    needs = np.minimum(-(-needs // block_size) * block_size, max_context)
-    return [tuple(b) for b in _optimal_boundaries(needs, weights, max_context, budget)]
+    needs = np.minimum(round_up_array(_coarsen(needs), block_size), max_context)
+    return [tuple(b) for b in _optimal_boundaries(needs, weights, max_context, most)]
+
+
+def round_up_array(values: np.ndarray, multiple: int) -> np.ndarray:
+    return -(-values // multiple) * multiple

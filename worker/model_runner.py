@@ -19,7 +19,7 @@ from vllm.v1.worker.utils import bind_kv_cache
 from kv_cache import layout
 from vllm_neuron import compile as neuron_compile
 from vllm_neuron import device as neuron_device
-from vllm_neuron import envs
+from vllm_neuron import envs, metrics
 from vllm_neuron.buckets import pick_bucket
 from vllm_neuron.config import NeuronConfig
 from worker import step_inputs, warmup
@@ -68,6 +68,8 @@ class NeuronModelRunner:
         self.compiled_step = None
         self.recorder: neuron_compile.CompileRecorder | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.stats = metrics.CallStats()
+        self.serving = False  # warm-up calls are not traffic: tally calls only once it is over
         self._pending: _PendingStep | None = None
 
     # ---- set-up -------------------------------------------------------------------------------------
@@ -131,6 +133,11 @@ class NeuronModelRunner:
             seconds[item.phase] += time.perf_counter() - start
             graphs[item.phase] += self.recorder.num_graphs - before
         self.recorder.armed = True
+        self.recorder.on_unexpected = lambda shapes: metrics.UNEXPECTED_RECOMPILES.inc()
+        self.serving = True
+        metrics.COMPILED_GRAPHS.set(self.recorder.num_graphs)
+        for phase, phase_seconds in seconds.items():
+            metrics.WARMUP_SECONDS.labels(phase=phase).set(phase_seconds)
         logger.info(
             "Warm-up compiled %d graphs (prefill %d in %.1f s, decode %d in %.1f s) for %s",
             self.recorder.num_graphs,
@@ -178,6 +185,7 @@ class NeuronModelRunner:
             self.recorder.current_call = (
                 f"decode of {len(chunks)} requests: batch {batch_bucket} x context {context}"
             )
+            self._tally("decode", f"{batch_bucket}x{context}", len(chunks), batch_bucket)
             logits[[row for row, _ in group]] = self._run(inputs)
 
     def _run_prefill(self, rows: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
@@ -195,10 +203,15 @@ class NeuronModelRunner:
                 self.recorder.current_call = (
                     f"prefill of {count} tokens at {part.start}: tokens {tokens} x context {context}"
                 )
+                self._tally("prefill", f"{tokens}x{context}", count, tokens)
                 out = self._run(
                     step_inputs.prefill_inputs(part, tokens, context, self.block_size, self.device)
                 )
             logits[row] = out[0]
+
+    def _tally(self, phase: str, bucket: str, real: int, slots: int) -> None:
+        if self.serving:
+            self.stats.record(phase, bucket, real, slots)
 
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
     def _run(self, inputs: StepInputs) -> torch.Tensor:
