@@ -42,6 +42,14 @@ ENGINE_KWARGS = dict(
 EXPECTED_GRAPHS = 10  # prefill (32,128) (32,256) (64,128) (64,256) + decode 3 batch x 2 context
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache_root(tmp_path_factory) -> Path:
+    """Compile artefacts of the test session stay in its temporary folder (children inherit it)."""
+    root = tmp_path_factory.mktemp("compile-cache")
+    os.environ["VLLM_NEURON_CACHE_ROOT"] = str(root)
+    return root
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")

@@ -20,9 +20,12 @@ def main() -> None:
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    from torch._dynamo.utils import counters
+
     result = {
         "platform": type(current_platform).__name__,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
     }
     print("RESULT " + json.dumps(result), flush=True)
 

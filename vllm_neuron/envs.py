@@ -67,6 +67,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "1: a compile after warm-up (a shape outside the buckets) is refused with an error instead of being "
         "counted and logged.",
     ),
+    "VLLM_NEURON_CACHE_ROOT": (
+        lambda: os.environ.get("VLLM_NEURON_CACHE_ROOT", ""),
+        "Root folder of the persistent compile cache (default: $XDG_CACHE_HOME/vllm-neuron/compile); "
+        "share it across pods on a ReadWriteMany volume.",
+    ),
     "VLLM_NEURON_MODEL_CACHE": (
         lambda: os.environ.get("VLLM_NEURON_MODEL_CACHE", ""),
         "Folder for the converted default model (default: $XDG_CACHE_HOME/vllm-neuron/models).",

@@ -1,0 +1,76 @@
+"""The persistent compile cache: keyed by everything an artefact depends on, reused on restart."""
+
+import json
+import os
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from tests.conftest import ENGINE_KWARGS
+from vllm_neuron import compile_cache
+from vllm_neuron.config import NeuronConfig
+
+
+def configs(model_dir, **overrides):
+    kwargs = dict(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=4)
+    kwargs.update(overrides)
+    vllm_config = EngineArgs(**kwargs).create_engine_config()
+    return vllm_config, NeuronConfig.from_vllm_config(vllm_config)
+
+
+def key_of(model_dir, **overrides) -> str:
+    return compile_cache.cache_key(compile_cache.key_fields(*configs(model_dir, **overrides)))
+
+
+def test_key_is_stable_and_changes_with_what_the_graphs_depend_on(tiny_model_dir, tmp_path, monkeypatch):
+    base = key_of(tiny_model_dir)
+    assert key_of(tiny_model_dir) == base
+    assert key_of(tiny_model_dir, dtype="bfloat16") != base
+    assert key_of(tiny_model_dir, additional_config={"decode_batch_buckets": [1, 4]}) != base
+    assert key_of(tiny_model_dir, max_model_len=128) != base
+    other_model = tmp_path / "other"
+    other_model.mkdir()
+    for item in tiny_model_dir.iterdir():
+        (other_model / item.name).write_bytes(item.read_bytes())
+    assert key_of(other_model) != base  # another model, even with the same files
+    fields = compile_cache.key_fields(*configs(tiny_model_dir))
+    fields["versions"] = {**fields["versions"], "torch": "9.9.9"}
+    assert compile_cache.cache_key(fields) != base
+    fields = compile_cache.key_fields(*configs(tiny_model_dir))
+    fields["tensor_parallel_size"] = 2
+    assert compile_cache.cache_key(fields) != base
+
+
+def test_prepare_points_the_compilers_at_the_folder(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", "/mnt/users-own-neff-cache")
+    folder = compile_cache.prepare(*configs(tiny_model_dir))
+    assert folder.parent == tmp_path
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder / "inductor")
+    assert os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] == "/mnt/users-own-neff-cache"  # the user's choice wins
+    described = json.loads((folder / "key.json").read_text())
+    assert described["dtype"] == "torch.float32" and described["buckets"]["context_buckets"] == [256]
+
+
+@pytest.mark.slow
+def test_restart_reuses_compiled_graphs(tiny_model_dir, tmp_path):
+    from tests.test_vllm_parity import run_engine
+
+    small = {
+        **ENGINE_KWARGS,
+        "additional_config": {"prefill_buckets": [64], "decode_batch_buckets": [4], "context_buckets": [256]},
+    }
+    env = {
+        "VLLM_NEURON_DEVICE": "cpu",
+        "VLLM_NEURON_COMPILE_BACKEND": "inductor",
+        "VLLM_NEURON_CACHE_ROOT": str(tmp_path),
+        "TORCHINDUCTOR_CACHE_DIR": None,
+    }
+    cold = run_engine(tiny_model_dir, small, env)
+    warm = run_engine(tiny_model_dir, small, env)
+    assert cold["inductor_cache"].get("fxgraph_cache_miss", 0) >= 2
+    assert warm["inductor_cache"].get("fxgraph_cache_hit", 0) >= 2
+    assert warm["inductor_cache"].get("fxgraph_cache_miss", 0) == 0
+    assert warm["tokens"] == cold["tokens"]
+    assert len(list(tmp_path.iterdir())) == 1  # one configuration, one folder

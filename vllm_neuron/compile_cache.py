@@ -1,0 +1,77 @@
+"""The persistent compile cache: one root, one folder per configuration that produces the same graphs.
+
+TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR) and, in CPU mode, inductor's cache
+(TORCHINDUCTOR_CACHE_DIR) live in <root>/<key>/. The key hashes everything a compiled artefact depends on
+(model and its config, dtype, buckets, block size, parallelism, software versions, backend), so a change of
+any of them starts a fresh folder instead of reusing a wrong artefact. Both caches write atomically, so
+several pods may share the root on a ReadWriteMany volume (see docs/compile-cache.md).
+"""
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vllm_neuron import device, envs
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from vllm_neuron.config import NeuronConfig
+
+logger = logging.getLogger("vllm.vllm_neuron.compile_cache")
+
+# Where each backend keeps its artefacts, and the variable that moves it.
+CACHE_VARIABLES = {"neff": "TORCH_NEURONX_NEFF_CACHE_DIR", "inductor": "TORCHINDUCTOR_CACHE_DIR"}
+
+
+def cache_root() -> Path:
+    root = envs.VLLM_NEURON_CACHE_ROOT
+    if root:
+        return Path(root)
+    xdg_cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg_cache) / "vllm-neuron" / "compile"
+
+
+def key_fields(vllm_config: "VllmConfig", neuron_config: "NeuronConfig") -> dict[str, object]:
+    model_config = vllm_config.model_config
+    parallel_config = vllm_config.parallel_config
+    return {
+        "model": model_config.model,
+        "revision": model_config.revision,
+        "hf_config": model_config.hf_config.to_json_string(use_diff=False),
+        "dtype": str(model_config.dtype),
+        "max_model_len": model_config.max_model_len,
+        "block_size": neuron_config.block_size,
+        "buckets": neuron_config.as_additional_config(),
+        "tensor_parallel_size": parallel_config.tensor_parallel_size,
+        "device_mode": device.mode(),
+        "compile_backend": device.compile_backend(),
+        "versions": device.versions(),
+    }
+
+
+def cache_key(fields: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def prepare(vllm_config: "VllmConfig", neuron_config: "NeuronConfig") -> Path:
+    """Create this configuration's cache folder and point the compilers at it (unless the user already
+    chose their own folders). Returns the folder."""
+    fields = key_fields(vllm_config, neuron_config)
+    folder = cache_root() / cache_key(fields)
+    warm = folder.is_dir() and any(folder.iterdir())
+    folder.mkdir(parents=True, exist_ok=True)
+    description = folder / "key.json"
+    if not description.exists():
+        # Human-readable record of what this folder's artefacts were compiled for.
+        description.write_text(
+            json.dumps({k: v for k, v in fields.items() if k != "hf_config"}, indent=2, default=str)
+        )
+    for name, variable in CACHE_VARIABLES.items():
+        if variable not in os.environ:
+            os.environ[variable] = str(folder / name)
+    logger.info("Compile cache %s (%s)", folder, "warm" if warm else "cold")
+    return folder
