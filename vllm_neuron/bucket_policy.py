@@ -1,15 +1,15 @@
-"""Automatic bucket policy: choose bucket sets for a declared traffic shape. Pure Python and numpy, no torch.
+"""Automatic bucket policy: bucket sets chosen for a declared traffic shape. Pure Python and numpy, no torch.
 
-Every bucket is a compiled graph (minutes each on Trainium), and every call is padded up to a bucket, so the
-bucket set trades padding (wasted compute on every step) against graph count (warm-up time and graph memory).
-The right trade depends on traffic: short chat prompts want small prefill buckets, a full batch of decodes
-wants decode buckets just below max_num_seqs. This module
+Every bucket shape is a compiled graph (minutes each on Trainium) and every call is padded up to a bucket, so a
+bucket set trades padding (compute wasted on every step) against graph count (warm-up time, graph memory).
+The right trade depends on the traffic: short prompts want small prefill buckets, a server kept full wants
+decode buckets just below max_num_seqs. This module
 
-- simulates vLLM-like continuous batching under a `TrafficShape` and maps each step to bucketed calls exactly
-  as `worker/model_runner.py` does (`simulate`), and
-- picks the bucket set with the best padding efficiency that fits a graph budget (`auto_buckets`): optimal
-  1-D bucketing per dimension by dynamic programming, then a search over how many buckets each dimension
-  gets, each candidate scored on the simulated trace.
+- simulates vLLM-like continuous batching under a `TrafficShape` and maps each step to bucketed calls as
+  `worker/model_runner.py` does (`simulate`), and
+- picks the bucket set with the best simulated padding efficiency that fits a graph budget (`auto_buckets`):
+  optimal 1-D bucketing of each dimension by dynamic programming, then a search over how many buckets each
+  dimension gets, every candidate scored on the same simulated run.
 """
 
 import itertools
@@ -23,15 +23,18 @@ import numpy as np
 
 from vllm_neuron.buckets import BucketConfig, BucketError, round_up, validate_buckets
 
-# Prefill boundaries are rounded up to these multiples (tried in order) when that costs at most
-# ROUNDING_TOLERANCE more token slots: hardware tiles and DMA like aligned sizes.
+# Prefill boundaries are rounded up to these multiples (tried in order) where that costs at most
+# ROUNDING_TOLERANCE more token slots: hardware tiles and DMA prefer aligned sizes.
 PREFILL_ALIGNMENTS = (16, 8)
 ROUNDING_TOLERANCE = 0.005
-# Weight of attention efficiency (prefill_context + decode_context) next to token and batch efficiency in the
-# score auto_buckets maximises.
+# Weight of attention efficiency (prefill_context + decode_context) next to token and batch efficiency in
+# the score auto_buckets maximises; see _score.
 CONTEXT_WEIGHT = 0.5
-# Candidate scores closer than this count as a tie, and the tie goes to fewer graphs (shorter warm-up).
+# Candidate scores closer than this are a tie, and a tie goes to fewer graphs (shorter warm-up).
 SCORE_TIE = 1e-3
+# Requests in the simulated run auto_buckets fits to: more than simulate's default, so the boundaries follow
+# the traffic's distribution rather than one small sample of it.
+FIT_REQUESTS = 1600
 
 
 # ---- traffic -----------------------------------------------------------------------------------------
@@ -51,32 +54,27 @@ def _length_range(name: str, value: Any) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class TrafficShape:
-    """Declared traffic: prompt and output lengths (tokens, log-uniform between min and max, both inclusive)
-    and how many requests clients keep in flight."""
+    """Declared traffic: prompt and output lengths in tokens (log-uniform between min and max, both
+    included) and how many requests clients keep in flight."""
 
     prompt_len: tuple[int, int]
     output_len: tuple[int, int]
     concurrency: int
 
     def __post_init__(self) -> None:
-        # Normalise lists (from JSON) to tuples so the frozen instance stays hashable.
+        # Lists (from JSON) become tuples so that the frozen instance stays hashable.
         object.__setattr__(self, "prompt_len", _length_range("prompt_len", self.prompt_len))
         object.__setattr__(self, "output_len", _length_range("output_len", self.output_len))
-        if (
-            not isinstance(self.concurrency, int)
-            or isinstance(self.concurrency, bool)
-            or self.concurrency < 1
-        ):
-            raise ValueError(f"concurrency must be a positive integer, got {self.concurrency!r}")
+        concurrency = self.concurrency
+        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+            raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> "TrafficShape":
         """From JSON config: {"prompt_len": [8, 2048], "output_len": [8, 256], "concurrency": 32}."""
-        if not isinstance(config, Mapping):
-            raise ValueError(
-                f"traffic must be an object with prompt_len, output_len, concurrency; got {config!r}"
-            )
         expected = {"prompt_len", "output_len", "concurrency"}
+        if not isinstance(config, Mapping):
+            raise ValueError(f"traffic must be an object with the keys {sorted(expected)}, got {config!r}")
         unknown, missing = sorted(set(config) - expected), sorted(expected - set(config))
         if unknown or missing:
             raise ValueError(
@@ -91,49 +89,50 @@ class TrafficShape:
         )
 
 
-# ---- the step simulator ------------------------------------------------------------------------------
+# ---- the simulated run -------------------------------------------------------------------------------
+#
+# A run is recorded before bucketing: vLLM's scheduler never sees the buckets, so the same calls happen
+# whatever the bucket set, and one run can be bucketed many ways (that is what makes the search cheap).
+# Identical calls are stored once with a count, so a long decode-heavy run stays small.
 
 
 @dataclass(frozen=True)
-class _DecodeBlock:
-    """`steps` consecutive decode steps of the same rows: row contexts (position + 1, in batch order) at the
-    first step, each one longer at every following step."""
+class _PrefillCalls:
+    """Distinct prefill chunks (more than one token; a 1-token chunk runs as a decode row)."""
+
+    length: np.ndarray  # tokens
+    end: np.ndarray  # start + length: the context the call needs
+    count: np.ndarray  # how many such chunks ran
+
+
+@dataclass(frozen=True)
+class _DecodeSteps:
+    """Every step with decode rows, as run: `repeat` consecutive steps of the same rows whose contexts
+    (position + 1, batch order) are `contexts[offset : offset + size]` at the first and grow by one a step."""
 
     contexts: np.ndarray
-    steps: int
+    size: np.ndarray
+    repeat: np.ndarray
+
+
+@dataclass(frozen=True)
+class _DecodeCalls:
+    """Distinct runs of decode calls: `repeat` consecutive calls of `rows` rows whose longest context is
+    `longest` at the first call and one more at each next; `count` such runs. `context_sum` is the summed
+    row contexts of the first call of each, added over the `count` runs."""
+
+    rows: np.ndarray
+    longest: np.ndarray
+    repeat: np.ndarray
+    count: np.ndarray
+    context_sum: np.ndarray
 
 
 @dataclass(frozen=True)
 class _Trace:
-    """The model calls of a simulated run before bucketing. They do not depend on the buckets (vLLM's
-    scheduler never sees them), so one trace can be bucketed many ways: that is what makes the search cheap.
-    """
-
-    prefill_len: np.ndarray  # tokens of each prefill chunk (> 1; a 1-token chunk runs as a decode row)
-    prefill_start: np.ndarray  # the chunk's first position
-    decode_blocks: tuple[_DecodeBlock, ...]
-    decode_rows: np.ndarray  # per step with decode rows: how many
-    decode_max_context: np.ndarray  # ... the longest row context
-    decode_sum_context: np.ndarray  # ... the summed row contexts
-
-
-def _expand(blocks: Sequence[_DecodeBlock], group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, longest context, summed contexts) per decode call when a step's rows are cut into calls of at
-    most `group` rows in batch order, as the runner does."""
-    rows: list[np.ndarray] = []
-    longest: list[np.ndarray] = []
-    summed: list[np.ndarray] = []
-    for block in blocks:
-        later = np.arange(block.steps, dtype=np.int64)
-        for first in range(0, len(block.contexts), group):
-            part = block.contexts[first : first + group]
-            rows.append(np.full(block.steps, len(part), np.int64))
-            longest.append(part.max() + later)
-            summed.append(part.sum() + len(part) * later)
-    if not rows:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
-    return np.concatenate(rows), np.concatenate(longest), np.concatenate(summed)
+    prefill: _PrefillCalls
+    decode_steps: _DecodeSteps
+    decode: _DecodeCalls  # decode_steps as calls of at most max_num_seqs rows, the usual case
 
 
 def _log_uniform(rng: np.random.Generator, bounds: tuple[int, int], size: int) -> np.ndarray:
@@ -161,15 +160,11 @@ def _trace(
     num_requests: int,
     seed: int,
 ) -> _Trace:
-    """Run the scheduler model until `num_requests` requests finished.
+    """Run the scheduler model until `num_requests` requests have finished.
 
-    Clients keep `traffic.concurrency` requests in flight: a finished request is replaced at once, so the
-    trace is the steady state (after the start-up burst) without a drain tail of shrinking batches that a
-    server under constant load never sees. Each step, like vLLM's v1 scheduler with chunked prefill:
-    running requests that are decoding get 1 token each, then requests part-way through their prompt get
-    the next chunk, then waiting requests are admitted while fewer than max_num_seqs run, their prompt
-    chunked to what is left of the token budget. The KV cache is assumed large enough (no preemption).
-    """
+    Clients keep `traffic.concurrency` requests in flight: a finished request is replaced at once, so the run
+    is the steady state (after the start-up burst) without the drain tail of shrinking batches that a server
+    under constant load never sees. The KV cache is assumed large enough (no preemption)."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be positive, got {num_requests}")
     # Enough requests that arrivals never run dry before `num_requests` have finished.
@@ -180,49 +175,46 @@ def _trace(
     next_arrival = traffic.concurrency
     running: list[int] = []  # admission order stands in for the runner's batch order
     finished = 0
-    prefill_len: list[int] = []
-    prefill_start: list[int] = []
-    blocks: list[_DecodeBlock] = []
+    chunks: list[tuple[int, int]] = []  # (length, end) of every prefill call
+    contexts: list[int] = []
+    sizes: list[int] = []
+    repeats: list[int] = []
 
     while finished < num_requests:
         steps = _decode_only_steps(running, waiting, computed, prompts, generated, outputs, max_num_seqs)
         if steps and len(running) <= max_num_batched_tokens:
-            # Nothing can change until the next request finishes: skip to it in one go (decode-heavy
-            # traffic would otherwise cost one Python iteration per step).
-            blocks.append(_DecodeBlock(np.asarray([computed[r] + 1 for r in running], np.int64), steps))
+            # Nothing changes until the first running request finishes: take those steps in one go, or a
+            # decode-heavy run would cost one Python iteration per step.
             scheduled = [(r, steps) for r in running]
+            rows = [computed[r] + 1 for r in running]
         else:
+            steps = 1
             scheduled = _schedule(running, waiting, computed, prompts, max_num_seqs, max_num_batched_tokens)
-            # Map to calls as the runner does: every 1-token request is a decode row, the rest prefill calls.
+            # As the runner does: every 1-token request is a decode row, every other one its own prefill call.
             rows = [computed[r] + 1 for r, count in scheduled if count == 1]
-            if rows:
-                blocks.append(_DecodeBlock(np.asarray(rows, np.int64), 1))
-            for request, count in scheduled:
-                if count > 1:
-                    prefill_len.append(count)
-                    prefill_start.append(computed[request])
+            chunks += [(count, computed[r] + count) for r, count in scheduled if count > 1]
+        if rows:
+            contexts += rows
+            sizes.append(len(rows))
+            repeats.append(steps)
 
         for request, count in scheduled:
             was_decoding = computed[request] >= prompts[request]
             computed[request] += count
-            if computed[request] >= prompts[request]:  # a token was sampled at every decode step
-                generated[request] += count if was_decoding else 1
-                if generated[request] >= outputs[request]:
-                    running.remove(request)
-                    finished += 1
-                    if next_arrival < len(prompts):
-                        waiting.append(next_arrival)
-                        next_arrival += 1
+            if computed[request] < prompts[request]:
+                continue
+            generated[request] += count if was_decoding else 1  # every step past the prompt samples a token
+            if generated[request] >= outputs[request]:
+                running.remove(request)
+                finished += 1
+                if next_arrival < len(prompts):
+                    waiting.append(next_arrival)
+                    next_arrival += 1
 
-    rows, longest, summed = _expand(blocks, max(max_num_seqs, 1))
-    return _Trace(
-        prefill_len=np.asarray(prefill_len, np.int64),
-        prefill_start=np.asarray(prefill_start, np.int64),
-        decode_blocks=tuple(blocks),
-        decode_rows=rows,
-        decode_max_context=longest,
-        decode_sum_context=summed,
+    decode_steps = _DecodeSteps(
+        np.asarray(contexts, np.int64), np.asarray(sizes, np.int64), np.asarray(repeats, np.int64)
     )
+    return _Trace(_prefill_calls(chunks), decode_steps, _decode_calls(decode_steps, max_num_seqs))
 
 
 def _decode_only_steps(
@@ -234,8 +226,8 @@ def _decode_only_steps(
     outputs: list[int],
     max_num_seqs: int,
 ) -> int:
-    """How many coming steps are plain decode steps of exactly the running requests (0 if the next is not):
-    every running request is past its prompt and nobody can be admitted, until the first one finishes."""
+    """How many coming steps are plain decode steps of exactly the running requests (0 if the next one is
+    not): every running request is past its prompt and nobody can be admitted, until the first finishes."""
     if not running or (waiting and len(running) < max_num_seqs):
         return 0
     if any(computed[r] < prompts[r] for r in running):
@@ -251,7 +243,9 @@ def _schedule(
     max_num_seqs: int,
     max_num_batched_tokens: int,
 ) -> list[tuple[int, int]]:
-    """One step: (request, tokens) in batch order; admits waiting requests into `running`."""
+    """One step of vLLM's v1 scheduler with chunked prefill, as (request, tokens) in batch order: decoding
+    requests get 1 token each, then requests part-way through their prompt the next chunk, then waiting
+    requests are admitted (into `running`) while fewer than max_num_seqs run and tokens are left."""
     budget = max_num_batched_tokens
     scheduled: list[tuple[int, int]] = []
     decoding = [r for r in running if computed[r] >= prompts[r]]
@@ -276,64 +270,122 @@ def _schedule(
     return scheduled
 
 
-def _pick(buckets: Sequence[int], sizes: np.ndarray, name: str) -> np.ndarray:
-    """Vectorised `buckets.pick_bucket`: the smallest bucket holding each size."""
+def _prefill_calls(chunks: Sequence[tuple[int, int]]) -> _PrefillCalls:
+    if not chunks:
+        empty = np.zeros(0, np.int64)
+        return _PrefillCalls(empty, empty, empty)
+    distinct, count = np.unique(np.asarray(chunks, np.int64), axis=0, return_counts=True)
+    return _PrefillCalls(distinct[:, 0], distinct[:, 1], count.astype(np.int64))
+
+
+def _decode_calls(steps: _DecodeSteps, group: int) -> _DecodeCalls:
+    """The decode calls of `steps` when a step's rows are cut into calls of at most `group` rows in batch
+    order, as the runner does with its largest decode bucket."""
+    if not len(steps.size):
+        empty = np.zeros(0, np.int64)
+        return _DecodeCalls(empty, empty, empty, empty, empty)
+    first_row = np.concatenate(([0], np.cumsum(steps.size)[:-1]))
+    position = np.arange(len(steps.contexts)) - np.repeat(first_row, steps.size)
+    starts = np.flatnonzero(position % group == 0)  # where each call's rows begin
+    rows = np.diff(np.append(starts, len(steps.contexts)))
+    longest = np.maximum.reduceat(steps.contexts, starts)
+    summed = np.add.reduceat(steps.contexts, starts)
+    repeat = np.repeat(steps.repeat, -(-steps.size // group))
+    # Merge identical (rows, longest, repeat) runs: the key packs the three into one integer.
+    key = (rows * (longest.max() + 1) + longest) * (repeat.max() + 1) + repeat
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return _DecodeCalls(
+        rows=rows[first],
+        longest=longest[first],
+        repeat=repeat[first],
+        count=np.bincount(inverse),
+        context_sum=np.bincount(inverse, weights=summed).astype(np.int64),
+    )
+
+
+# ---- bucketing a run ---------------------------------------------------------------------------------
+
+
+def _pick(buckets: Sequence[int], sizes: np.ndarray, what: str) -> np.ndarray:
+    """`buckets.pick_bucket` for many sizes at once: the smallest bucket holding each."""
     values = np.asarray(buckets, np.int64)
-    index = np.searchsorted(values, sizes, side="left")
-    if len(sizes) and index.max() == len(values):
+    if len(sizes) and sizes.max() > values[-1]:
         raise BucketError(
-            f"{name} size {int(sizes.max())} exceeds the largest bucket {values[-1]} of {list(buckets)}"
+            f"{what} {int(sizes.max())} exceeds the largest bucket {values[-1]} of {list(buckets)}"
         )
-    return values[index]
+    return values[np.searchsorted(values, sizes, side="left")]
 
 
-def _split_prefill(trace: _Trace, largest: int) -> tuple[np.ndarray, np.ndarray]:
+def _bucket_sums(buckets: Sequence[int], low: np.ndarray, high: np.ndarray, what: str) -> np.ndarray:
+    """Sum of pick_bucket(buckets, x) for x in low..high, per element: the context buckets of a run of decode
+    calls whose longest context grows by one a call."""
+    values = np.asarray(buckets, np.int64)
+    if len(high) and high.max() > values[-1]:
+        raise BucketError(
+            f"{what} {int(high.max())} exceeds the largest bucket {values[-1]} of {list(buckets)}"
+        )
+    lower = np.concatenate(([1], values[:-1] + 1))  # bucket j holds lower[j]..values[j]
+    overlap = np.minimum(high[:, None], values) - np.maximum(low[:, None], lower) + 1
+    return np.clip(overlap, 0, None) @ values
+
+
+def _split_prefill(calls: _PrefillCalls, largest: int) -> _PrefillCalls:
     """Chunks longer than the largest prefill bucket run as consecutive sub-chunks, as in the runner."""
-    lengths, starts = trace.prefill_len, trace.prefill_start
-    if not len(lengths) or lengths.max() <= largest:
-        return lengths, starts
-    parts_len: list[int] = []
-    parts_start: list[int] = []
-    for length, start in zip(lengths.tolist(), starts.tolist(), strict=True):
-        for offset in range(0, length, largest):
-            parts_len.append(min(largest, length - offset))
-            parts_start.append(start + offset)
-    return np.asarray(parts_len, np.int64), np.asarray(parts_start, np.int64)
-
-
-def _decode_calls(trace: _Trace, largest: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, longest context, summed contexts) per decode call; a step with more rows than the largest
-    decode bucket is split into calls of that many rows, as in the runner."""
-    if not len(trace.decode_rows) or trace.decode_rows.max() <= largest:
-        return trace.decode_rows, trace.decode_max_context, trace.decode_sum_context
-    return _expand(trace.decode_blocks, largest)
+    if not len(calls.length) or calls.length.max() <= largest:
+        return calls
+    parts: list[tuple[int, int, int]] = []
+    for length, end, count in zip(
+        calls.length.tolist(), calls.end.tolist(), calls.count.tolist(), strict=True
+    ):
+        start = end - length
+        parts += [
+            (min(largest, length - offset), start + min(offset + largest, length), count)
+            for offset in range(0, length, largest)
+        ]
+    length, end, count = (np.asarray(column, np.int64) for column in zip(*parts, strict=True))
+    return _PrefillCalls(length, end, count)
 
 
 def _ratio(real: float, padded: float) -> float:
-    # No calls of a phase waste nothing.
-    return real / padded if padded else 1.0
+    return float(real / padded) if padded else 1.0  # a phase without calls wastes nothing
 
 
 def _evaluate(buckets: BucketConfig, trace: _Trace) -> dict[str, float | int]:
-    lengths, starts = _split_prefill(trace, buckets.prefill_tokens[-1])
-    token_buckets = _pick(buckets.prefill_tokens, lengths, "prefill chunk")
-    prefill_contexts = _pick(buckets.context_tokens, starts + lengths, "prefill context")
-    # Causal attention work of a real chunk: token at position p reads p + 1 keys.
-    prefill_attention = lengths * starts + lengths * (lengths + 1) // 2
+    prefill = _split_prefill(trace.prefill, buckets.prefill_tokens[-1])
+    tokens = _pick(buckets.prefill_tokens, prefill.length, "prefill chunk of")
+    context = _pick(buckets.context_tokens, prefill.end, "prefill context")
+    # Causal attention work of a real chunk: the token at position p reads p + 1 keys.
+    start = prefill.end - prefill.length
+    attention = prefill.length * start + prefill.length * (prefill.length + 1) // 2
 
-    rows, max_context, sum_context = _decode_calls(trace, buckets.decode_batch[-1])
-    batch_buckets = _pick(buckets.decode_batch, rows, "decode batch")
-    decode_contexts = _pick(buckets.context_tokens, max_context, "decode context")
+    decode = trace.decode
+    if len(decode.rows) and decode.rows.max() > buckets.decode_batch[-1]:
+        decode = _decode_calls(trace.decode_steps, buckets.decode_batch[-1])
+    calls = decode.count * decode.repeat
+    batch = _pick(buckets.decode_batch, decode.rows, "decode batch of")
+    contexts = _bucket_sums(
+        buckets.context_tokens, decode.longest, decode.longest + decode.repeat - 1, "decode context"
+    )
+    # Over a run the row contexts grow by `rows` a call: repeat * first + rows * (0 + 1 + ... + repeat - 1).
+    row_contexts = decode.repeat * decode.context_sum + calls * decode.rows * (decode.repeat - 1) // 2
 
     return {
-        "prefill": _ratio(lengths.sum(), token_buckets.sum()),
-        "decode": _ratio(rows.sum(), batch_buckets.sum()),
-        "prefill_context": _ratio(prefill_attention.sum(), (token_buckets * prefill_contexts).sum()),
-        "decode_context": _ratio(sum_context.sum(), (batch_buckets * decode_contexts).sum()),
-        "prefill_calls": len(lengths),
-        "decode_calls": len(rows),
+        "prefill": _ratio((prefill.count * prefill.length).sum(), (prefill.count * tokens).sum()),
+        "decode": _ratio((calls * decode.rows).sum(), (calls * batch).sum()),
+        "prefill_context": _ratio(
+            (prefill.count * attention).sum(), (prefill.count * tokens * context).sum()
+        ),
+        "decode_context": _ratio(row_contexts.sum(), (decode.count * batch * contexts).sum()),
+        "prefill_calls": int(prefill.count.sum()),
+        "decode_calls": int(calls.sum()),
         "graphs": buckets.num_graphs,
     }
+
+
+def _check_limits(**limits: int) -> None:
+    for name, value in limits.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def simulate(
@@ -347,7 +399,7 @@ def simulate(
     seed: int = 0,
 ) -> dict[str, float | int]:
     """Padding efficiency of `buckets` under `traffic`, from a deterministic simulation of continuous
-    batching (same seed, same result).
+    batching (same arguments, same result) until `num_requests` requests have finished.
 
     Returns
     - `prefill`: real prefill tokens / token-bucket slots computed;
@@ -357,92 +409,126 @@ def simulate(
     - `prefill_calls`, `decode_calls`: compiled calls of each phase; `graphs`: `buckets.num_graphs`.
     An efficiency is 1.0 where a phase made no calls. Raises BucketError if a call fits no bucket.
     """
-    _check_limits(max_model_len, max_num_seqs, max_num_batched_tokens)
-    trace = _trace(
-        traffic,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        num_requests=num_requests,
-        seed=seed,
+    limits = dict(
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
     )
-    return _evaluate(buckets, trace)
-
-
-def _check_limits(*positive: int) -> None:
-    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size")
-    for name, value in zip(names, positive, strict=False):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    _check_limits(**limits)
+    return _evaluate(buckets, _trace(traffic, **limits, num_requests=num_requests, seed=seed))
 
 
 # ---- optimal 1-D bucketing ---------------------------------------------------------------------------
 
 
-def _optimal_boundaries(values: np.ndarray, weights: np.ndarray, top: int, max_k: int) -> list[list[int]]:
-    """For k = 1..max_k, the k boundaries (ascending, the last one `top`) minimising the padded slots
-    sum(weight x bucket(value)) of the sample.
+def _optimal_boundaries(values: np.ndarray, weights: np.ndarray, top: int, most: int) -> list[list[int]]:
+    """For k = 1..most: the k ascending boundaries, the last one `top`, that minimise the padded slots
+    sum(weight * bucket(value)).
 
-    Dynamic programming over the sorted distinct values: a bucket covering values i+1..j is best placed at
-    value j, so best[k][j] = min over i of best[k-1][i] + v_j * (W_j - W_i) with W the cumulative weights.
-    `top` is always the largest boundary (the engine limit), so no call is ever split."""
+    Dynamic programming over the sorted distinct values v_0 < ... < v_n-1 (= top): a bucket holding values
+    i..j is best placed at v_j, so best_k[j] = min over i of best_k-1[i - 1] + v_j * (W[j + 1] - W[i]), W the
+    cumulative weights. One (n x n) numpy step per k. Fewer than k distinct values give no k-bucket answer.
+    """
     distinct, inverse = np.unique(np.append(values, top), return_inverse=True)
-    totals = np.bincount(inverse, weights=np.append(weights, 0.0))
-    distinct, totals = distinct[distinct <= top], totals[distinct <= top]
+    totals = np.bincount(inverse, weights=np.append(weights, 0.0).astype(float))
     n = len(distinct)
-    cumulative = np.concatenate(([0.0], np.cumsum(totals)))  # W_i: weight of the first i values
-    # cost[i, j]: a bucket at value j holding values i..j (rows i, columns j, 0-based, i <= j)
+    cumulative = np.concatenate(([0.0], np.cumsum(totals)))
+    # cost[i, j]: one bucket at v_j holding v_i..v_j; infinite below the diagonal (i > j)
     cost = distinct[None, :] * (cumulative[None, 1:] - cumulative[:n, None])
-    cost = np.where(np.triu(np.ones((n, n), bool)), cost, np.inf)
-    best = cost[0].copy()  # one bucket at value j covering every value <= j
-    choice: list[np.ndarray] = []
-    results = [[int(distinct[-1])]]
-    for _ in range(2, min(max_k, n) + 1):
-        # best[i - 1] + cost[i, j]: the previous buckets end at value i - 1, the new one covers i..j
+    cost[np.tril_indices(n, -1)] = np.inf
+    best = cost[0].copy()
+    choices: list[np.ndarray] = []  # per k >= 2: for each j, where the last bucket starts
+    results = [[int(top)]]
+    for _ in range(2, min(most, n) + 1):
         total = np.full((n, n), np.inf)
-        total[1:, :] = best[:-1, None] + cost[1:, :]
-        choice.append(np.argmin(total, axis=0))
-        best = total[choice[-1], np.arange(n)]
-        boundaries, j = [n - 1], n - 1
-        for step in reversed(choice):
-            j = int(step[j]) - 1
-            boundaries.append(j)
-        results.append([int(distinct[b]) for b in reversed(boundaries)])
+        total[1:] = best[:-1, None] + cost[1:]
+        choices.append(np.argmin(total, axis=0))
+        best = total[choices[-1], np.arange(n)]
+        ends, j = [n - 1], n - 1
+        for choice in reversed(choices):
+            j = int(choice[j]) - 1
+            ends.append(j)
+        results.append([int(distinct[end]) for end in reversed(ends)])
     return results
+
+
+def _coarsen(values: np.ndarray) -> np.ndarray:
+    """Round each value up to 1/64 of its power of two (exact below 128): candidate boundaries stay within
+    1.6% of every value, the dynamic programme stays small (64 candidates an octave) and boundaries do not
+    chase individual sampled lengths."""
+    granule = 2 ** np.maximum(np.floor(np.log2(np.maximum(values, 1))).astype(np.int64) - 6, 0)
+    return -(-values // granule) * granule
 
 
 def _slots(boundaries: Sequence[int], values: np.ndarray, weights: np.ndarray) -> float:
     return float((_pick(boundaries, values, "value") * weights).sum())
 
 
-def _align_prefill(boundaries: list[int], values: np.ndarray, weights: np.ndarray) -> tuple[int, ...]:
-    """Round each boundary but the last up to a multiple of 16 (else 8) where that costs little: values
-    between the old and new boundary move down into it, the rest of its bucket pays a few more slots."""
+def _align(boundaries: list[int], values: np.ndarray, weights: np.ndarray) -> tuple[int, ...]:
+    """Round each boundary but the last up to a multiple of 16 (else 8) where that adds at most
+    ROUNDING_TOLERANCE padded slots: values between the old and the new boundary move down into it, the rest
+    of its bucket pays a few more slots."""
     aligned = list(boundaries)
-    budget = _slots(aligned, values, weights) * (1 + ROUNDING_TOLERANCE)
+    allowed = _slots(aligned, values, weights) * (1 + ROUNDING_TOLERANCE)
     for index in range(len(aligned) - 1):
         for multiple in PREFILL_ALIGNMENTS:
             rounded = round_up(aligned[index], multiple)
             if rounded == aligned[index]:
                 break
-            if rounded >= aligned[index + 1]:
-                continue
             trial = [*aligned[:index], rounded, *aligned[index + 1 :]]
-            if _slots(trial, values, weights) <= budget:
+            if rounded < aligned[index + 1] and _slots(trial, values, weights) <= allowed:
                 aligned = trial
                 break
     return tuple(aligned)
+
+
+def _prefill_options(trace: _Trace, max_chunk: int, most: int) -> list[tuple[int, ...]]:
+    calls = trace.prefill
+    length = np.minimum(calls.length, max_chunk)
+    candidates = np.minimum(_coarsen(length), max_chunk)
+    return [
+        _align(b, length, calls.count) for b in _optimal_boundaries(candidates, calls.count, max_chunk, most)
+    ]
+
+
+def _decode_options(trace: _Trace, max_num_seqs: int, most: int) -> list[tuple[int, ...]]:
+    calls = trace.decode
+    weights = calls.count * calls.repeat  # every call pays its bucket in rows
+    return [tuple(b) for b in _optimal_boundaries(calls.rows, weights, max_num_seqs, most)]
+
+
+def _context_options(trace: _Trace, block_size: int, max_context: int, most: int) -> list[tuple[int, ...]]:
+    """Context needs weighted by the tokens (prefill) or rows (decode) that attend over them, rounded up to
+    whole blocks (context buckets are multiples of the block size)."""
+    prefill, decode = trace.prefill, trace.decode
+    # A run of decode calls needs longest, longest + 1, ...: spread its weight with a difference array.
+    spread = np.zeros(max_context + 2)
+    np.add.at(spread, decode.longest, decode.rows * decode.count)
+    np.add.at(spread, decode.longest + decode.repeat, -decode.rows * decode.count)
+    decode_weight = np.cumsum(spread)[: max_context + 1]
+    decode_needs = np.flatnonzero(decode_weight > 0.5)
+    needs = np.concatenate((prefill.end, decode_needs))
+    weights = np.concatenate((prefill.length * prefill.count, decode_weight[decode_needs]))
+    needs = np.minimum(-(-_coarsen(needs) // block_size) * block_size, max_context)
+    return [tuple(b) for b in _optimal_boundaries(needs, weights, max_context, most)]
 
 
 # ---- the search --------------------------------------------------------------------------------------
 
 
 def _score(result: Mapping[str, float | int]) -> float:
-    """What auto_buckets maximises: token and batch padding efficiency of the two phases, plus attention
-    efficiency at CONTEXT_WEIGHT (without it one context bucket at max_model_len always wins, since context
-    buckets multiply graphs but do not change token or batch padding)."""
+    """What auto_buckets maximises: token and batch efficiency of the two phases, plus attention efficiency
+    at CONTEXT_WEIGHT. Without the attention term one context bucket at max_model_len would always win (more
+    context buckets multiply graphs but change no token or batch padding), and every short request would
+    attend over max_model_len positions."""
     attention = float(result["prefill_context"]) + float(result["decode_context"])
     return float(result["prefill"]) + float(result["decode"]) + CONTEXT_WEIGHT * attention
+
+
+def _better(key: tuple[float, int], than: tuple[float, int]) -> bool:
+    """A clearly higher score wins; within SCORE_TIE, fewer graphs win."""
+    (score, graphs), (best_score, best_graphs) = key, than
+    if abs(score - best_score) <= SCORE_TIE:
+        return graphs < best_graphs or (graphs == best_graphs and score > best_score)
+    return score > best_score
 
 
 def auto_buckets(
@@ -454,40 +540,35 @@ def auto_buckets(
     block_size: int,
     graph_budget: int = 24,
     seed: int = 0,
-    num_requests: int = 1600,
 ) -> BucketConfig:
     """The bucket set with the best simulated padding efficiency for `traffic` within `graph_budget` graphs.
 
     The largest bucket of each dimension is the engine limit (min(max_num_batched_tokens, max_model_len)
-    tokens, max_num_seqs rows, max_model_len rounded up to the block size), so no chunk or decode step is
-    ever split, and the result always passes `validate_buckets` for the same limits. `num_requests` is the
-    length of the simulated run the buckets are fitted to: more than `simulate`'s default so the boundaries
-    follow the traffic's distribution rather than one sample of it. Deterministic for a given `seed`.
-    Raises ValueError if even one bucket per dimension exceeds the budget."""
-    _check_limits(max_model_len, max_num_seqs, max_num_batched_tokens, block_size)
+    tokens, max_num_seqs rows, max_model_len rounded up to the block size), so no chunk or decode step is ever
+    split, and the result always passes `validate_buckets` for the same limits. Deterministic for a `seed`.
+    Raises ValueError if even one bucket per dimension needs more than `graph_budget` graphs."""
     limits = dict(
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
     )
+    _check_limits(**limits, block_size=block_size)
     max_chunk = min(max_num_batched_tokens, max_model_len)
     max_context = round_up(max_model_len, block_size)
     minimal = BucketConfig((max_chunk,), (max_num_seqs,), (max_context,))
     if minimal.num_graphs > graph_budget:
         raise ValueError(
-            f"graph_budget={graph_budget} is below the minimal bucket set ({minimal.describe()}): "
+            f"graph_budget={graph_budget} is below the smallest bucket set ({minimal.describe()}): "
             f"raise graph_budget to at least {minimal.num_graphs}"
         )
-    trace = _trace(traffic, **limits, num_requests=num_requests, seed=seed)
-    # Each dimension gets at most graph_budget - 1 buckets: the other phase needs a graph too.
-    most = graph_budget - 1
-    prefill_options = _prefill_options(trace, max_chunk, most)
-    decode_options = _decode_options(trace, max_num_seqs, most)
-    context_options = _context_options(trace, block_size, max_context, most)
-
+    trace = _trace(traffic, **limits, num_requests=FIT_REQUESTS, seed=seed)
+    most = graph_budget - 1  # buckets in one dimension: the other phase needs a graph too
+    options = itertools.product(
+        _prefill_options(trace, max_chunk, most),
+        _decode_options(trace, max_num_seqs, most),
+        _context_options(trace, block_size, max_context, most),
+    )
     best, best_key = minimal, None
-    for prefill, decode, context in itertools.product(prefill_options, decode_options, context_options):
-        # A lower bound: each prefill bucket has >= 1 graph, each decode bucket one per context bucket.
+    for prefill, decode, context in options:
+        # A lower bound first: each prefill bucket has >= 1 graph, each decode bucket one per context bucket.
         if len(prefill) + len(decode) * len(context) > graph_budget:
             continue
         candidate = BucketConfig(prefill, decode, context)
@@ -499,46 +580,3 @@ def auto_buckets(
             best, best_key = candidate, key
     validate_buckets(best, **limits, block_size=block_size)
     return best
-
-
-def _better(key: tuple[float, int], than: tuple[float, int]) -> bool:
-    """A clearly higher score wins; within SCORE_TIE, fewer graphs win."""
-    (score, graphs), (best_score, best_graphs) = key, than
-    if abs(score - best_score) <= SCORE_TIE:
-        return graphs < best_graphs or (graphs == best_graphs and score > best_score)
-    return score > best_score
-
-
-def _coarsen(values: np.ndarray) -> np.ndarray:
-    """Round each value up to 1/64 of its power of two (exact below 128): candidate boundaries stay within
-    1.6% of any value, the dynamic programme stays small (64 candidates per octave) and the boundaries do
-    not chase individual sampled lengths."""
-    granule = 2 ** np.maximum(np.floor(np.log2(np.maximum(values, 1))).astype(np.int64) - 6, 0)
-    return -(-values // granule) * granule
-
-
-def _prefill_options(trace: _Trace, max_chunk: int, most: int) -> list[tuple[int, ...]]:
-    lengths = np.minimum(trace.prefill_len, max_chunk)
-    weights = np.ones(len(lengths))  # every chunk pays its bucket in token slots
-    candidates = np.minimum(_coarsen(lengths), max_chunk)
-    return [
-        _align_prefill(b, lengths, weights) for b in _optimal_boundaries(candidates, weights, max_chunk, most)
-    ]
-
-
-def _decode_options(trace: _Trace, max_num_seqs: int, most: int) -> list[tuple[int, ...]]:
-    rows = np.minimum(trace.decode_rows, max_num_seqs)  # every call pays its bucket in rows
-    return [tuple(b) for b in _optimal_boundaries(rows, np.ones(len(rows)), max_num_seqs, most)]
-
-
-def _context_options(trace: _Trace, block_size: int, max_context: int, most: int) -> list[tuple[int, ...]]:
-    """Context needs rounded up to whole blocks (a context bucket must be a multiple of the block size),
-    weighted by the rows or tokens that read them."""
-    needs = np.concatenate((trace.prefill_start + trace.prefill_len, trace.decode_max_context))
-    weights = np.concatenate((trace.prefill_len, trace.decode_rows)).astype(float)
-    needs = np.minimum(round_up_array(_coarsen(needs), block_size), max_context)
-    return [tuple(b) for b in _optimal_boundaries(needs, weights, max_context, most)]
-
-
-def round_up_array(values: np.ndarray, multiple: int) -> np.ndarray:
-    return -(-values // multiple) * multiple
