@@ -122,3 +122,32 @@ def test_readme_documents_every_variable():
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert [name for name in envs.names() if f"`{name}`" not in readme] == []
+
+
+def test_automatic_bucket_policy_fits_the_graph_budget(tiny_model_dir):
+    traffic = {"prompt_len": [8, 256], "output_len": [8, 64], "concurrency": 4}
+    config = engine_config(
+        tiny_model_dir,
+        max_num_batched_tokens=128,
+        additional_config={"bucket_policy": "auto", "graph_budget": 8, "traffic": traffic},
+    )
+    from vllm_neuron.config import NeuronConfig
+
+    resolved = NeuronConfig.from_vllm_config(config)
+    assert resolved.buckets.num_graphs <= 8
+    assert set(config.additional_config) == {"prefill_buckets", "decode_batch_buckets", "context_buckets"}
+    assert config.additional_config["decode_batch_buckets"][0] == 1
+
+
+@pytest.mark.parametrize(
+    ("additional_config", "message"),
+    [
+        ({"bucket_policy": "clever"}, 'must be "default" or "auto"'),
+        ({"graph_budget": 12}, "only apply with"),
+        ({"bucket_policy": "auto", "graph_budget": 1}, "raise graph_budget"),
+        ({"bucket_policy": "auto", "traffic": {"prompt_len": [8, 64]}}, "missing"),
+    ],
+)
+def test_bad_policy_settings_fail_at_start_up(tiny_model_dir, additional_config, message):
+    with pytest.raises(ValueError, match=message):
+        engine_config(tiny_model_dir, additional_config=additional_config)

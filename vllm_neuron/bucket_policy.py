@@ -1,7 +1,7 @@
 """Automatic bucket policy: bucket sets chosen for a declared traffic shape. Pure Python and numpy, no torch.
 
-Every bucket shape is a compiled graph (minutes each on Trainium) and every call is padded up to a bucket, so a
-bucket set trades padding (compute wasted on every step) against graph count (warm-up time, graph memory).
+Every bucket shape is a compiled graph (minutes each on Trainium) and every call is padded up to a bucket, so
+a bucket set trades padding (compute wasted on every step) against graph count (warm-up time, graph memory).
 The right trade depends on the traffic: short prompts want small prefill buckets, a server kept full wants
 decode buckets just below max_num_seqs. This module
 
@@ -490,9 +490,12 @@ def _prefill_options(trace: _Trace, max_chunk: int, most: int) -> list[tuple[int
 
 
 def _decode_options(trace: _Trace, max_num_seqs: int, most: int) -> list[tuple[int, ...]]:
+    """Decode batch sets fitted to the declared load, each with a bucket of 1 as well: traffic is never only
+    the declared concurrency, and a lone request should not pay a full batch on every token."""
     calls = trace.decode
     weights = calls.count * calls.repeat  # every call pays its bucket in rows
-    return [tuple(b) for b in _optimal_boundaries(calls.rows, weights, max_num_seqs, most)]
+    options = {tuple(sorted({1, *b})) for b in _optimal_boundaries(calls.rows, weights, max_num_seqs, most)}
+    return sorted(options)
 
 
 def _context_options(trace: _Trace, block_size: int, max_context: int, most: int) -> list[tuple[int, ...]]:

@@ -15,6 +15,9 @@ BUCKET_SETTINGS = {
     "decode_batch_buckets": "VLLM_NEURON_DECODE_BATCH_BUCKETS",
     "context_buckets": "VLLM_NEURON_CONTEXT_BUCKETS",
 }
+# --additional-config keys of the automatic bucket policy (docs/buckets.md)
+POLICY_SETTINGS = ("bucket_policy", "graph_budget", "traffic")
+DEFAULT_GRAPH_BUDGET = 24
 DEFAULT_BLOCK_SIZE = 32
 
 
@@ -30,11 +33,11 @@ class NeuronConfig:
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
         additional: dict[str, Any] = dict(vllm_config.additional_config or {})
-        unknown = sorted(set(additional) - set(BUCKET_SETTINGS))
+        unknown = sorted(set(additional) - set(BUCKET_SETTINGS) - set(POLICY_SETTINGS))
         if unknown:
             raise NeuronConfigError(
                 f"unknown --additional-config keys {unknown}; "
-                f"the Neuron plugin accepts {sorted(BUCKET_SETTINGS)}"
+                f"the Neuron plugin accepts {sorted([*BUCKET_SETTINGS, *POLICY_SETTINGS])}"
             )
         limits = {
             "max_model_len": vllm_config.model_config.max_model_len,
@@ -42,7 +45,7 @@ class NeuronConfig:
             "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
             "block_size": vllm_config.cache_config.block_size,
         }
-        defaults = default_buckets(**limits)
+        defaults = _policy_buckets(additional, limits)
         chosen = {
             "prefill_buckets": defaults.prefill_tokens,
             "decode_batch_buckets": defaults.decode_batch,
@@ -73,3 +76,33 @@ class NeuronConfig:
             "decode_batch_buckets": list(self.buckets.decode_batch),
             "context_buckets": list(self.buckets.context_tokens),
         }
+
+
+def _policy_buckets(additional: dict[str, Any], limits: dict[str, int]) -> BucketConfig:
+    """The bucket sets before explicit lists override them: powers of two, or the automatic policy."""
+    policy = additional.get("bucket_policy", "default")
+    if policy == "default":
+        stray = [key for key in ("graph_budget", "traffic") if key in additional]
+        if stray:
+            raise NeuronConfigError(f'{stray} only apply with "bucket_policy": "auto"')
+        return default_buckets(**limits)
+    if policy != "auto":
+        raise NeuronConfigError(f'bucket_policy must be "default" or "auto", got {policy!r}')
+    from vllm_neuron.bucket_policy import TrafficShape, auto_buckets
+
+    budget = additional.get("graph_budget", DEFAULT_GRAPH_BUDGET)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise NeuronConfigError(f"graph_budget must be a positive integer, got {budget!r}")
+    declared = additional.get(
+        "traffic",
+        {
+            "prompt_len": [8, limits["max_model_len"]],
+            "output_len": [8, 256],
+            "concurrency": limits["max_num_seqs"],
+        },
+    )
+    try:
+        traffic = TrafficShape.from_dict(declared)
+        return auto_buckets(traffic, **limits, graph_budget=budget)
+    except ValueError as err:
+        raise NeuronConfigError(f"automatic bucket policy: {err}") from None
