@@ -5,7 +5,8 @@ import os
 # Before anything imports vLLM: our plugin in CPU mode, the engine core in this process, nothing leaves
 # 127.0.0.1, no hub lookups, no usage reports.
 os.environ["VLLM_NEURON_DEVICE"] = "cpu"
-# Any compile after warm-up fails the test that caused it.
+# Any compile after warm-up fails the test that caused it. (So no test may call torch._dynamo.reset(): it
+# would drop the graphs of the engine the session shares.)
 os.environ["VLLM_NEURON_STRICT_SHAPES"] = "1"
 os.environ.update(
     VLLM_ENABLE_V1_MULTIPROCESSING="0",

@@ -19,13 +19,6 @@ class Scale(torch.nn.Module):
         return x * 2 + 1
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_one_graph_per_shape_for_every_backend(backend):
     compiled, recorder = compile_static(Scale(), backend, expected_graphs=2)

@@ -41,6 +41,16 @@ def test_key_is_stable_and_changes_with_what_the_graphs_depend_on(tiny_model_dir
     assert compile_cache.cache_key(fields) != base
 
 
+def test_inductor_default_location_is_not_taken_for_a_choice(tiny_model_dir, tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()  # inductor writes its default into the environment on first use
+    folder = compile_cache.prepare(*configs(tiny_model_dir))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder / "inductor")
+
+
 def test_prepare_points_the_compilers_at_the_folder(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -73,4 +83,5 @@ def test_restart_reuses_compiled_graphs(tiny_model_dir, tmp_path):
     assert warm["inductor_cache"].get("fxgraph_cache_hit", 0) >= 2
     assert warm["inductor_cache"].get("fxgraph_cache_miss", 0) == 0
     assert warm["tokens"] == cold["tokens"]
-    assert len(list(tmp_path.iterdir())) == 1  # one configuration, one folder
+    (folder,) = tmp_path.iterdir()  # one configuration, one folder
+    assert any((folder / "inductor").rglob("*"))  # and the artefacts are in it

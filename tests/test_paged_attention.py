@@ -292,7 +292,6 @@ def clone_inputs(inputs):
 
 @pytest.mark.parametrize("case", ["decode", "prefill"])
 def test_compiled_fullgraph_matches_eager(case):
-    torch._dynamo.reset()
     if case == "decode":
         kv_cache, _, query, block_table, positions = decode_case(8, 2, 4, torch.float32)
         rows = query.shape[0]
@@ -313,7 +312,6 @@ def test_compiled_fullgraph_matches_eager(case):
 
 
 def test_new_values_same_shapes_do_not_recompile():
-    torch._dynamo.reset()
     graphs = 0
 
     def backend(gm, example_inputs):

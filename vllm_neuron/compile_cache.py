@@ -27,6 +27,19 @@ logger = logging.getLogger("vllm.vllm_neuron.compile_cache")
 CACHE_VARIABLES = {"neff": "TORCH_NEURONX_NEFF_CACHE_DIR", "inductor": "TORCHINDUCTOR_CACHE_DIR"}
 
 
+def _chosen_by_user(variable: str) -> bool:
+    """Whether the user set a cache variable. Inductor writes its default location into the environment the
+    first time anything asks for its cache, so that value does not count as a choice."""
+    value = os.environ.get(variable)
+    if value is None:
+        return False
+    if variable == "TORCHINDUCTOR_CACHE_DIR":
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return os.path.abspath(value) != os.path.abspath(default_cache_dir())
+    return True
+
+
 def cache_root() -> Path:
     root = envs.VLLM_NEURON_CACHE_ROOT
     if root:
@@ -71,7 +84,7 @@ def prepare(vllm_config: "VllmConfig", neuron_config: "NeuronConfig") -> Path:
             json.dumps({k: v for k, v in fields.items() if k != "hf_config"}, indent=2, default=str)
         )
     for name, variable in CACHE_VARIABLES.items():
-        if variable not in os.environ:
+        if not _chosen_by_user(variable):
             os.environ[variable] = str(folder / name)
     logger.info("Compile cache %s (%s)", folder, "warm" if warm else "cold")
     return folder
