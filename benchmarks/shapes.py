@@ -275,12 +275,15 @@ def main() -> None:
     )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--graph-budget", type=int, default=24)
+    parser.add_argument("--only", default="", help="run only configurations whose name contains this")
     args = parser.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     os.environ.pop("VLLM_NEURON_DEVICE", None)
     workdir = Path(tempfile.mkdtemp(prefix="vllm-neuron-shapes-"))
     rows = []
     for config, cold_warm in configs(args.models.split(","), args.graph_budget):
+        if args.only not in config.name:
+            continue
         requests = args.requests or (200 if config.max_model_len <= 256 else 40)
         if config.backend == "inductor":
             requests = 0  # cold vs warm start only

@@ -89,11 +89,13 @@ def test_simulate_is_fast():
     assert time.perf_counter() - start < 0.5
 
 
-def test_simulate_small_run_by_hand():
-    """Prompts of 100 tokens, 3 output tokens, 2 in flight, 150 tokens a step:
+def test_simulate_small_run_by_hand(monkeypatch):
+    """At a constant load (no lighter part of the run), prompts of 100 tokens, 3 output tokens, 2 in flight,
+    150 tokens a step:
     step 1 prefills r0 (100) and the first 50 of r1; step 2 decodes r0 (context 101) and prefills r1's last
     50; step 3 decodes both (102, 101) and r0 finishes; step 4 decodes r1 (102), which finishes, and
     prefills r2 that arrived in r0's place."""
+    monkeypatch.setattr(bucket_policy, "LOAD_DIVISORS", (1, 1, 1))
     traffic = TrafficShape(prompt_len=(100, 100), output_len=(3, 3), concurrency=2)
     buckets = BucketConfig(prefill_tokens=(128,), decode_batch=(2,), context_tokens=(256,))
     result = simulate(
@@ -105,6 +107,19 @@ def test_simulate_small_run_by_hand():
     assert result["decode_context"] == pytest.approx((101 + 102 + 101 + 102) / (3 * 2 * 256))
     causal = 5050 + 1275 + (50 * 50 + 1275) + 5050  # sum of p + 1 over each chunk's positions p
     assert result["prefill_context"] == pytest.approx(causal / (4 * 128 * 256))
+
+
+def test_lighter_part_of_the_run_stops_replacing_requests():
+    assert [bucket_policy._load(8, arrival, 100) for arrival in (0, 59, 60, 79, 80, 99, 150)] == [
+        8,
+        8,
+        4,
+        4,
+        2,
+        2,
+        2,
+    ]
+    assert bucket_policy._load(1, 99, 100) == 1
 
 
 def test_every_size_a_bucket_gives_efficiency_one():
@@ -184,7 +199,8 @@ def reference_simulate(
                 if generated[request] >= outputs[request]:
                     running.remove(request)
                     finished += 1
-                    if next_arrival < len(prompts):
+                    target = bucket_policy._load(traffic.concurrency, next_arrival, num_requests)
+                    while next_arrival < len(prompts) and len(running) + len(waiting) < target:
                         waiting.append(next_arrival)
                         next_arrival += 1
     return {

@@ -30,6 +30,10 @@ ROUNDING_TOLERANCE = 0.005
 # Weight of attention efficiency (prefill_context + decode_context) next to token and batch efficiency in
 # the score auto_buckets maximises; see _score.
 CONTEXT_WEIGHT = 0.5
+# Share of the simulated requests run at the declared concurrency, at half of it, and at a quarter of it.
+LOAD_PROFILE = (0.6, 0.2, 0.2)
+LOAD_DIVISORS = (1, 2, 4)
+LOAD_PROFILE_CUMULATIVE = tuple(sum(LOAD_PROFILE[: i + 1]) for i in range(len(LOAD_PROFILE)))
 # Candidate scores closer than this are a tie, and a tie goes to fewer graphs (shorter warm-up).
 SCORE_TIE = 1e-3
 # Requests in the simulated run auto_buckets fits to: more than simulate's default, so the boundaries follow
@@ -162,9 +166,9 @@ def _trace(
 ) -> _Trace:
     """Run the scheduler model until `num_requests` requests have finished.
 
-    Clients keep `traffic.concurrency` requests in flight: a finished request is replaced at once, so the run
-    is the steady state (after the start-up burst) without the drain tail of shrinking batches that a server
-    under constant load never sees. The KV cache is assumed large enough (no preemption)."""
+    Clients keep requests in flight and replace a finished one at once: `traffic.concurrency` of them for the
+    first part of the run, then lighter loads (see `_load`). The KV cache is assumed large enough (no
+    preemption)."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be positive, got {num_requests}")
     # Enough requests that arrivals never run dry before `num_requests` have finished.
@@ -207,7 +211,9 @@ def _trace(
             if generated[request] >= outputs[request]:
                 running.remove(request)
                 finished += 1
-                if next_arrival < len(prompts):
+                # Top up to the load of this part of the run (lighter loads only stop replacing requests).
+                target = _load(traffic.concurrency, next_arrival, num_requests)
+                while next_arrival < len(prompts) and len(running) + len(waiting) < target:
                     waiting.append(next_arrival)
                     next_arrival += 1
 
@@ -215,6 +221,17 @@ def _trace(
         np.asarray(contexts, np.int64), np.asarray(sizes, np.int64), np.asarray(repeats, np.int64)
     )
     return _Trace(_prefill_calls(chunks), decode_steps, _decode_calls(decode_steps, max_num_seqs))
+
+
+def _load(concurrency: int, arrival: int, num_requests: int) -> int:
+    """Requests kept in flight when request `arrival` may arrive: the declared concurrency for the first
+    LOAD_PROFILE[0] of the run, then lighter loads, because real traffic is not a constant peak and a bucket
+    set fitted only to the peak pads every lighter step up to it."""
+    position = arrival / max(num_requests, 1)
+    for share, divisor in zip(LOAD_PROFILE_CUMULATIVE, LOAD_DIVISORS, strict=True):
+        if position < share:
+            return max(1, concurrency // divisor)
+    return max(1, concurrency // LOAD_DIVISORS[-1])
 
 
 def _decode_only_steps(
