@@ -68,6 +68,7 @@ class NeuronModelRunner:
         self.compiled_step = None
         self.recorder: neuron_compile.CompileRecorder | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.attention_layers: list[str] = []
         self.stats = metrics.CallStats()
         self.serving = False  # warm-up calls are not traffic: tally calls only once it is over
         self._pending: _PendingStep | None = None
@@ -110,6 +111,7 @@ class NeuronModelRunner:
                     self.device,
                 )
         bind_kv_cache(caches, self.vllm_config.compilation_config.static_forward_context, self.kv_caches)
+        self.attention_layers = list(caches)  # every call gives each of them the same metadata
         logger.info(
             "KV cache: %d blocks of %d tokens in %d layers",
             kv_cache_config.num_blocks,
@@ -217,8 +219,7 @@ class NeuronModelRunner:
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         """One compiled call; returns the float32 host logits of its real rows."""
-        layers = self.vllm_config.compilation_config.static_forward_context
-        metadata = {name: inputs.metadata for name, layer in layers.items() if isinstance(layer, Attention)}
+        metadata = dict.fromkeys(self.attention_layers, inputs.metadata)
         with set_forward_context(metadata, self.vllm_config, num_tokens=inputs.input_ids.shape[0]):
             out = self.compiled_step(inputs.input_ids, inputs.positions, inputs.logits_indices)
         return out[: inputs.num_real_rows].to("cpu", torch.float32)
