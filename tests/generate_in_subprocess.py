@@ -17,6 +17,18 @@ def main() -> None:
     from vllm.platforms import current_platform
 
     llm = LLM(model=request["model"], **request["engine"])
+    # Count preemptions (in-process engine core only); behaviour is unchanged.
+    preempted: list[str] = []
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is not None:
+        scheduler = core.scheduler
+        preempt = scheduler._preempt_request
+
+        def counting_preempt(request, *args, **kwargs):
+            preempted.append(request.request_id)
+            return preempt(request, *args, **kwargs)
+
+        scheduler._preempt_request = counting_preempt
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -25,6 +37,7 @@ def main() -> None:
     result = {
         "platform": type(current_platform).__name__,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "preemptions": len(preempted),
         "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
     }
     print("RESULT " + json.dumps(result), flush=True)

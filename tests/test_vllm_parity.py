@@ -18,8 +18,14 @@ PROMPTS = [random_prompt(n, seed=100 + n) for n in (3, 40, 120)]
 MAX_TOKENS = 12
 
 
-def run_engine(model_dir: Path, engine: dict, env: dict[str, str | None]) -> dict:
-    request = {"model": str(model_dir), "engine": engine, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+def run_engine(
+    model_dir: Path,
+    engine: dict,
+    env: dict[str, str | None],
+    prompts: list[list[int]] = PROMPTS,
+    max_tokens: int = MAX_TOKENS,
+) -> dict:
+    request = {"model": str(model_dir), "engine": engine, "prompts": prompts, "max_tokens": max_tokens}
     child_env = dict(os.environ)
     for name, value in env.items():
         if value is None:
