@@ -220,3 +220,35 @@ def test_plugin_series_on_metrics_after_traffic(server, client):
     buckets = metric_values(text, "vllm_neuron:bucket_calls_total")
     assert any('phase="prefill"' in k and 'bucket="64x128"' in k for k in buckets)
     assert set(metric_values(text, "vllm_neuron:warmup_seconds")) == {'{phase="decode"}', '{phase="prefill"}'}
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server, client):
+    def generated() -> float:
+        return sum(
+            metric_values(
+                http("GET", server[0] + "/metrics")[1].decode(), "vllm:generation_tokens_total"
+            ).values()
+        )
+
+    before = generated()
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Once upon a time",
+        max_tokens=240,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for received, _ in enumerate(stream):
+        if received == 2:
+            break
+    stream.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        text = http("GET", server[0] + "/metrics")[1].decode()
+        running = sum(metric_values(text, "vllm:num_requests_running").values())
+        usage = sum(metric_values(text, "vllm:kv_cache_usage_perc").values())
+        if running == 0 and usage == 0:
+            break
+        time.sleep(0.5)
+    assert running == 0 and usage == 0, (running, usage)
+    assert generated() - before < 240  # aborted, not run to max_tokens
