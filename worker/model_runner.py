@@ -70,6 +70,7 @@ class NeuronModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.attention_layers: list[str] = []
         self.stats = metrics.CallStats()
+        self.step_calls: list[str] = []  # the calls of the latest step, described (tests, debugging)
         self.serving = False  # warm-up calls are not traffic: tally calls only once it is over
         self._pending: _PendingStep | None = None
 
@@ -156,6 +157,7 @@ class NeuronModelRunner:
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput | None:
+        self.step_calls = []
         self.batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -213,6 +215,7 @@ class NeuronModelRunner:
             logits[row] = out[0]
 
     def _tally(self, phase: str, bucket: str, real: int, slots: int) -> None:
+        self.step_calls.append(self.recorder.current_call)
         if self.serving:
             self.stats.record(phase, bucket, real, slots)
 

@@ -1,0 +1,64 @@
+"""Scripted arrivals and a cancellation, and the calls the runner makes at each step: a regression in how
+steps become bucketed calls shows up as a readable diff of this table.
+
+Engine: max_num_batched_tokens 96, max_num_seqs 4; buckets prefill [32, 64], decode [1, 2, 4],
+context [128, 256] (tests/conftest.py). vLLM's scheduler serves running requests first, then waiting ones,
+within the 96-token budget."""
+
+import pytest
+from vllm.inputs import TokensPrompt
+
+from tests.conftest import model_runner
+from tests.test_engine import greedy, random_prompt
+
+pytestmark = pytest.mark.slow
+
+ARRIVALS = {  # step -> [(request id, prompt tokens, max tokens)]
+    0: [("a", 40, 30), ("b", 100, 4)],
+    2: [("c", 5, 3)],
+    4: [("d", 150, 2)],
+}
+CANCELLED = {6: ["a"]}
+
+EXPECTED = [
+    # step 0: a's whole prompt and the first 56 tokens of b fill the 96-token budget
+    [
+        "prefill of 40 tokens at 0: tokens 64 x context 128",
+        "prefill of 56 tokens at 0: tokens 64 x context 128",
+    ],
+    # step 1: a decodes while b's prefill finishes
+    ["decode of 1 requests: batch 1 x context 128", "prefill of 44 tokens at 56: tokens 64 x context 128"],
+    # step 2: c arrives and prefills beside two decodes
+    ["decode of 2 requests: batch 2 x context 128", "prefill of 5 tokens at 0: tokens 32 x context 128"],
+    # step 3: three decodes pad to the batch bucket of 4
+    ["decode of 3 requests: batch 4 x context 128"],
+    # step 4: d's first 93 tokens (96 minus 3 decodes) run as sub-chunks of 64 and 29; b and c finish
+    [
+        "decode of 3 requests: batch 4 x context 128",
+        "prefill of 64 tokens at 0: tokens 64 x context 128",
+        "prefill of 29 tokens at 64: tokens 32 x context 128",
+    ],
+    # step 5: the rest of d needs the 256 context bucket
+    ["decode of 1 requests: batch 1 x context 128", "prefill of 57 tokens at 93: tokens 64 x context 256"],
+    # step 6: a was cancelled; d decodes alone and finishes
+    ["decode of 1 requests: batch 1 x context 256"],
+    # step 7: nothing left
+    [],
+]
+
+
+def test_scripted_steps_become_the_expected_calls(llm):
+    engine, runner = llm.llm_engine, model_runner(llm)
+    graphs = runner.recorder.num_graphs
+    observed = []
+    for step in range(len(EXPECTED)):
+        for req_id, prompt_len, max_tokens in ARRIVALS.get(step, []):
+            prompt = random_prompt(prompt_len, seed=9000 + prompt_len)  # unseen: no prefix-cache hits
+            engine.add_request(f"steps-{req_id}", TokensPrompt(prompt_token_ids=prompt), greedy(max_tokens))
+        engine.abort_request([f"steps-{req_id}" for req_id in CANCELLED.get(step, [])])
+        runner.step_calls = []
+        engine.step()
+        observed.append(runner.step_calls)
+    assert observed == EXPECTED
+    assert not engine.has_unfinished_requests()
+    assert runner.recorder.num_graphs == graphs
