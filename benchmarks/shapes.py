@@ -12,94 +12,14 @@ import json
 import math
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_NEURON = str(Path(sys.executable).with_name("vllm-neuron"))
-
-
-@dataclass
-class Config:
-    name: str
-    model: str
-    serve_args: list[str]
-    max_model_len: int
-    backend: str = "eager"
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except OSError:
-        return 0, ""
-
-
-class Server:
-    """`vllm-neuron serve` in its own process group, ended by pid."""
-
-    def __init__(self, config: Config, cache_root: str, log_path: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_NEURON_CACHE_ROOT": cache_root, **config.env}
-        env["VLLM_NEURON_COMPILE_BACKEND"] = config.backend
-        for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TORCHINDUCTOR_CACHE_DIR", "PROMETHEUS_MULTIPROC_DIR"):
-            env.pop(name, None)
-        command = [VLLM_NEURON, "serve", config.model, "--served-model-name", "m", "--host", "127.0.0.1"]
-        command += [
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            str(config.max_model_len),
-            *config.serve_args,
-        ]
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            self.process = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.started = time.monotonic()
-
-    def wait_healthy(self, limit_s: float = 3600) -> float:
-        while time.monotonic() - self.started < limit_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited; see {self.log_path}")
-            if get(self.base + "/health")[0] == 200:
-                return time.monotonic() - self.started
-            time.sleep(0.5)
-        raise TimeoutError(f"not healthy after {limit_s} s; see {self.log_path}")
-
-    def metrics(self) -> dict[str, float]:
-        values: dict[str, float] = {}
-        for line in get(self.base + "/metrics")[1].splitlines():
-            if line.startswith("vllm_neuron:"):
-                name, _, value = line.rpartition(" ")
-                values[name] = float(value)
-        return values
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import ROOT, Config, Server  # noqa: E402
 
 
 def log_uniform(rng: random.Random, low: int, high: int) -> int:
