@@ -60,17 +60,21 @@ def attention_over_context(
     rows, num_queries, num_heads, head_size = query.shape
     context, kv_heads = keys.shape[1], keys.shape[2]
     group = num_heads // kv_heads
-    # [rows, kv_heads, group, q, d] against [rows, kv_heads, 1, context, d]: no repeat of K/V for GQA.
-    q = query.view(rows, num_queries, kv_heads, group, head_size).permute(0, 2, 3, 1, 4).float()
-    k = keys.permute(0, 2, 1, 3).unsqueeze(2).float()
-    v = values.permute(0, 2, 1, 3).unsqueeze(2).float()
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    # The query heads of one KV head fold into the query dimension, [rows, kv_heads, group * q, d], so the
+    # matmuls batch over (rows, kv_heads) with K/V as they are: no copy of K/V per query head. The matmuls
+    # run in the model's dtype (converting all of K/V to float32 would cost more than the attention); the
+    # scores are softmaxed in float32.
+    q = query.view(rows, num_queries, kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
+    q = q.reshape(rows, kv_heads, group * num_queries, head_size)
+    k = keys.permute(0, 2, 3, 1)  # [rows, kv_heads, d, context]
+    v = values.permute(0, 2, 1, 3)  # [rows, kv_heads, context, d]
+    scores = torch.matmul(q, k).float().view(rows, kv_heads, group, num_queries, context) * scale
     key_positions = torch.arange(context, device=query.device)
     visible = key_positions.view(1, 1, 1, 1, context) <= query_positions.view(rows, 1, 1, num_queries, 1)
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)  # [rows, kv_heads, group, q, d]
-    return out.permute(0, 3, 1, 2, 4).reshape(rows, num_queries, num_heads, head_size).to(query.dtype)
+    probs = torch.softmax(scores, dim=-1).to(query.dtype).view(rows, kv_heads, group * num_queries, context)
+    out = torch.matmul(probs, v).view(rows, kv_heads, group, num_queries, head_size)
+    return out.permute(0, 3, 1, 2, 4).reshape(rows, num_queries, num_heads, head_size)
 
 
 def reference_attention(
