@@ -94,7 +94,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm):
     assert generate_ids(llm, [prompt], other_seed)[0] != alone
 
 
-def test_sampling_parameters(llm, tiny_model_dir):
+def test_sampling_parameters(llm):
     prompt = TokensPrompt(prompt_token_ids=random_prompt(16, seed=31))
     out = llm.generate(
         prompt,

@@ -202,9 +202,9 @@ class NeuronModelRunner:
                 part = Chunk(
                     chunk.token_ids[offset : offset + largest], chunk.start + offset, chunk.block_row
                 )
-                tokens = pick_bucket(self.buckets.prefill_tokens, len(part.token_ids))
-                context = pick_bucket(self.buckets.context_tokens, part.start + len(part.token_ids))
                 count = len(part.token_ids)
+                tokens = pick_bucket(self.buckets.prefill_tokens, count)
+                context = pick_bucket(self.buckets.context_tokens, part.start + count)
                 self.recorder.current_call = (
                     f"prefill of {count} tokens at {part.start}: tokens {tokens} x context {context}"
                 )
