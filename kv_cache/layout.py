@@ -8,7 +8,9 @@ NULL_BLOCK = 0
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-    return (2, num_blocks, block_size, num_kv_heads, head_size)
+    """[K/V, kv_heads, blocks, block_size, head_size]: heads lead, so gathering a row's blocks yields each
+    head's context as one contiguous [tokens, head_size] matrix that attention multiplies as it is."""
+    return (2, num_kv_heads, num_blocks, block_size, head_size)
 
 
 def kv_bytes_per_block(block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:

@@ -2,7 +2,7 @@
 
 No vLLM imports: these are the kernels, and NKI kernels can later sit behind the same signatures.
 
-Layout (see kv_cache/layout.py): one tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_size],
+Layout (see kv_cache/layout.py): one tensor per layer, [2, num_kv_heads, num_blocks, block_size, head_size],
 index 0 holding keys and 1 values. Block 0 is vLLM's null block: padded rows write there and read from it.
 
 Queries come as [rows, queries_per_row, num_heads, head_size]: a decode step is (batch, 1), a prefill chunk
@@ -12,24 +12,30 @@ before attention, so one gather reads the cached prefix and the chunk alike.
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store key/value [tokens, kv_heads, head_size] at flat slots (block * block_size + offset)."""
-    _, num_blocks, block_size, kv_heads, head_size = kv_cache.shape
-    kv_cache[0].view(num_blocks * block_size, kv_heads, head_size).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(num_blocks * block_size, kv_heads, head_size).index_copy_(0, slot_mapping, value)
+    _, kv_heads, num_blocks, block_size, head_size = kv_cache.shape
+    slots = num_blocks * block_size
+    kv_cache[0].view(kv_heads, slots, head_size).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    kv_cache[1].view(kv_heads, slots, head_size).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of each row's context window: [rows, blocks * block_size, kv_heads, head_size]."""
-    _, _, block_size, kv_heads, head_size = kv_cache.shape
+    """Keys and values of each row's context window, contiguous: [kv_heads, rows, blocks * block_size, d]."""
+    _, kv_heads, num_blocks, block_size, head_size = kv_cache.shape
     rows, blocks = block_table.shape
-    flat_ids = block_table.reshape(-1)
-    keys = kv_cache[0].index_select(0, flat_ids).view(rows, blocks * block_size, kv_heads, head_size)
-    values = kv_cache[1].index_select(0, flat_ids).view(rows, blocks * block_size, kv_heads, head_size)
+    # One gather of whole blocks along dim 0 of a [kv_heads * blocks, block] view (each head's copy of a
+    # block at head * num_blocks + block): several times faster on CPU than index_select along dim 1.
+    head_offsets = torch.arange(kv_heads, device=block_table.device).view(kv_heads, 1) * num_blocks
+    flat_ids = (head_offsets + block_table.reshape(1, -1)).reshape(-1)
+    shape = (kv_heads, rows, blocks * block_size, head_size)
+    keys = kv_cache[0].view(kv_heads * num_blocks, -1).index_select(0, flat_ids).view(shape)
+    values = kv_cache[1].view(kv_heads * num_blocks, -1).index_select(0, flat_ids).view(shape)
     return keys, values
 
 
@@ -56,25 +62,22 @@ def attention_over_context(
     query_positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Grouped-query causal attention over contiguous per-row context [rows, context, kv_heads, head_size]."""
+    """Grouped-query causal attention over contiguous context keys/values [kv_heads, rows, context, d]."""
     rows, num_queries, num_heads, head_size = query.shape
-    context, kv_heads = keys.shape[1], keys.shape[2]
+    kv_heads, context = keys.shape[0], keys.shape[2]
     group = num_heads // kv_heads
-    # The query heads of one KV head fold into the query dimension, [rows, kv_heads, group * q, d], so the
-    # matmuls batch over (rows, kv_heads) with K/V as they are: no copy of K/V per query head. The matmuls
-    # run in the model's dtype (converting all of K/V to float32 would cost more than the attention); the
-    # scores are softmaxed in float32.
-    q = query.view(rows, num_queries, kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
-    q = q.reshape(rows, kv_heads, group * num_queries, head_size)
-    k = keys.permute(0, 2, 3, 1)  # [rows, kv_heads, d, context]
-    v = values.permute(0, 2, 1, 3)  # [rows, kv_heads, context, d]
-    scores = torch.matmul(q, k).float().view(rows, kv_heads, group, num_queries, context) * scale
+    # The query heads of one KV head fold into the query dimension, [kv_heads, rows, group * q, d], so
+    # attention batches over (kv_heads, rows) with K/V exactly as gathered: only the small query is copied.
+    q = query.view(rows, num_queries, kv_heads, group, head_size).permute(2, 0, 3, 1, 4)
+    q = q.reshape(kv_heads, rows, group * num_queries, head_size)
+    positions = query_positions.view(1, rows, 1, num_queries).expand(1, rows, group, num_queries)
     key_positions = torch.arange(context, device=query.device)
-    visible = key_positions.view(1, 1, 1, 1, context) <= query_positions.view(rows, 1, 1, num_queries, 1)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype).view(rows, kv_heads, group * num_queries, context)
-    out = torch.matmul(probs, v).view(rows, kv_heads, group, num_queries, head_size)
-    return out.permute(0, 3, 1, 2, 4).reshape(rows, num_queries, num_heads, head_size)
+    visible = key_positions.view(1, 1, 1, context) <= positions.reshape(1, rows, group * num_queries, 1)
+    # PyTorch's fused attention: on CPU it never materialises the [queries, context] scores (4-5x faster for
+    # prefill chunks than matmul + softmax), and it accumulates in float32 whatever the model's dtype.
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
+    out = out.view(kv_heads, rows, group, num_queries, head_size)
+    return out.permute(1, 3, 0, 2, 4).reshape(rows, num_queries, num_heads, head_size)
 
 
 def reference_attention(

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kv_cache.layout import NULL_BLOCK, allocate
+from kv_cache.layout import NULL_BLOCK, allocate, kv_cache_shape
 from kv_cache.ops import paged_attention, reference_attention, write_kv
 
 HEAD_SIZE = 8
@@ -121,7 +121,7 @@ def test_reference_matches_sdpa_and_is_causal(heads, kv_heads):
 def test_write_kv_writes_exactly_the_targeted_slots(block_size, dtype):
     gen = torch.Generator().manual_seed(1)
     num_blocks, kv_heads = 6, 2
-    kv_cache = randn(gen, 2, num_blocks, block_size, kv_heads, HEAD_SIZE, dtype=dtype)
+    kv_cache = randn(gen, *kv_cache_shape(num_blocks, block_size, kv_heads, HEAD_SIZE), dtype=dtype)
     before = kv_cache.clone()
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:7]
     key = randn(gen, 7, kv_heads, HEAD_SIZE, dtype=dtype)
@@ -129,16 +129,16 @@ def test_write_kv_writes_exactly_the_targeted_slots(block_size, dtype):
 
     write_kv(kv_cache, key, value, slots)
 
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, HEAD_SIZE)
-    assert torch.equal(flat[0, slots], key)
-    assert torch.equal(flat[1, slots], value)
+    flat = kv_cache.view(2, kv_heads, num_blocks * block_size, HEAD_SIZE)
+    assert torch.equal(flat[0][:, slots], key.transpose(0, 1))
+    assert torch.equal(flat[1][:, slots], value.transpose(0, 1))
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots] = False
-    assert torch.equal(flat[:, untouched], before.view_as(flat)[:, untouched])
+    assert torch.equal(flat[:, :, untouched], before.view_as(flat)[:, :, untouched])
     # The slot formula is block * block_size + offset.
     block, offset = int(slots[0]) // block_size, int(slots[0]) % block_size
-    assert torch.equal(kv_cache[0, block, offset], key[0])
-    assert torch.equal(kv_cache[1, block, offset], value[0])
+    assert torch.equal(kv_cache[0, :, block, offset], key[0])
+    assert torch.equal(kv_cache[1, :, block, offset], value[0])
 
 
 # ---- decode ----------------------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def test_decode_matches_contiguous_reference(heads, kv_heads, block_size, dtype)
     # Fully padded rows read the (zeroed) null block at position 0: finite, equal to null block value 0.
     padded = out[len(sequences) :]
     assert torch.isfinite(padded.float()).all()
-    null_value = kv_cache[1, NULL_BLOCK, 0].repeat_interleave(heads // kv_heads, dim=0)
+    null_value = kv_cache[1, :, NULL_BLOCK, 0].repeat_interleave(heads // kv_heads, dim=0)
     assert_close(padded, null_value.expand_as(padded), dtype)
 
 
