@@ -31,7 +31,11 @@ def test_prefix_cache_hit_computes_only_new_tokens(llm, hf_model):
 
 
 def test_running_streams_keep_decoding_while_a_long_prompt_prefills(llm, hf_model):
-    engine = llm.llm_engine
+    """Each step of the long prefill gives every running stream its next token and carries at most
+    prefill_tokens_while_decoding prefill tokens (64 here: the smallest prefill bucket >= 64)."""
+    engine, runner = llm.llm_engine, model_runner(llm)
+    cap = runner.neuron_config.prefill_tokens_while_decoding
+    assert cap == 64
     streams = {"s1": random_prompt(12, seed=81), "s2": random_prompt(30, seed=82)}
     for req_id, prompt in streams.items():
         engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), greedy(40))
@@ -44,7 +48,7 @@ def test_running_streams_keep_decoding_while_a_long_prompt_prefills(llm, hf_mode
     prefill_steps = 0
     outputs: dict[str, list[int]] = {}
     while "long" not in outputs or len(outputs) < 3:
-        before = dict(tokens)
+        before, prefilled = dict(tokens), runner.stats.real_tokens["prefill"]
         long_waiting = "long" not in tokens or tokens["long"] == 0
         for output in engine.step():
             tokens[output.request_id] = len(output.outputs[0].token_ids)
@@ -54,7 +58,8 @@ def test_running_streams_keep_decoding_while_a_long_prompt_prefills(llm, hf_mode
             prefill_steps += 1
             # Every step of the long prefill also gave each unfinished stream its next token.
             assert all(tokens[s] == before[s] + 1 for s in streams if s not in outputs), (before, tokens)
-    assert prefill_steps >= 2  # the 248-token prompt took several 96-token steps
+            assert runner.stats.real_tokens["prefill"] - prefilled <= cap
+    assert prefill_steps >= 248 // cap  # the 248-token prompt took several capped steps
     for req_id, prompt in streams.items():
         assert outputs[req_id] == hf_greedy(hf_model, prompt, 40)
     assert outputs["long"] == hf_greedy(hf_model, long_prompt, 4)

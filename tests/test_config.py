@@ -54,12 +54,28 @@ def test_engine_config_gets_our_worker_buckets_and_no_vllm_compilation(tiny_mode
     assert config.parallel_config.worker_cls == "worker.neuron_worker.NeuronWorker"
     assert config.compilation_config.mode == CompilationMode.NONE
     assert config.scheduler_config.async_scheduling is False
+    assert config.scheduler_config.scheduler_cls == "vllm_neuron.scheduler.NeuronScheduler"
     assert config.cache_config.block_size == 32
     assert config.additional_config == {
         "prefill_buckets": [128],
         "decode_batch_buckets": [1, 2, 4],
         "context_buckets": [256],
+        "prefill_tokens_while_decoding": 128,  # no prefill bucket >= 64 but 128
     }
+
+
+@pytest.mark.parametrize(
+    ("additional_config", "expected"),
+    [
+        ({"prefill_buckets": [32, 64, 128]}, 64),  # the smallest prefill bucket of at least 64
+        ({"prefill_buckets": [16, 32]}, 32),  # none that large: the largest
+        ({"prefill_tokens_while_decoding": 48}, 48),
+        ({"prefill_tokens_while_decoding": 0}, 0),  # no cap
+    ],
+)
+def test_prefill_share_while_decoding(tiny_model_dir, additional_config, expected):
+    config = engine_config(tiny_model_dir, max_num_batched_tokens=128, additional_config=additional_config)
+    assert config.additional_config["prefill_tokens_while_decoding"] == expected
 
 
 def test_bucket_overrides_from_environment_win(tiny_model_dir, monkeypatch):
@@ -84,6 +100,7 @@ def test_float64_is_refused(tiny_model_dir):
         ({"prefill_buckets": [64, 32]}, "strictly ascending"),
         ({"prefill_bucket": [64]}, "unknown --additional-config keys"),
         ({"prefill_buckets": 64}, "must be a list of integers"),
+        ({"prefill_tokens_while_decoding": -1}, "must be a non-negative integer"),
     ],
 )
 def test_invalid_buckets_fail_at_start_up(tiny_model_dir, additional_config, message):
@@ -135,7 +152,12 @@ def test_automatic_bucket_policy_fits_the_graph_budget(tiny_model_dir):
 
     resolved = NeuronConfig.from_vllm_config(config)
     assert resolved.buckets.num_graphs <= 8
-    assert set(config.additional_config) == {"prefill_buckets", "decode_batch_buckets", "context_buckets"}
+    assert set(config.additional_config) == {
+        "prefill_buckets",
+        "decode_batch_buckets",
+        "context_buckets",
+        "prefill_tokens_while_decoding",
+    }
     assert config.additional_config["decode_batch_buckets"][0] == 1
 
 

@@ -17,8 +17,12 @@ BUCKET_SETTINGS = {
 }
 # --additional-config keys of the automatic bucket policy (docs/buckets.md)
 POLICY_SETTINGS = ("bucket_policy", "graph_budget", "traffic")
+# --additional-config key: prefill tokens per step while requests decode (vllm_neuron/scheduler.py)
+INTERLEAVE_SETTING = "prefill_tokens_while_decoding"
 DEFAULT_GRAPH_BUDGET = 24
 DEFAULT_BLOCK_SIZE = 32
+# A prefill chunk of this size costs about one or two decode steps of a small model on CPU (docs/batching.md)
+DEFAULT_INTERLEAVE_TOKENS = 64
 
 
 class NeuronConfigError(ValueError):
@@ -29,15 +33,16 @@ class NeuronConfigError(ValueError):
 class NeuronConfig:
     buckets: BucketConfig
     block_size: int
+    prefill_tokens_while_decoding: int
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
         additional: dict[str, Any] = dict(vllm_config.additional_config or {})
-        unknown = sorted(set(additional) - set(BUCKET_SETTINGS) - set(POLICY_SETTINGS))
+        accepted = {*BUCKET_SETTINGS, *POLICY_SETTINGS, INTERLEAVE_SETTING}
+        unknown = sorted(set(additional) - accepted)
         if unknown:
             raise NeuronConfigError(
-                f"unknown --additional-config keys {unknown}; "
-                f"the Neuron plugin accepts {sorted([*BUCKET_SETTINGS, *POLICY_SETTINGS])}"
+                f"unknown --additional-config keys {unknown}; the Neuron plugin accepts {sorted(accepted)}"
             )
         limits = {
             "max_model_len": vllm_config.model_config.max_model_len,
@@ -67,15 +72,36 @@ class NeuronConfig:
             validate_buckets(buckets, **limits)
         except BucketError as err:
             raise NeuronConfigError(f"invalid Neuron bucket configuration: {err}") from None
-        return cls(buckets=buckets, block_size=limits["block_size"])
+        return cls(
+            buckets=buckets,
+            block_size=limits["block_size"],
+            prefill_tokens_while_decoding=_interleave_tokens(additional, buckets),
+        )
 
-    def as_additional_config(self) -> dict[str, list[int]]:
-        """The resolved buckets, written back so every process and the logs see the same set."""
+    def as_additional_config(self) -> dict[str, Any]:
+        """The resolved settings, written back so every process and the logs see the same ones."""
         return {
             "prefill_buckets": list(self.buckets.prefill_tokens),
             "decode_batch_buckets": list(self.buckets.decode_batch),
             "context_buckets": list(self.buckets.context_tokens),
+            INTERLEAVE_SETTING: self.prefill_tokens_while_decoding,
         }
+
+
+def _interleave_tokens(additional: dict[str, Any], buckets: BucketConfig) -> int:
+    """Prefill tokens per step while requests decode; 0 lets prefill take the whole step budget.
+
+    The default is the smallest prefill bucket of at least DEFAULT_INTERLEAVE_TOKENS, so the capped chunk
+    fills a compiled shape exactly."""
+    value = additional.get(INTERLEAVE_SETTING)
+    if value is None:
+        fitting = [size for size in buckets.prefill_tokens if size >= DEFAULT_INTERLEAVE_TOKENS]
+        return fitting[0] if fitting else buckets.prefill_tokens[-1]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise NeuronConfigError(
+            f"{INTERLEAVE_SETTING} must be a non-negative integer (0 disables the cap), got {value!r}"
+        )
+    return value
 
 
 def _policy_buckets(additional: dict[str, Any], limits: dict[str, int]) -> BucketConfig:

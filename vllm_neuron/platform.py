@@ -24,6 +24,7 @@ logger = init_logger("vllm.vllm_neuron.platform")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 WORKER_CLS = "worker.neuron_worker.NeuronWorker"
+SCHEDULER_CLS = "vllm_neuron.scheduler.NeuronScheduler"
 ATTENTION_BACKEND_CLS = "kv_cache.backend.NeuronAttentionBackend"
 
 
@@ -138,7 +139,10 @@ class NeuronPlatform(Platform):
         compilation_config.mode = CompilationMode.NONE
         compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         compilation_config.cudagraph_capture_sizes = []
-        vllm_config.scheduler_config.async_scheduling = False
+        scheduler_config = vllm_config.scheduler_config
+        scheduler_config.async_scheduling = False
+        if scheduler_config.scheduler_cls is None:
+            scheduler_config.scheduler_cls = SCHEDULER_CLS
 
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
@@ -149,11 +153,13 @@ class NeuronPlatform(Platform):
         neuron_config = NeuronConfig.from_vllm_config(vllm_config)
         vllm_config.additional_config = neuron_config.as_additional_config()
         logger.info(
-            "Neuron plugin (%s mode, compile backend %s): block size %d, %s",
+            "Neuron plugin (%s mode, compile backend %s): block size %d, %s; "
+            "at most %s prefill tokens per step while requests decode",
             neuron_device.mode(),
             neuron_device.compile_backend(),
             cache_config.block_size,
             neuron_config.buckets.describe(),
+            neuron_config.prefill_tokens_while_decoding or "unlimited",
         )
 
     @classmethod

@@ -1,0 +1,56 @@
+"""vLLM's scheduler, with prefill held to a small share of each step while requests are decoding.
+
+The model runner executes a step as one call for the decode rows and one per prefill chunk, so a step's
+duration, and with it the inter-token latency of every running stream, grows with the prefill tokens it
+carries. Under light load (few requests decoding, few waiting) a step carries at most
+`prefill_tokens_while_decoding` prefill tokens beside the decode rows, so running streams keep receiving
+tokens at about the pace of decode steps while a long prompt is prefilled a little per step. Under load the
+share grows to the whole `--max-num-batched-tokens` budget, with whichever is larger: the fraction of
+`--max-num-seqs` that is decoding (a large decode step costs more, so the same prefill delays it
+relatively less) or the fraction of requests still prefilling (a burst of arrivals needs its prompts in
+to keep the batch full; their time to first token counts too). With nothing decoding, prefill gets the
+whole budget. Everything else (admission, chunking, prefix caching, preemption) is vLLM's own scheduler,
+unchanged.
+"""
+
+import copy
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_neuron.config import NeuronConfig
+
+
+class NeuronScheduler(Scheduler):
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        self.prefill_tokens_while_decoding = NeuronConfig.from_vllm_config(
+            vllm_config
+        ).prefill_tokens_while_decoding
+        self.full_token_budget = self.max_num_scheduled_tokens
+        # A private copy: the per-request prefill cap below changes from step to step.
+        self.scheduler_config = copy.copy(self.scheduler_config)
+        self.configured_prefill_cap = self.scheduler_config.long_prefill_token_threshold
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        decoding = sum(1 for request in self.running if not request.is_prefill_chunk)
+        prefilling = len(self.running) - decoding + len(self.waiting)
+        cap = self.prefill_share(decoding, prefilling)
+        if cap:
+            # Every prefill chunk is capped too: a chunk ahead of the decoding requests in the running
+            # queue must not take their tokens.
+            self.max_num_scheduled_tokens = min(self.full_token_budget, decoding + cap)
+            self.scheduler_config.long_prefill_token_threshold = min(cap, self.configured_prefill_cap or cap)
+        else:
+            self.max_num_scheduled_tokens = self.full_token_budget
+            self.scheduler_config.long_prefill_token_threshold = self.configured_prefill_cap
+        return super().schedule(throttle_prefills)
+
+    def prefill_share(self, decoding: int, prefilling: int) -> int:
+        """Prefill tokens a step may carry beside `decoding` decode rows while `prefilling` requests wait for
+        (more of) their prompt; 0 means no cap."""
+        if not decoding or not self.prefill_tokens_while_decoding:
+            return 0
+        load = max(decoding / self.max_num_running_reqs, prefilling / (decoding + prefilling))
+        share = max(self.prefill_tokens_while_decoding, int(self.full_token_budget * load))
+        return share if share < self.full_token_budget else 0
