@@ -28,6 +28,11 @@ def test_key_is_stable_and_changes_with_what_the_graphs_depend_on(tiny_model_dir
     assert key_of(tiny_model_dir, dtype="bfloat16") != base
     assert key_of(tiny_model_dir, additional_config={"decode_batch_buckets": [1, 4]}) != base
     assert key_of(tiny_model_dir, max_model_len=128) != base
+    # The prefill share per step is a scheduling choice: the graphs do not depend on it.
+    assert key_of(tiny_model_dir, additional_config={"prefill_tokens_while_decoding": 32}) == base
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    assert key_of(tiny_model_dir) != base
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
     other_model = tmp_path / "other"
     other_model.mkdir()
     for item in tiny_model_dir.iterdir():
@@ -60,7 +65,7 @@ def test_prepare_points_the_compilers_at_the_folder(tiny_model_dir, tmp_path, mo
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder / "inductor")
     assert os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] == "/mnt/users-own-neff-cache"  # the user's choice wins
     described = json.loads((folder / "key.json").read_text())
-    assert described["dtype"] == "torch.float32" and described["buckets"]["context_buckets"] == [256]
+    assert described["dtype"] == "torch.float32" and described["buckets"]["context_tokens"] == [256]
 
 
 @pytest.mark.slow

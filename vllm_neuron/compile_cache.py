@@ -58,8 +58,14 @@ def key_fields(vllm_config: "VllmConfig", neuron_config: "NeuronConfig") -> dict
         "dtype": str(model_config.dtype),
         "max_model_len": model_config.max_model_len,
         "block_size": neuron_config.block_size,
-        "buckets": neuron_config.as_additional_config(),
+        "buckets": {
+            "prefill_tokens": neuron_config.buckets.prefill_tokens,
+            "decode_batch": neuron_config.buckets.decode_batch,
+            "context_tokens": neuron_config.buckets.context_tokens,
+        },
         "tensor_parallel_size": parallel_config.tensor_parallel_size,
+        # Logical NeuronCore size (1 or 2 physical cores per logical core on trn2): NEFFs are built for one.
+        "logical_nc_config": os.environ.get("NEURON_LOGICAL_NC_CONFIG", ""),
         "device_mode": device.mode(),
         "compile_backend": device.compile_backend(),
         "versions": device.versions(),
