@@ -60,14 +60,14 @@ def test_engine_config_gets_our_worker_buckets_and_no_vllm_compilation(tiny_mode
         "prefill_buckets": [128],
         "decode_batch_buckets": [1, 2, 4],
         "context_buckets": [256],
-        "prefill_tokens_while_decoding": 128,  # no prefill bucket >= 64 but 128
+        "prefill_tokens_while_decoding": 128,  # no prefill bucket >= 48 but 128
     }
 
 
 @pytest.mark.parametrize(
     ("additional_config", "expected"),
     [
-        ({"prefill_buckets": [32, 64, 128]}, 64),  # the smallest prefill bucket of at least 64
+        ({"prefill_buckets": [32, 64, 128]}, 64),  # the smallest prefill bucket of at least 48
         ({"prefill_buckets": [16, 32]}, 32),  # none that large: the largest
         ({"prefill_tokens_while_decoding": 48}, 48),
         ({"prefill_tokens_while_decoding": 0}, 0),  # no cap

@@ -3,8 +3,8 @@ steps become bucketed calls shows up as a readable diff of this table.
 
 Engine: max_num_batched_tokens 96, max_num_seqs 4; buckets prefill [32, 64], decode [1, 2, 4],
 context [128, 256] (tests/conftest.py). vLLM's scheduler serves running requests first, then waiting ones,
-within the 96-token budget. While requests decode, our scheduler gives prefill the budget times the larger of
-decoding / max_num_seqs and prefilling / all requests, and at least 64 tokens (vllm_neuron/scheduler.py)."""
+within the 96-token budget. Under light load (at most 2 of 4 requests decoding, fewer prompts waiting than
+that) our scheduler holds prefill to 64 tokens a step (vllm_neuron/scheduler.py)."""
 
 import pytest
 from vllm.inputs import TokensPrompt
@@ -33,21 +33,19 @@ EXPECTED = [
     ["decode of 2 requests: batch 2 x context 128", "prefill of 5 tokens at 0: tokens 32 x context 128"],
     # step 3: three decodes pad to the batch bucket of 4
     ["decode of 3 requests: batch 4 x context 128"],
-    # step 4: d arrives while three of four requests decode: prefill gets 3/4 of the budget (72 tokens),
-    # run as sub-chunks of 64 and 8; b and c finish
+    # step 4: d arrives while three of four requests decode (more than half: no cap): its first 93 tokens
+    # (96 minus 3 decodes) run as sub-chunks of 64 and 29; b and c finish
     [
         "decode of 3 requests: batch 4 x context 128",
         "prefill of 64 tokens at 0: tokens 64 x context 128",
-        "prefill of 8 tokens at 64: tokens 32 x context 128",
+        "prefill of 29 tokens at 64: tokens 32 x context 128",
     ],
-    # step 5: light load (one request decodes, one prefills): d is held to 64 tokens, and needs the 256
-    # context bucket
-    ["decode of 1 requests: batch 1 x context 128", "prefill of 64 tokens at 72: tokens 64 x context 256"],
-    # step 6: a was cancelled; with nothing decoding, the rest of d (14 tokens) may take the whole budget
-    ["prefill of 14 tokens at 136: tokens 32 x context 256"],
-    # step 7: d decodes alone and finishes
+    # step 5: light load (a decodes, d prefills): d's prefill may take 64 tokens, and its last 57 need the
+    # 256 context bucket
+    ["decode of 1 requests: batch 1 x context 128", "prefill of 57 tokens at 93: tokens 64 x context 256"],
+    # step 6: a was cancelled; d decodes alone and finishes
     ["decode of 1 requests: batch 1 x context 256"],
-    # step 8: nothing left
+    # step 7: nothing left
     [],
 ]
 

@@ -21,8 +21,8 @@ POLICY_SETTINGS = ("bucket_policy", "graph_budget", "traffic")
 INTERLEAVE_SETTING = "prefill_tokens_while_decoding"
 DEFAULT_GRAPH_BUDGET = 24
 DEFAULT_BLOCK_SIZE = 32
-# A prefill chunk of this size costs about one or two decode steps of a small model on CPU (docs/batching.md)
-DEFAULT_INTERLEAVE_TOKENS = 64
+# A prefill chunk of this size costs about one decode step of a small model on CPU (docs/batching.md)
+DEFAULT_INTERLEAVE_TOKENS = 48
 
 
 class NeuronConfigError(ValueError):

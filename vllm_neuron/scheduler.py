@@ -2,15 +2,12 @@
 
 The model runner executes a step as one call for the decode rows and one per prefill chunk, so a step's
 duration, and with it the inter-token latency of every running stream, grows with the prefill tokens it
-carries. Under light load (few requests decoding, few waiting) a step carries at most
-`prefill_tokens_while_decoding` prefill tokens beside the decode rows, so running streams keep receiving
-tokens at about the pace of decode steps while a long prompt is prefilled a little per step. Under load the
-share grows to the whole `--max-num-batched-tokens` budget, with whichever is larger: the fraction of
-`--max-num-seqs` that is decoding (a large decode step costs more, so the same prefill delays it
-relatively less) or the fraction of requests still prefilling (a burst of arrivals needs its prompts in
-to keep the batch full; their time to first token counts too). With nothing decoding, prefill gets the
-whole budget. Everything else (admission, chunking, prefix caching, preemption) is vLLM's own scheduler,
-unchanged.
+carries. Under light load (the decode batch at most half full, and fewer prompts waiting than streams
+running) a step carries at most `prefill_tokens_while_decoding` prefill tokens beside the decode rows: the
+running streams' pace is what users feel then, and a long prompt is prefilled a little per step. Otherwise
+(a full decode batch, or a burst of arrivals) throughput and everyone's time to first token win, and
+prefill gets vLLM's whole `--max-num-batched-tokens` budget, as it does with nothing decoding. Everything
+else (admission, chunking, prefix caching, preemption) is vLLM's own scheduler, unchanged.
 """
 
 import copy
@@ -48,9 +45,8 @@ class NeuronScheduler(Scheduler):
 
     def prefill_share(self, decoding: int, prefilling: int) -> int:
         """Prefill tokens a step may carry beside `decoding` decode rows while `prefilling` requests wait for
-        (more of) their prompt; 0 means no cap."""
-        if not decoding or not self.prefill_tokens_while_decoding:
+        (more of) their prompt; 0 means vLLM's whole budget."""
+        light_load = decoding <= self.max_num_running_reqs // 2 and prefilling <= decoding
+        if not decoding or not light_load or not self.prefill_tokens_while_decoding:
             return 0
-        load = max(decoding / self.max_num_running_reqs, prefilling / (decoding + prefilling))
-        share = max(self.prefill_tokens_while_decoding, int(self.full_token_budget * load))
-        return share if share < self.full_token_budget else 0
+        return min(self.prefill_tokens_while_decoding, self.full_token_budget)
