@@ -423,6 +423,7 @@ def test_runs_as_non_root_with_a_read_only_root_filesystem(render):
     pod = only(docs, "Deployment")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
     assert pod["automountServiceAccountToken"] is False
+    assert "initContainers" not in pod, "nothing runs as root unless volumePermissions is enabled"
     context = server(docs)["securityContext"]
     assert context["readOnlyRootFilesystem"] is True
     assert context["allowPrivilegeEscalation"] is False
@@ -464,6 +465,11 @@ def test_existing_claims_and_secrets_are_used_as_named(render):
         "valueFrom": {"secretKeyRef": {"name": "vllm-api-key", "key": "api-key"}},
     }
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    # volumePermissions: root only to hand the (root-owned) FSx top folder to the server's UID, nothing else.
+    (init,) = only(docs, "Deployment")["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"] == ["chown", "1000:1000", "/cache/models", "/cache/compile"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
 
 
 def test_secret_values_go_into_a_secret_never_into_the_pod_spec(render):

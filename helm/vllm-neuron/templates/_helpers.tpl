@@ -240,6 +240,33 @@ priorityClassName: {{ . }}
 {{- end }}
 {{- end -}}
 
+{{- define "vllm-neuron.initContainers" -}}
+{{- if .Values.volumePermissions.enabled }}
+initContainers:
+  - name: volume-permissions
+    image: {{ include "vllm-neuron.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command:
+      - chown
+      - {{ printf "%d:%d" (int .Values.podSecurityContext.runAsUser) (int .Values.podSecurityContext.runAsGroup) | quote }}
+      - {{ .Values.persistence.modelCache.mountPath | quote }}
+      - {{ .Values.persistence.compileCache.mountPath | quote }}
+    securityContext:
+      runAsUser: 0
+      runAsNonRoot: false
+      allowPrivilegeEscalation: false
+      readOnlyRootFilesystem: true
+      capabilities:
+        drop: [ALL]
+        add: [CHOWN]
+    volumeMounts:
+      - name: model-cache
+        mountPath: {{ .Values.persistence.modelCache.mountPath }}
+      - name: compile-cache
+        mountPath: {{ .Values.persistence.compileCache.mountPath }}
+{{- end }}
+{{- end -}}
+
 {{/* Pod-level settings shared by the Deployment and the prewarm Job. */}}
 {{- define "vllm-neuron.podCommon" -}}
 serviceAccountName: {{ include "vllm-neuron.serviceAccountName" . }}
@@ -252,6 +279,7 @@ imagePullSecrets:
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- include "vllm-neuron.scheduling" . }}
+{{- include "vllm-neuron.initContainers" . }}
 volumes:
   {{- include "vllm-neuron.volumes" . | nindent 2 }}
 {{- end -}}
