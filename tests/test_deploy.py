@@ -380,11 +380,14 @@ def test_whole_devices_are_sized_from_tp_and_lnc(render, tp, lnc, devices):
 def test_buckets_and_extra_args_reach_vllm_neuron_serve(render):
     args = server(render("llama-3.1-8b-tp4"))["args"]
     assert json.loads(flag(args, "--additional-config")) == {
-        "prefill_buckets": [512, 2048, 8192],
+        "prefill_buckets": [512, 1024, 2048],
         "decode_batch_buckets": [1, 4, 8, 16, 32],
         "context_buckets": [2048, 4096, 8192],
     }
     assert flag(args, "--max-model-len") == "8192" and flag(args, "--max-num-seqs") == "32"
+    # The plugin refuses a prefill bucket above --max-num-batched-tokens: the example sets both.
+    assert flag(args, "--max-num-batched-tokens") == "2048"
+    assert "--max-num-batched-tokens" not in server(render("default"))["args"]
     assert flag(args, "--host") == "0.0.0.0" and flag(args, "--port") == "8000"
 
     args = server(render(None, "additionalConfig.bucket_policy=auto", "extraArgs={--enable-prefix-caching}"))[
@@ -393,6 +396,29 @@ def test_buckets_and_extra_args_reach_vllm_neuron_serve(render):
     assert json.loads(flag(args, "--additional-config")) == {"bucket_policy": "auto"}
     assert args[-1] == "--enable-prefix-caching"
     assert "--additional-config" not in server(render("default"))["args"]
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_example_buckets_pass_the_plugins_own_checks(render, example):
+    """Bucket sets an example gives would otherwise only be refused at start-up, after the image pull."""
+    from vllm_neuron.buckets import BucketConfig, validate_buckets
+
+    args = server(render(example))["args"]
+    if "--additional-config" not in args:
+        return  # the plugin's defaults, derived from the engine limits
+    config = json.loads(flag(args, "--additional-config"))
+    buckets = BucketConfig(
+        prefill_tokens=tuple(config["prefill_buckets"]),
+        decode_batch=tuple(config["decode_batch_buckets"]),
+        context_tokens=tuple(config["context_buckets"]),
+    )
+    validate_buckets(
+        buckets,
+        max_model_len=int(flag(args, "--max-model-len")),
+        max_num_seqs=int(flag(args, "--max-num-seqs")),
+        max_num_batched_tokens=int(flag(args, "--max-num-batched-tokens")),
+        block_size=int(flag(args, "--block-size")) if "--block-size" in args else 32,
+    )
 
 
 @pytest.mark.parametrize("example", ["default", "llama-3.1-8b-tp4", "cpu"])

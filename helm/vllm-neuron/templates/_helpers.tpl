@@ -88,6 +88,10 @@ ranks rounded up to devices: a Trainium2 chip has 8 physical cores, i.e. 8 / LNC
 - "--max-model-len"
 - {{ .Values.maxModelLen | quote }}
 {{- end }}
+{{- if gt (int .Values.maxNumBatchedTokens) 0 }}
+- "--max-num-batched-tokens"
+- {{ .Values.maxNumBatchedTokens | quote }}
+{{- end }}
 {{- with .Values.model.servedModelName }}
 - "--served-model-name"
 - {{ . | quote }}
