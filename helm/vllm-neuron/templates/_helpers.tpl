@@ -1,0 +1,289 @@
+{{/* Names and labels. */}}
+{{- define "vllm-neuron.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "vllm-neuron.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "vllm-neuron.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "vllm-neuron.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "vllm-neuron.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "vllm-neuron.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "vllm-neuron.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "vllm-neuron.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "vllm-neuron.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion .Values.device) -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+
+{{/* Secrets: the chart's own Secret holds whichever of the two values were given. */}}
+{{- define "vllm-neuron.secretName" -}}
+{{- include "vllm-neuron.fullname" . -}}
+{{- end -}}
+
+{{- define "vllm-neuron.createSecret" -}}
+{{- if or (and .Values.apiKey.value (not .Values.apiKey.existingSecret)) (and .Values.hfToken.value (not .Values.hfToken.existingSecret)) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/*
+Neuron resource count. With cores, one logical NeuronCore per tensor-parallel rank. With whole devices, the
+ranks rounded up to devices: a Trainium2 chip has 8 physical cores, i.e. 8 / LNC logical ones.
+*/}}
+{{- define "vllm-neuron.neuronCount" -}}
+{{- if gt (int .Values.neuron.count) 0 -}}
+{{- .Values.neuron.count -}}
+{{- else if eq .Values.neuron.resourceName "aws.amazon.com/neuron" -}}
+{{- $perDevice := div 8 (int .Values.neuron.logicalNcConfig) -}}
+{{- div (add (int .Values.tensorParallelSize) (sub $perDevice 1)) $perDevice -}}
+{{- else -}}
+{{- .Values.tensorParallelSize -}}
+{{- end -}}
+{{- end -}}
+
+{{/* --additional-config: the bucket sets (when given) merged over additionalConfig. */}}
+{{- define "vllm-neuron.additionalConfig" -}}
+{{- $config := deepCopy .Values.additionalConfig -}}
+{{- with .Values.buckets.prefill }}{{ $_ := set $config "prefill_buckets" . }}{{ end -}}
+{{- with .Values.buckets.decodeBatch }}{{ $_ := set $config "decode_batch_buckets" . }}{{ end -}}
+{{- with .Values.buckets.context }}{{ $_ := set $config "context_buckets" . }}{{ end -}}
+{{- if $config }}{{ toJson $config }}{{ end -}}
+{{- end -}}
+
+{{/* Arguments of `vllm-neuron serve` (the image's ENTRYPOINT), one per line as a YAML list. */}}
+{{- define "vllm-neuron.serveArgs" -}}
+{{- with .Values.model.name }}
+- {{ . | quote }}
+{{- end }}
+- "--host"
+- "0.0.0.0"
+- "--port"
+- {{ .Values.server.port | quote }}
+- "--tensor-parallel-size"
+- {{ .Values.tensorParallelSize | quote }}
+- "--max-num-seqs"
+- {{ .Values.maxNumSeqs | quote }}
+{{- if gt (int .Values.maxModelLen) 0 }}
+- "--max-model-len"
+- {{ .Values.maxModelLen | quote }}
+{{- end }}
+{{- if gt (int .Values.maxNumBatchedTokens) 0 }}
+- "--max-num-batched-tokens"
+- {{ .Values.maxNumBatchedTokens | quote }}
+{{- end }}
+{{- with .Values.model.servedModelName }}
+- "--served-model-name"
+- {{ . | quote }}
+{{- end }}
+{{- with .Values.model.revision }}
+- "--revision"
+- {{ . | quote }}
+{{- end }}
+{{- with .Values.model.dtype }}
+- "--dtype"
+- {{ . | quote }}
+{{- end }}
+- "--shutdown-timeout"
+- {{ .Values.server.shutdownTimeoutSeconds | quote }}
+{{- with include "vllm-neuron.additionalConfig" . }}
+- "--additional-config"
+- {{ . | quote }}
+{{- end }}
+{{- range .Values.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "vllm-neuron.compileCacheRoot" -}}
+{{- if eq .Values.device "neuron" -}}
+{{/* NEFFs compiled for one LNC value do not run under the other, and the plugin's cache key does not include
+it: one folder per LNC value keeps them apart on the shared volume. */}}
+{{- printf "%s/lnc%d" .Values.persistence.compileCache.mountPath (int .Values.neuron.logicalNcConfig) -}}
+{{- else -}}
+{{- .Values.persistence.compileCache.mountPath -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment shared by the server and the prewarm Job. */}}
+{{- define "vllm-neuron.env" -}}
+- name: VLLM_NEURON_DEVICE
+  value: {{ .Values.device | quote }}
+- name: VLLM_NEURON_CACHE_ROOT
+  value: {{ include "vllm-neuron.compileCacheRoot" . | quote }}
+- name: VLLM_NEURON_MODEL_CACHE
+  value: {{ .Values.persistence.modelCache.mountPath | quote }}
+- name: HF_HOME
+  value: {{ printf "%s/hf" .Values.persistence.modelCache.mountPath | quote }}
+- name: HOME
+  value: /home/vllm
+- name: VLLM_NO_USAGE_STATS
+  value: "1"
+- name: DO_NOT_TRACK
+  value: "1"
+{{- if eq .Values.device "neuron" }}
+- name: NEURON_LOGICAL_NC_CONFIG
+  value: {{ .Values.neuron.logicalNcConfig | quote }}
+{{- end }}
+{{- if or .Values.apiKey.existingSecret .Values.apiKey.value }}
+- name: VLLM_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.existingSecret | default (include "vllm-neuron.secretName" .) }}
+      key: {{ ternary .Values.apiKey.existingSecretKey "api-key" (ne .Values.apiKey.existingSecret "") }}
+{{- end }}
+{{- if or .Values.hfToken.existingSecret .Values.hfToken.value }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.hfToken.existingSecret | default (include "vllm-neuron.secretName" .) }}
+      key: {{ ternary .Values.hfToken.existingSecretKey "hf-token" (ne .Values.hfToken.existingSecret "") }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Resources: the user's CPU and memory plus, in neuron mode, the Neuron device plugin's resource. */}}
+{{- define "vllm-neuron.resources" -}}
+{{- $resources := deepCopy .Values.resources -}}
+{{- if eq .Values.device "neuron" -}}
+{{- $count := include "vllm-neuron.neuronCount" . -}}
+{{- $requests := get $resources "requests" | default dict -}}
+{{- $limits := get $resources "limits" | default dict -}}
+{{- $_ := set $requests .Values.neuron.resourceName $count -}}
+{{- $_ := set $limits .Values.neuron.resourceName $count -}}
+{{- $_ := set $resources "requests" $requests -}}
+{{- $_ := set $resources "limits" $limits -}}
+{{- end -}}
+{{- toYaml $resources -}}
+{{- end -}}
+
+{{- define "vllm-neuron.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: /home/vllm
+- name: shm
+  mountPath: /dev/shm
+- name: model-cache
+  mountPath: {{ .Values.persistence.modelCache.mountPath }}
+- name: compile-cache
+  mountPath: {{ .Values.persistence.compileCache.mountPath }}
+{{- end -}}
+
+{{- define "vllm-neuron.cacheVolume" -}}
+{{- $cache := index .root.Values.persistence .key -}}
+- name: {{ .name }}
+{{- if and $cache.enabled $cache.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ $cache.existingClaim }}
+{{- else if $cache.enabled }}
+  persistentVolumeClaim:
+    claimName: {{ printf "%s-%s" (include "vllm-neuron.fullname" .root) .name }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{- define "vllm-neuron.volumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: home
+  emptyDir: {}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.shmSizeLimit }}
+{{ include "vllm-neuron.cacheVolume" (dict "root" . "key" "modelCache" "name" "model-cache") }}
+{{ include "vllm-neuron.cacheVolume" (dict "root" . "key" "compileCache" "name" "compile-cache") }}
+{{- end -}}
+
+{{/* Scheduling: the user's nodeSelector and tolerations plus, in neuron mode, the trn2 ones. */}}
+{{- define "vllm-neuron.scheduling" -}}
+{{- $nodeSelector := deepCopy .Values.nodeSelector -}}
+{{- $tolerations := .Values.tolerations -}}
+{{- if eq .Values.device "neuron" -}}
+{{- $nodeSelector = merge $nodeSelector .Values.neuron.nodeSelector -}}
+{{- $tolerations = concat .Values.neuron.tolerations .Values.tolerations -}}
+{{- end -}}
+{{- with $nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{- define "vllm-neuron.initContainers" -}}
+{{- if .Values.volumePermissions.enabled }}
+initContainers:
+  - name: volume-permissions
+    image: {{ include "vllm-neuron.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command:
+      - chown
+      - {{ printf "%d:%d" (int .Values.podSecurityContext.runAsUser) (int .Values.podSecurityContext.runAsGroup) | quote }}
+      - {{ .Values.persistence.modelCache.mountPath | quote }}
+      - {{ .Values.persistence.compileCache.mountPath | quote }}
+    securityContext:
+      runAsUser: 0
+      runAsNonRoot: false
+      allowPrivilegeEscalation: false
+      readOnlyRootFilesystem: true
+      capabilities:
+        drop: [ALL]
+        add: [CHOWN]
+    volumeMounts:
+      - name: model-cache
+        mountPath: {{ .Values.persistence.modelCache.mountPath }}
+      - name: compile-cache
+        mountPath: {{ .Values.persistence.compileCache.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level settings shared by the Deployment and the prewarm Job. */}}
+{{- define "vllm-neuron.podCommon" -}}
+serviceAccountName: {{ include "vllm-neuron.serviceAccountName" . }}
+# The server never calls the Kubernetes API.
+automountServiceAccountToken: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- include "vllm-neuron.scheduling" . }}
+{{- include "vllm-neuron.initContainers" . }}
+volumes:
+  {{- include "vllm-neuron.volumes" . | nindent 2 }}
+{{- end -}}
