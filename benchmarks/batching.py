@@ -137,7 +137,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
-    parser.add_argument("--requests-per-client", type=int, default=2)
+    # Enough requests per client that the run measures steady state, not the ramp at the start and the tail.
+    parser.add_argument("--requests-per-client", type=int, default=4)
     args = parser.parse_args()
     if args.model == "smollm2":
         from server.default_model import ensure_default_model
