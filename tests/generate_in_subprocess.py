@@ -4,10 +4,16 @@ A process picks its vLLM platform once, so comparisons with vLLM's own CPU platf
 engines of other dtypes run here, in their own process, with the environment the caller chose.
 
     python tests/generate_in_subprocess.py '{"model": DIR, "engine": {}, "prompts": [[1]], "max_tokens": 4}'
+
+Optional keys: "churn_bursts" (then run tests/test_churn.py's workload and report it), and with the plugin
+active the result carries each rank's compile_stats (graphs, recompiles after warm-up, KV cache shape).
 """
 
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` importable, as under pytest
 
 
 def main() -> None:
@@ -34,8 +40,20 @@ def main() -> None:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     from torch._dynamo.utils import counters
 
+    churn = None
+    if request.get("churn_bursts"):
+        from tests.test_churn import run_churn
+
+        free_before = core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        requests, finished, cancelled = run_churn(llm.llm_engine, bursts=request["churn_bursts"])
+        free_after = core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        churn = {"requests": requests, "finished": finished, "cancelled": cancelled}
+        churn["blocks_freed"] = free_after == free_before
+    ours = type(current_platform).__name__ == "NeuronPlatform"
     result = {
         "platform": type(current_platform).__name__,
+        "compile_stats": llm.collective_rpc("compile_stats") if ours else None,
+        "churn": churn,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "preemptions": len(preempted),
         "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},

@@ -25,15 +25,14 @@ def sampling_variant(rng: random.Random, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=rng.random() < 0.7, **rng.choice(variants))
 
 
-def test_churn_adds_no_graph_and_frees_every_block(llm):
-    engine = llm.llm_engine
-    scheduler = engine.engine_core.engine_core.scheduler
-    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    rng = random.Random(2026)
+def run_churn(engine, seed: int = 2026, bursts: int = 8) -> tuple[int, int, int]:
+    """The churn workload on an LLMEngine; returns (requests, finished, cancelled). Also run under tensor
+    parallelism by tests/generate_in_subprocess.py."""
+    rng = random.Random(seed)
     shared_prefixes = [[rng.randrange(10, 400) for _ in range(n)] for n in (40, 100, 170)]
     live: dict[str, int] = {}  # request id -> step at which to cancel it (or -1)
     next_id, step, finished, cancelled = 0, 0, 0, 0
-    for burst in range(8):
+    for burst in range(bursts):
         for _ in range(rng.randint(3, 9)):  # a burst larger than max_num_seqs: requests queue, then drain
             if rng.random() < 0.35:
                 prompt = rng.choice(shared_prefixes) + [
@@ -48,7 +47,7 @@ def test_churn_adds_no_graph_and_frees_every_block(llm):
                 req_id, TokensPrompt(prompt_token_ids=prompt), sampling_variant(rng, max_tokens)
             )
             live[req_id] = step + rng.randint(1, 6) if rng.random() < 0.2 else -1
-        drain_until = step + (400 if burst == 7 else rng.randint(2, 15))
+        drain_until = step + (400 if burst == bursts - 1 else rng.randint(2, 15))
         while live and step < drain_until:
             for req_id, cancel_at in list(live.items()):
                 if cancel_at == step:
@@ -61,7 +60,15 @@ def test_churn_adds_no_graph_and_frees_every_block(llm):
                     finished += 1
             step += 1
     assert not live, f"{len(live)} requests never finished"
-    assert finished + cancelled == next_id and cancelled > 0
+    return next_id, finished, cancelled
+
+
+def test_churn_adds_no_graph_and_frees_every_block(llm):
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    requests, finished, cancelled = run_churn(engine)
+    assert finished + cancelled == requests and cancelled > 0
     runner = model_runner(llm)
     assert runner.recorder.unexpected == []
     assert runner.recorder.num_graphs == EXPECTED_GRAPHS

@@ -44,6 +44,9 @@ def test_key_is_stable_and_changes_with_what_the_graphs_depend_on(tiny_model_dir
     fields = compile_cache.key_fields(*configs(tiny_model_dir))
     fields["tensor_parallel_size"] = 2
     assert compile_cache.cache_key(fields) != base
+    # Each tensor-parallel rank keeps its own artefacts.
+    rank_1 = compile_cache.key_fields(*configs(tiny_model_dir), tp_rank=1)
+    assert rank_1["tensor_parallel_rank"] == 1 and compile_cache.cache_key(rank_1) != base
 
 
 def test_inductor_default_location_is_not_taken_for_a_choice(tiny_model_dir, tmp_path, monkeypatch):

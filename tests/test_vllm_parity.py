@@ -24,8 +24,10 @@ def run_engine(
     env: dict[str, str | None],
     prompts: list[list[int]] = PROMPTS,
     max_tokens: int = MAX_TOKENS,
+    extra: dict | None = None,
 ) -> dict:
     request = {"model": str(model_dir), "engine": engine, "prompts": prompts, "max_tokens": max_tokens}
+    request |= extra or {}
     child_env = dict(os.environ)
     for name, value in env.items():
         if value is None:

@@ -48,7 +48,9 @@ def cache_root() -> Path:
     return Path(xdg_cache) / "vllm-neuron" / "compile"
 
 
-def key_fields(vllm_config: "VllmConfig", neuron_config: "NeuronConfig") -> dict[str, object]:
+def key_fields(
+    vllm_config: "VllmConfig", neuron_config: "NeuronConfig", tp_rank: int = 0
+) -> dict[str, object]:
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
     return {
@@ -64,6 +66,8 @@ def key_fields(vllm_config: "VllmConfig", neuron_config: "NeuronConfig") -> dict
             "context_tokens": neuron_config.buckets.context_tokens,
         },
         "tensor_parallel_size": parallel_config.tensor_parallel_size,
+        # Each rank compiles the graphs of its own shard (on Trainium, with its place in the group).
+        "tensor_parallel_rank": tp_rank,
         # Logical NeuronCore size (1 or 2 physical cores per logical core on trn2): NEFFs are built for one.
         "logical_nc_config": os.environ.get("NEURON_LOGICAL_NC_CONFIG", ""),
         "device_mode": device.mode(),
@@ -76,10 +80,10 @@ def cache_key(fields: dict[str, object]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def prepare(vllm_config: "VllmConfig", neuron_config: "NeuronConfig") -> Path:
-    """Create this configuration's cache folder and point the compilers at it (unless the user already
-    chose their own folders). Returns the folder."""
-    fields = key_fields(vllm_config, neuron_config)
+def prepare(vllm_config: "VllmConfig", neuron_config: "NeuronConfig", tp_rank: int = 0) -> Path:
+    """Create this configuration's (and tensor-parallel rank's) cache folder and point the compilers at it
+    (unless the user already chose their own folders). Returns the folder."""
+    fields = key_fields(vllm_config, neuron_config, tp_rank)
     folder = cache_root() / cache_key(fields)
     warm = folder.is_dir() and any(folder.iterdir())
     folder.mkdir(parents=True, exist_ok=True)

@@ -76,6 +76,40 @@ def dist_backend() -> str:
     return "neuron" if mode() == "neuron" else "gloo"
 
 
+def communicator_cls() -> str:
+    """vLLM's device communicator for tensor-parallel collectives (all-reduce, all-gather, gather,
+    broadcast). Both run torch.distributed on the group vLLM created with dist_backend(): the base class on
+    the `neuron` process group; in CPU mode vLLM's CPU communicator over gloo (its shared-memory fast path
+    needs vllm._C, which the plugin never loads, so it stays on torch.distributed like Neuron mode)."""
+    if mode() == "neuron":
+        return "vllm.distributed.device_communicators.base_device_communicator.DeviceCommunicatorBase"
+    return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+
+
+def visible_core_count() -> int:
+    """NeuronCores this process may use: NEURON_RT_VISIBLE_CORES when set (the Kubernetes device plugin sets
+    it), else what TorchNeuron counts."""
+    from vllm_neuron.parallel import parse_cores
+
+    visible = os.environ.get("NEURON_RT_VISIBLE_CORES")
+    return len(parse_cores(visible)) if visible else device_count()
+
+
+def pin_rank(local_rank: int, local_world_size: int) -> None:
+    """Neuron mode: give this rank's process only its own NeuronCore, before anything starts the runtime
+    (the runtime reserves every visible core for the first process that starts it). TorchNeuron's process
+    group reads LOCAL_RANK / LOCAL_WORLD_SIZE and keeps a NEURON_RT_VISIBLE_CORES already set. CPU mode:
+    nothing to pin."""
+    if mode() != "neuron" or local_world_size <= 1:
+        return
+    from vllm_neuron.parallel import rank_core
+
+    core = rank_core(os.environ.get("NEURON_RT_VISIBLE_CORES"), local_rank, local_world_size)
+    os.environ["NEURON_RT_VISIBLE_CORES"] = str(core)
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+
+
 def compile_backend() -> str:
     """The torch.compile backend for the model step ("none" means run uncompiled)."""
     chosen = envs.VLLM_NEURON_COMPILE_BACKEND

@@ -9,6 +9,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_neuron import device as neuron_device
+from vllm_neuron import parallel
 from vllm_neuron.config import DEFAULT_BLOCK_SIZE, NeuronConfig
 
 if TYPE_CHECKING:
@@ -92,6 +93,10 @@ class NeuronPlatform(Platform):
         return False
 
     @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return neuron_device.communicator_cls()
+
+    @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
         if dtype == torch.float64:
             raise UnsupportedConfigError(
@@ -126,6 +131,9 @@ class NeuronPlatform(Platform):
         if model_config is None:
             return
         _refuse_unsupported(vllm_config)
+        parallel.check(
+            vllm_config, neuron_device.visible_core_count() if neuron_device.mode() == "neuron" else None
+        )
 
         cache_config = vllm_config.cache_config
         if not cache_config.user_specified_block_size:
@@ -202,9 +210,6 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
         ),
         "pipeline parallelism is not supported: use --pipeline-parallel-size 1": (
             vllm_config.parallel_config.pipeline_parallel_size > 1
-        ),
-        "tensor parallelism is not supported yet: use --tensor-parallel-size 1": (
-            vllm_config.parallel_config.tensor_parallel_size > 1
         ),
         "speculative decoding is not supported: remove --speculative-config": (
             vllm_config.speculative_config is not None

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.attention import Attention
@@ -73,6 +74,10 @@ class NeuronModelRunner:
         self.stats = metrics.CallStats()
         self.step_calls: list[str] = []  # the calls of the latest step, described (tests, debugging)
         self.serving = False  # warm-up calls are not traffic: tally calls only once it is over
+        # Every rank runs every call; only the driver rank (TP rank 0) records traffic series, so that
+        # Prometheus counters count steps once, not once per rank.
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.records_traffic = self.tp_rank == 0
         self._pending: _PendingStep | None = None
         self._forward_seconds = 0.0  # of the step being executed
         self._memory_sampled_at = 0.0
@@ -82,7 +87,7 @@ class NeuronModelRunner:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model = get_model(vllm_config=self.vllm_config)
-        self.compile_cache = compile_cache.prepare(self.vllm_config, self.neuron_config)
+        self.compile_cache = compile_cache.prepare(self.vllm_config, self.neuron_config, self.tp_rank)
         self.compiled_step, self.recorder = neuron_compile.compile_static(
             ModelStep(self.model),
             neuron_device.compile_backend(),
@@ -200,7 +205,7 @@ class NeuronModelRunner:
         self._run_decode(decode, logits)
         self._run_prefill(prefill, logits)
         self._pending = _PendingStep(scheduler_output, logits, partial)
-        if self.serving:
+        if self.serving and self.records_traffic:
             metrics.STEP_SECONDS.labels(part="forward").observe(self._forward_seconds)
             prepare = time.perf_counter() - start - self._forward_seconds
             metrics.STEP_SECONDS.labels(part="prepare").observe(prepare)
@@ -254,7 +259,7 @@ class NeuronModelRunner:
 
     def _tally(self, phase: str, bucket: str, real: int, slots: int) -> None:
         self.step_calls.append(self.recorder.current_call)
-        if self.serving:
+        if self.serving and self.records_traffic:
             self.stats.record(phase, bucket, real, slots)
 
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
@@ -303,6 +308,6 @@ class NeuronModelRunner:
             prompt_logprobs_dict={},
         )
         self.batch.append_sampled(sampled)
-        if self.serving:
+        if self.serving and self.records_traffic:
             metrics.STEP_SECONDS.labels(part="sample").observe(time.perf_counter() - start)
         return output

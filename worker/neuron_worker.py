@@ -27,8 +27,10 @@ class NeuronWorker(WorkerBase):
     model_runner: NeuronModelRunner
 
     def init_device(self) -> None:
+        # Order matters on Trainium: pin this rank to its core, then create the process groups (TorchNeuron's
+        # `neuron` group starts the runtime and refuses a runtime started before it), then bind the device.
+        neuron_device.pin_rank(self.local_rank, self.parallel_config.local_world_size)
         self.device = neuron_device.torch_device(self.local_rank)
-        neuron_device.set_device(self.device)
         init_worker_distributed_environment(
             self.vllm_config,
             self.rank,
@@ -36,6 +38,9 @@ class NeuronWorker(WorkerBase):
             self.local_rank,
             neuron_device.dist_backend(),
         )
+        neuron_device.set_device(self.device)
+        # Same seed on every rank: each samples from the same all-gathered logits with the same random
+        # stream, so every rank's persistent batch holds the tokens the driver rank returns.
         set_random_seed(self.model_config.seed)
         self.model_runner = NeuronModelRunner(self.vllm_config, self.device)
 
@@ -83,6 +88,16 @@ class NeuronWorker(WorkerBase):
         # Warm-up consumed random numbers; serving starts from the configured seed.
         set_random_seed(self.model_config.seed)
         return CompilationTimes(language_model=seconds, encoder=0.0)
+
+    def compile_stats(self) -> dict[str, object]:
+        """This rank's compiled graphs and recompiles after warm-up (collective_rpc("compile_stats"))."""
+        recorder, caches = self.model_runner.recorder, self.model_runner.kv_caches
+        return {
+            "rank": self.rank,
+            "graphs": recorder.num_graphs,
+            "unexpected_recompiles": len(recorder.unexpected),
+            "kv_cache_shape": list(caches[0].shape) if caches else [],
+        }
 
     def get_supported_tasks(self) -> tuple["SupportedTask", ...]:
         return ("generate",)

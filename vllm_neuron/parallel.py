@@ -1,0 +1,95 @@
+"""Tensor parallelism: start-up checks of the TP size, and which NeuronCores each rank's process may use.
+
+vLLM shards the layers itself (--tensor-parallel-size) and its multiprocess executor starts one worker per
+rank; what Trainium adds is that each rank's process must reserve only its own NeuronCore (the runtime
+reserves every visible core for the first process that starts it), and that the TP size must fit the
+cores this host or pod was given.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel configuration the plugin cannot serve; the message names the constraint."""
+
+
+def parse_cores(spec: str) -> list[int]:
+    """NeuronCore indices of a NEURON_RT_VISIBLE_CORES value: "3", "0-7" or "0-3,8-11"."""
+    cores: list[int] = []
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise TensorParallelError(
+                f"NEURON_RT_VISIBLE_CORES={spec!r}: expected core indices or ranges such as 0-7"
+            ) from None
+        if first > last:
+            raise TensorParallelError(f"NEURON_RT_VISIBLE_CORES={spec!r}: range {part} is descending")
+        cores.extend(range(first, last + 1))
+    return cores
+
+
+def rank_core(visible: str | None, local_rank: int, local_world_size: int) -> int:
+    """The NeuronCore of one rank: the local_rank-th of the cores this process was given (all cores, from
+    index 0, when NEURON_RT_VISIBLE_CORES is unset)."""
+    if not visible:
+        return local_rank
+    cores = parse_cores(visible)
+    if len(cores) < local_world_size:
+        raise TensorParallelError(
+            f"{local_world_size} ranks on this node need {local_world_size} NeuronCores, but "
+            f"NEURON_RT_VISIBLE_CORES={visible} gives {len(cores)}: lower --tensor-parallel-size or "
+            "request more cores (Helm: tensorParallelSize sizes aws.amazon.com/neuroncore)"
+        )
+    return cores[local_rank]
+
+
+def check_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """TP must split the query heads evenly; KV heads are either split evenly or, when there are fewer
+    KV heads than ranks, replicated so that each rank holds one (vLLM's QKVParallelLinear does that)."""
+    if num_heads % tp_size:
+        raise TensorParallelError(
+            f"--tensor-parallel-size {tp_size} must divide the model's {num_heads} attention heads; "
+            f"use one of {_divisors(num_heads)}"
+        )
+    if num_kv_heads >= tp_size and num_kv_heads % tp_size:
+        raise TensorParallelError(
+            f"--tensor-parallel-size {tp_size} must divide the model's {num_kv_heads} KV heads "
+            f"(or be a multiple of it, to replicate them); use one of {_divisors(num_kv_heads)}"
+        )
+    if num_kv_heads < tp_size and tp_size % num_kv_heads:
+        raise TensorParallelError(
+            f"--tensor-parallel-size {tp_size} is above the model's {num_kv_heads} KV heads, so each KV "
+            f"head is replicated: TP must then be a multiple of {num_kv_heads}"
+        )
+
+
+def check_fits_cores(world_size_on_node: int, visible_cores: int) -> None:
+    if world_size_on_node > visible_cores:
+        raise TensorParallelError(
+            f"--tensor-parallel-size needs {world_size_on_node} NeuronCores on this node (one per rank) "
+            f"but {visible_cores} are visible: lower --tensor-parallel-size, request more cores, or check "
+            "NEURON_RT_VISIBLE_CORES"
+        )
+
+
+def check(vllm_config: "VllmConfig", visible_cores: int | None) -> None:
+    """Start-up checks; visible_cores is None in CPU mode (any TP size runs there, one process per rank)."""
+    parallel = vllm_config.parallel_config
+    tp_size = parallel.tensor_parallel_size
+    if tp_size > 1:
+        model_config = vllm_config.model_config
+        heads = model_config.model_arch_config.total_num_attention_heads
+        check_heads(heads, model_config.get_total_num_kv_heads(), tp_size)
+    if visible_cores is not None:
+        check_fits_cores(parallel.local_world_size, visible_cores)
+
+
+def _divisors(count: int) -> list[int]:
+    return [size for size in range(1, count + 1) if count % size == 0]
