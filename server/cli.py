@@ -2,6 +2,7 @@
 
 vllm-neuron serve [MODEL] [any `vllm serve` option]
 vllm-neuron info
+vllm-neuron loadtest [options]
 """
 
 import atexit
@@ -17,12 +18,14 @@ from vllm_neuron import device, envs
 
 logger = logging.getLogger("vllm.vllm_neuron.cli")
 
-USAGE = """usage: vllm-neuron {serve,info} ...
+USAGE = """usage: vllm-neuron {serve,info,loadtest} ...
 
   serve [MODEL] [options]   vLLM's OpenAI-compatible server on Trainium (CPU mode where no Neuron device
                             exists). Takes every `vllm serve` option; see `vllm-neuron serve --help`.
                             Without MODEL it serves SmolLM2-135M-Instruct, prepared once in the cache.
   info                      print the environment check (TorchNeuron, devices, versions, settings) as JSON
+  loadtest [options]        drive an OpenAI-compatible endpoint and report latency, throughput and, for
+                            ours, recompiles and padding; see `vllm-neuron loadtest --help`
 """
 
 # Applied when the user does not give them: keeps the number of compiled graphs (one per bucket) small.
@@ -34,6 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     _share_metrics_across_processes()
     command = argv[0] if argv else ""
+    if command == "loadtest":  # a client of any OpenAI-compatible server, ours or not
+        from loadtest.cli import main as loadtest_main
+
+        loadtest_main(argv[1:])
+        return
     if command == "info":
         print(json.dumps(info(), indent=2))
     elif command == "serve":
