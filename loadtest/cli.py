@@ -79,7 +79,11 @@ def parser() -> argparse.ArgumentParser:
         help="requests in flight, e.g. 1,8,32 (default 8); with --rate, the most in flight (default 256)",
     )
     load.add_argument("--rate", type=lambda t: _numbers(float, t), help="Poisson arrivals, requests/s")
-    load.add_argument("--requests", type=int, help="measured requests per level (default 100)")
+    load.add_argument(
+        "--requests",
+        type=lambda t: _numbers(int, t),
+        help="measured requests per level (default 100), or one number per level, e.g. 8,32,64",
+    )
     load.add_argument("--duration", type=float, help="seconds per level: no request is sent after it")
     load.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each level")
     load.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
@@ -109,14 +113,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def levels_from(args: argparse.Namespace) -> list[Level]:
-    requests = args.requests if args.requests is not None else (None if args.duration else 100)
-    common = dict(requests=requests, duration_s=args.duration, warmup=args.warmup)
     if args.rate:
         if args.concurrency and len(args.concurrency) > 1:
             raise SystemExit("with --rate, --concurrency is one number: the most requests in flight")
         cap = args.concurrency[0] if args.concurrency else 256
-        return [Level(concurrency=cap, rate=rate, **common) for rate in args.rate]
-    return [Level(concurrency=c, **common) for c in (args.concurrency or [8])]
+        shapes = [(cap, rate) for rate in args.rate]
+    else:
+        shapes = [(c, None) for c in (args.concurrency or [8])]
+    requests = args.requests or [None if args.duration else 100]
+    if len(requests) == 1:
+        requests = requests * len(shapes)
+    if len(requests) != len(shapes):
+        raise SystemExit(f"--requests: give one number, or one per level ({len(shapes)})")
+    return [
+        Level(concurrency=c, rate=rate, requests=n, duration_s=args.duration, warmup=args.warmup)
+        for (c, rate), n in zip(shapes, requests, strict=True)
+    ]
 
 
 async def _discover_model(base_url: str, headers: dict[str, str]) -> str:
@@ -182,8 +194,6 @@ async def run(args: argparse.Namespace) -> tuple[list[LevelResult], dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
-    if args.requests is not None and args.requests < 1:
-        raise SystemExit("--requests must be at least 1")
     results, doc = asyncio.run(run(args))
     print(report.table(results))
     if args.json_out:

@@ -66,6 +66,22 @@ def llm(tiny_model_dir):
     engine.llm_engine.engine_core.shutdown()
 
 
+@pytest.fixture(scope="session")
+def api_server(tiny_model_dir, tmp_path_factory):
+    """One `vllm-neuron serve` of the tiny model for the HTTP tests, with an API key and a body limit."""
+    from tests.serving import API_KEY, MAX_REQUEST_BYTES, ServerProcess
+
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    server = ServerProcess(
+        tiny_model_dir, log_path, "--api-key", API_KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES)
+    )
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
 def model_runner(llm):
     """The NeuronModelRunner inside an in-process engine."""
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner

@@ -391,6 +391,11 @@ def test_cli_levels():
         (0.5, 256, None, 60.0),
         (2.0, 256, None, 60.0),
     ]
+    levels = levels_from(parser().parse_args(["--concurrency", "1,8", "--requests", "4,16"]))
+    assert [(lv.concurrency, lv.requests) for lv in levels] == [(1, 4), (8, 16)]
+    assert levels_from(parser().parse_args([]))[0].requests == 100
+    with pytest.raises(SystemExit):
+        levels_from(parser().parse_args(["--concurrency", "1,8,32", "--requests", "4,16"]))
     with pytest.raises(SystemExit):
         parser().parse_args(["--concurrency", "0"])
 

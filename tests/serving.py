@@ -1,0 +1,115 @@
+"""A real `vllm-neuron serve` process on 127.0.0.1 for server tests, and a small HTTP helper."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from tests.conftest import ENGINE_KWARGS, MAX_MODEL_LEN
+
+MODEL_NAME = "tiny"
+# The shared test server (tests/conftest.py: api_server) requires this key and caps request bodies.
+API_KEY = "test-key"
+MAX_REQUEST_BYTES = 1_000_000
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http(
+    method: str, url: str, body: bytes | None = None, *, key: str | None = None, timeout: float = 60
+) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
+    """The test engine's settings (tests/conftest.py) as `vllm-neuron serve` arguments."""
+    return [
+        str(Path(sys.executable).with_name("vllm-neuron")),
+        "serve",
+        str(model_dir),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        str(ENGINE_KWARGS["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(ENGINE_KWARGS["max_num_batched_tokens"]),
+        "--additional-config",
+        json.dumps(ENGINE_KWARGS["additional_config"]),
+        *extra,
+    ]
+
+
+class ServerProcess:
+    """Start the server; `wait_healthy` records every /health status seen until the first 200."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ)
+        # The CLI must pick CPU mode by itself; the engine core runs in its own (spawned) process.
+        env.pop("VLLM_NEURON_DEVICE", None)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(
+                serve_command(model_dir, self.port, *extra),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.health_seen: list[int | str] = []
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError("server exited:\n" + self.log()[-5000:])
+            try:
+                status = http("GET", self.base + "/health", timeout=5)[0]
+            except OSError as error:
+                status = type(error).__name__
+            self.health_seen.append(status)
+            if status == 200:
+                return
+            time.sleep(0.5)
+        raise AssertionError("server did not become healthy:\n" + self.log()[-5000:])
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            raise
