@@ -49,6 +49,66 @@ QUIET_ENV = {
 }
 
 
+class ForeignCpu:
+    """CPU used by processes outside this run (other users of the machine) while a phase runs, in cores:
+    the machine's busy time (/proc/stat) minus that of this process and its descendants (live ones read
+    directly, ended ones through the cumulative child times of their parents)."""
+
+    def __init__(self) -> None:
+        self.ticks = os.sysconf("SC_CLK_TCK")
+        self.start = self._sample()
+
+    @staticmethod
+    def _busy_ticks() -> int:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+    def _tree_ticks(self) -> int:
+        children: dict[int, list[int]] = {}
+        stats: dict[int, list[str]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                text = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = text.rsplit(")", 1)[1].split()
+            stats[int(entry.name)] = fields
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+        total, todo = 0, [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            if pid in stats:
+                total += sum(int(v) for v in stats[pid][11:15])  # utime stime cutime cstime
+            todo.extend(children.get(pid, []))
+        return total
+
+    def _sample(self) -> tuple[float, int, int]:
+        return time.monotonic(), self._busy_ticks(), self._tree_ticks()
+
+    def cores(self) -> float:
+        """Mean foreign cores since the last call (or creation)."""
+        now = self._sample()
+        seconds = now[0] - self.start[0]
+        foreign = (now[1] - self.start[1]) - (now[2] - self.start[2])
+        self.start = now
+        return max(0.0, foreign / self.ticks / seconds) if seconds > 0 else 0.0
+
+
+def wait_quiet(limit_s: float = 900, threshold: float = 0.15) -> float:
+    """Wait (at most limit_s) until other processes use under `threshold` cores over 10 s."""
+    monitor, waited = ForeignCpu(), 0.0
+    while True:
+        time.sleep(10)
+        waited += 10
+        cores = monitor.cores()
+        if cores < threshold or waited >= limit_s:
+            if waited > 10:
+                print(f"waited {waited:.0f} s for a quiet machine (other processes: {cores:.2f} cores)")
+            return cores
+
+
 def workload() -> Workload:
     return Workload(
         LengthDist("fixed", PROMPT_TOKENS),
@@ -374,8 +434,12 @@ def main() -> None:
     }
     print(json.dumps(result["machine"]), flush=True)
 
+    foreign: dict[str, float] = {}
     print("(c) HF transformers and the roofline ...", flush=True)
+    wait_quiet()
+    monitor = ForeignCpu()
     result["hf"] = run_child("--child", "hf", model, str(args.hf_sequential))
+    foreign["hf"] = monitor.cores()
     print(
         json.dumps({k: v for k, v in result["hf"].items() if k in ("roofline_start", "linears_ms")}),
         flush=True,
@@ -384,8 +448,11 @@ def main() -> None:
     print("(a) vllm-neuron serve, CPU mode ...", flush=True)
     os.environ.pop("VLLM_NEURON_DEVICE", None)  # the CLI chooses CPU mode by itself where no device exists
     ours = Config("ours", model, ["--dtype", "bfloat16"], MAX_MODEL_LEN)
+    wait_quiet()
+    monitor = ForeignCpu()
     server = Server(ours, str(workdir / "compile-cache"), workdir / "ours.log")
     result["ours"] = serve_and_load(server, requests, workdir / "ours.json")
+    foreign["ours"] = monitor.cores()
     if not result["ours"]["target"]["ours"]:
         raise RuntimeError("(a) does not answer /v1/neuron/info: not our plugin")
 
@@ -399,8 +466,11 @@ def main() -> None:
         MAX_MODEL_LEN,
         env={"VLLM_PLUGINS": "", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
     )
+    wait_quiet()
+    monitor = ForeignCpu()
     server = VllmCpuServer(theirs, str(workdir / "compile-cache"), workdir / "vllm-cpu.log")
     result["vllm_cpu"] = serve_and_load(server, requests, workdir / "vllm-cpu.json")
+    foreign["vllm_cpu"] = monitor.cores()
     if result["vllm_cpu"]["target"]["ours"] or any(
         (lv["server"] or {}).get("plugin_series") for lv in result["vllm_cpu"]["levels"]
     ):
@@ -408,9 +478,11 @@ def main() -> None:
 
     result["roofline"] = {"start": result["hf"]["roofline_start"], "end": run_child("--child", "roofline")}
     result["seconds"] = time.monotonic() - started
+    result["foreign_cpu_cores"] = foreign
     table = markdown(result)
     print("\n" + table)
-    print(f"\nwhole run {result['seconds'] / 60:.1f} min; logs and reports in {workdir}")
+    print(f"\nother processes' CPU during each phase, mean cores: {json.dumps(foreign)}")
+    print(f"whole run {result['seconds'] / 60:.1f} min; logs and reports in {workdir}")
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
