@@ -96,7 +96,7 @@ class ForeignCpu:
         return max(0.0, foreign / self.ticks / seconds) if seconds > 0 else 0.0
 
 
-def wait_quiet(limit_s: float = 900, threshold: float = 0.15) -> float:
+def wait_quiet(limit_s: float = 1800, threshold: float = 0.15) -> float:
     """Wait (at most limit_s) until other processes use under `threshold` cores over 10 s."""
     monitor, waited = ForeignCpu(), 0.0
     while True:
