@@ -48,20 +48,24 @@ class Server:
         env["VLLM_NEURON_COMPILE_BACKEND"] = config.backend
         for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TORCHINDUCTOR_CACHE_DIR", "PROMETHEUS_MULTIPROC_DIR"):
             env.pop(name, None)
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(
+                self.command(config), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.started = time.monotonic()
+
+    def command(self, config: Config) -> list[str]:
+        """The server's command line (benchmarks/compare.py starts vLLM's own server instead)."""
         command = [VLLM_NEURON, "serve", config.model, "--served-model-name", "m", "--host", "127.0.0.1"]
-        command += [
+        return [
+            *command,
             "--port",
             str(self.port),
             "--max-model-len",
             str(config.max_model_len),
             *config.serve_args,
         ]
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            self.process = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.started = time.monotonic()
 
     def wait_healthy(self, limit_s: float = 3600) -> float:
         while time.monotonic() - self.started < limit_s:

