@@ -329,8 +329,11 @@ def test_plugin_series_on_metrics_after_traffic(server, client):
     assert any('phase="prefill"' in k and 'bucket="64x128"' in k for k in calls)
     assert set(metric_values(text, "vllm_neuron:warmup_seconds")) == {'{phase="decode"}', '{phase="prefill"}'}
     steps = metric_values(text, "vllm_neuron:step_seconds_count")
+    seconds = metric_values(text, "vllm_neuron:step_seconds_sum")
     assert set(steps) == {'{part="prepare"}', '{part="forward"}', '{part="sample"}'}
     assert all(count > 0 for count in steps.values())
+    # Sane: each part of a tiny model's step is a fraction of a second (a clock mix-up once gave hours).
+    assert all(0 < seconds[part] / steps[part] < 1.0 for part in steps)
     total = one("vllm_neuron:kv_blocks_total")
     assert total > 0 and 0 <= one("vllm_neuron:kv_blocks_used") <= total
     assert one("vllm_neuron:device_memory_used_bytes") > 0

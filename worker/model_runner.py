@@ -183,7 +183,7 @@ class NeuronModelRunner:
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput | None:
-        start = time.perf_counter()
+        step_start = time.perf_counter()
         self.step_calls = []
         self._forward_seconds = 0.0
         self.batch.update(scheduler_output)
@@ -207,9 +207,9 @@ class NeuronModelRunner:
         self._pending = _PendingStep(scheduler_output, logits, partial)
         if self.serving and self.records_traffic:
             metrics.STEP_SECONDS.labels(part="forward").observe(self._forward_seconds)
-            prepare = time.perf_counter() - start - self._forward_seconds
+            prepare = time.perf_counter() - step_start - self._forward_seconds
             metrics.STEP_SECONDS.labels(part="prepare").observe(prepare)
-            self._sample_usage(start)
+            self._sample_usage(step_start)
         return None
 
     def _sample_usage(self, now: float) -> None:
