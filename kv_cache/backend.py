@@ -17,17 +17,23 @@ from kv_cache import ops
 
 @dataclass
 class NeuronAttentionMetadata:
-    """Per-step attention inputs; all tensors, all of bucketed shape, so a compiled graph never specialises on
-    a per-step Python value.
+    """Per-call attention inputs; all tensors, all of bucketed shape, so a compiled graph never specialises on
+    a per-step Python value. A prefill call has a block table, a decode call pages (kv_cache.ops).
 
-    block_table:     [rows, context_blocks] block ids of each row's context window (padding: null block)
     query_positions: [rows, queries_per_row] absolute positions of the queries
     slot_mapping:    [rows * queries_per_row] cache slot each new key/value is written to
+    block_table:     prefill: [rows, context_blocks] block ids of each row's context window
+    page_blocks:     decode: [pages, blocks_per_page] block ids of each KV page (padding: null block)
+    page_rows:       decode: [pages] the row each page belongs to
+    page_starts:     decode: [pages] position of each page's first key
     """
 
-    block_table: torch.Tensor
     query_positions: torch.Tensor
     slot_mapping: torch.Tensor
+    block_table: torch.Tensor | None = None
+    page_blocks: torch.Tensor | None = None
+    page_rows: torch.Tensor | None = None
+    page_starts: torch.Tensor | None = None
 
 
 class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMetadata]):
@@ -104,6 +110,18 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
     ) -> torch.Tensor:
         ops.write_kv(kv_cache, key, value, attn_metadata.slot_mapping)
         rows, queries_per_row = attn_metadata.query_positions.shape
+        if attn_metadata.page_blocks is not None:
+            attended = ops.decode_attention(
+                query.view(rows, self.num_heads, self.head_size),
+                kv_cache,
+                attn_metadata.page_blocks,
+                attn_metadata.page_rows,
+                attn_metadata.page_starts,
+                attn_metadata.query_positions.view(rows),
+                self.scale,
+            )
+            output.copy_(attended.view_as(output))
+            return output
         attended = ops.paged_attention(
             query.view(rows, queries_per_row, self.num_heads, self.head_size),
             kv_cache,

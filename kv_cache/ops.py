@@ -5,14 +5,20 @@ No vLLM imports: these are the kernels, and NKI kernels can later sit behind the
 Layout (see kv_cache/layout.py): one tensor per layer, [2, num_kv_heads, num_blocks, block_size, head_size],
 index 0 holding keys and 1 values. Block 0 is vLLM's null block: padded rows write there and read from it.
 
-Queries come as [rows, queries_per_row, num_heads, head_size]: a decode step is (batch, 1), a prefill chunk
-is (1, chunk tokens). Each row has a block table over its context window and each query its absolute
-position; a query attends to every key position <= its own. The chunk's own keys are written to the cache
-before attention, so one gather reads the cached prefix and the chunk alike.
+paged_attention: queries come as [rows, queries_per_row, num_heads, head_size] (a prefill chunk is one row of
+chunk tokens). Each row has a block table over its context window and each query its absolute position; a
+query attends to every key position <= its own. The chunk's own keys are written to the cache before
+attention, so one gather reads the cached prefix and the chunk alike.
+
+decode_attention: one query per row, over pages of KV blocks that the rows share (each row as many as its
+context needs), so a decode step reads about the rows' real contexts instead of rows x the longest one.
 """
 
 import torch
 import torch.nn.functional as F
+
+# Score of a masked key: finite, so a page with no visible key gives weights of 0 after rescaling, not NaN.
+_MASKED = -1e30
 
 
 def write_kv(
@@ -25,18 +31,28 @@ def write_kv(
     kv_cache[1].view(kv_heads, slots, head_size).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of each row's context window, contiguous: [kv_heads, rows, blocks * block_size, d]."""
+def _copyable(table: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 4-byte elements where that is valid: CPU index_select copies 2-byte elements one by
+    one, about 3x slower than the same bytes as float32 (a pure reinterpretation, no conversion)."""
+    if table.device.type == "cpu" and table.element_size() == 2 and table.shape[-1] % 2 == 0:
+        return table.view(torch.float32)
+    return table
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the blocks in each row of block_ids [rows, blocks], each row's blocks contiguous:
+    [kv_heads, rows, blocks * block_size, head_size]."""
     _, kv_heads, num_blocks, block_size, head_size = kv_cache.shape
-    rows, blocks = block_table.shape
-    # One gather of whole blocks along dim 0 of a [kv_heads * blocks, block] view (each head's copy of a
-    # block at head * num_blocks + block): several times faster on CPU than index_select along dim 1.
-    head_offsets = torch.arange(kv_heads, device=block_table.device).view(kv_heads, 1) * num_blocks
-    flat_ids = (head_offsets + block_table.reshape(1, -1)).reshape(-1)
-    shape = (kv_heads, rows, blocks * block_size, head_size)
-    keys = kv_cache[0].view(kv_heads * num_blocks, -1).index_select(0, flat_ids).view(shape)
-    values = kv_cache[1].view(kv_heads * num_blocks, -1).index_select(0, flat_ids).view(shape)
-    return keys, values
+    rows, blocks = block_ids.shape
+    # One gather of whole blocks along dim 0 of a [2 * kv_heads * blocks, block] view (K or V of a head's
+    # copy of a block at (kv * kv_heads + head) * num_blocks + block): several times faster on CPU than
+    # index_select along an inner dimension.
+    copy_offsets = torch.arange(2 * kv_heads, device=block_ids.device).view(-1, 1) * num_blocks
+    flat_ids = (copy_offsets + block_ids.reshape(1, -1)).reshape(-1)
+    table = kv_cache.view(2 * kv_heads * num_blocks, block_size * head_size)
+    gathered = _copyable(table).index_select(0, flat_ids).view(kv_cache.dtype)
+    both = gathered.view(2, kv_heads, rows, blocks * block_size, head_size)
+    return both[0], both[1]
 
 
 def paged_attention(
@@ -51,7 +67,7 @@ def paged_attention(
     block_table: [rows, blocks] block ids; query_positions: [rows, q] absolute positions.
     Returns [rows, q, heads, head_size] in the query's dtype.
     """
-    keys, values = gather_context(kv_cache, block_table)
+    keys, values = gather_blocks(kv_cache, block_table)
     return attention_over_context(query, keys, values, query_positions, scale)
 
 
@@ -78,6 +94,54 @@ def attention_over_context(
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
     out = out.view(kv_heads, rows, group, num_queries, head_size)
     return out.permute(1, 3, 0, 2, 4).reshape(rows, num_queries, num_heads, head_size)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_blocks: torch.Tensor,
+    page_rows: torch.Tensor,
+    page_starts: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per row [rows, heads, head_size] at `positions` [rows], over KV pages shared by the rows.
+
+    page_blocks [pages, blocks_per_page]: the blocks of each page; page_rows [pages]: the row it belongs to;
+    page_starts [pages]: the position of its first key. A row's pages cover its context, so the work follows
+    the rows' real contexts rather than padding every row to the longest. Padding pages start past every
+    position (nothing visible) and belong to row 0; a row without pages (batch padding) returns zeros.
+
+    Each page gives a partial softmax (its max, its sum, its weighted values); the rows combine their pages
+    by rescaling to the row's max, as split-K ("flash decoding") kernels do. Returns [rows, heads, head_size].
+    """
+    rows, num_heads, head_size = query.shape
+    keys, values = gather_blocks(kv_cache, page_blocks)  # [kv_heads, pages, page_tokens, d]
+    kv_heads, pages, page_tokens = keys.shape[0], keys.shape[1], keys.shape[2]
+    group = num_heads // kv_heads
+    # Each page takes its row's query heads of every KV head: [kv_heads, pages, group, d].
+    q = query.view(rows, kv_heads, group, head_size).index_select(0, page_rows).transpose(0, 1)
+    # Scores in the model's dtype, like the model's own eager attention; softmax statistics in float32.
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [kv_heads, pages, group, tokens]
+    key_positions = page_starts.view(pages, 1) + torch.arange(page_tokens, device=query.device)
+    visible = key_positions <= positions.index_select(0, page_rows).view(pages, 1)
+    scores = scores.masked_fill(~visible.view(1, pages, 1, page_tokens), _MASKED)
+    page_max = scores.amax(-1)  # [kv_heads, pages, group]
+    weights = torch.exp(scores - page_max.unsqueeze(-1))
+    page_sum = weights.sum(-1)
+    page_out = torch.matmul(weights.to(values.dtype), values).float()  # [kv_heads, pages, group, d]
+    # Combine each row's pages through a [rows, pages] ownership matrix: matmuls and a masked max, no
+    # scatter, so it traces and tiles the same way on every backend.
+    owner = page_rows.view(1, pages) == torch.arange(rows, device=query.device).view(rows, 1)
+    row_max = torch.where(
+        owner.view(1, rows, pages, 1), page_max.view(kv_heads, 1, pages, group), _MASKED
+    ).amax(2)  # [kv_heads, rows, group]
+    rescale = torch.exp(page_max - row_max.index_select(1, page_rows))  # [kv_heads, pages, group]
+    ownership = owner.to(torch.float32)
+    total = torch.matmul(ownership, (page_out * rescale.unsqueeze(-1)).reshape(kv_heads, pages, -1))
+    norm = torch.matmul(ownership, page_sum * rescale).clamp_min(torch.finfo(torch.float32).tiny)
+    out = total.view(kv_heads, rows, group, head_size) / norm.view(kv_heads, rows, group, 1)
+    return out.to(query.dtype).permute(1, 0, 2, 3).reshape(rows, num_heads, head_size)
 
 
 def reference_attention(

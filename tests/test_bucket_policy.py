@@ -9,7 +9,14 @@ import pytest
 
 from vllm_neuron import bucket_policy
 from vllm_neuron.bucket_policy import TrafficShape, auto_buckets, simulate
-from vllm_neuron.buckets import BucketConfig, BucketError, default_buckets, pick_bucket, validate_buckets
+from vllm_neuron.buckets import (
+    BucketConfig,
+    BucketError,
+    default_buckets,
+    pages_for,
+    pick_bucket,
+    validate_buckets,
+)
 
 # The reference case of the docs: chat-like traffic on a 2048-token model.
 TRAFFIC = TrafficShape(prompt_len=(8, 2048), output_len=(8, 256), concurrency=32)
@@ -133,7 +140,7 @@ def test_every_size_a_bucket_gives_efficiency_one():
     result = simulate(observed, TRAFFIC, **LIMITS)
     assert result["prefill"] == 1.0 and result["decode"] == 1.0
     # Every possible size a bucket, in all three dimensions: no bucket set pads less. (Decode context
-    # efficiency stays well below 1 even so: a decode call attends as far as its longest row.)
+    # efficiency stays below 1 even so: a decode call attends over whole pages.)
     every = BucketConfig(tuple(range(1, 2049)), tuple(range(1, 33)), tuple(range(BLOCK, 2049, BLOCK)))
     result = simulate(every, TRAFFIC, **LIMITS)
     assert result["prefill"] == 1.0 and result["decode"] == 1.0
@@ -172,13 +179,19 @@ def reference_simulate(
         for first in range(0, len(starts), largest_batch):
             group = starts[first : first + largest_batch]
             batch = pick_bucket(buckets.decode_batch, len(group))
-            context = pick_bucket(buckets.context_tokens, max(group) + 1)
+            summed = sum(start + 1 for start in group)
+            # The rows share batch x pages(context) pages: the bucket holds their average context.
+            capacity = next(
+                pages_for(c, buckets.page_tokens) * buckets.page_tokens
+                for c in buckets.decode_contexts()
+                if pages_for(c, buckets.page_tokens) * buckets.page_tokens * batch >= summed
+            )
             total.update(
                 decode_calls=1,
                 decode_rows=len(group),
                 decode_slots=batch,
-                decode_real=sum(start + 1 for start in group),
-                decode_padded=batch * context,
+                decode_real=summed,
+                decode_padded=batch * capacity,
             )
         for request, count in scheduled:
             for offset in range(0, count if count > 1 else 0, largest_chunk):
@@ -331,7 +344,8 @@ def test_auto_buckets_beat_the_defaults_with_no_more_graphs():
             simulate(auto, TRAFFIC, **LIMITS, seed=seed),
             simulate(default, TRAFFIC, **LIMITS, seed=seed),
         )
-        assert ours["prefill"] >= theirs["prefill"] and ours["decode"] >= theirs["decode"]
+        # (no worse: within the search's tie margin, which goes to fewer graphs)
+        assert ours["prefill"] >= theirs["prefill"] and ours["decode"] >= theirs["decode"] - 1e-3
         # the product's targets for a 24-graph budget
         assert ours["prefill"] >= 0.75 and ours["decode"] >= 0.85
     # Prefill boundaries are aligned for the hardware where that costs little.

@@ -87,11 +87,16 @@ def test_default_buckets_example():
 
 # ---- shapes ----------------------------------------------------------------------------------------
 
+PAGE = 8  # decode page tokens of these sets, small enough that most context buckets differ in pages
 CONFIGS = [
-    BucketConfig(prefill_tokens=(4, 16, 64), decode_batch=(1, 2), context_tokens=(8, 16, 32, 64)),
-    BucketConfig(prefill_tokens=(8,), decode_batch=(1,), context_tokens=(8, 24, 40)),
-    BucketConfig(prefill_tokens=(3, 5, 32), decode_batch=(1, 4), context_tokens=(4, 12, 16, 48)),
-    BucketConfig(prefill_tokens=(16, 32), decode_batch=(2,), context_tokens=(64,)),
+    BucketConfig(
+        prefill_tokens=(4, 16, 64), decode_batch=(1, 2), context_tokens=(8, 16, 32, 64), page_tokens=PAGE
+    ),
+    BucketConfig(prefill_tokens=(8,), decode_batch=(1,), context_tokens=(8, 24, 40), page_tokens=PAGE),
+    BucketConfig(
+        prefill_tokens=(3, 5, 32), decode_batch=(1, 4), context_tokens=(4, 12, 16, 48), page_tokens=PAGE
+    ),
+    BucketConfig(prefill_tokens=(16, 32), decode_batch=(2,), context_tokens=(64,), page_tokens=PAGE),
 ]
 
 
@@ -135,9 +140,32 @@ def test_prefill_shapes_example():
 
 
 @pytest.mark.parametrize("buckets", CONFIGS, ids=range(len(CONFIGS)))
-def test_decode_shapes_are_every_batch_with_every_context(buckets):
+def test_decode_shapes_are_every_batch_with_every_distinct_page_count(buckets):
     shapes = buckets.decode_shapes()
-    assert shapes == list(itertools.product(buckets.decode_batch, buckets.context_tokens))
+    assert shapes == list(itertools.product(buckets.decode_batch, buckets.decode_contexts()))
+    for batch in buckets.decode_batch:  # no two shapes of one batch bucket attend over the same pages
+        pages = [buckets.decode_pages(batch, context) for context in buckets.decode_contexts()]
+        assert pages == sorted(set(pages))
+
+
+def test_decode_contexts_keep_the_smallest_bucket_of_each_page_count():
+    # Pages of 8 tokens: 4 -> 1, 12 -> 2, 16 -> 2, 48 -> 6. 16 would compile the same graph as 12.
+    assert CONFIGS[2].decode_contexts() == [4, 12, 48]
+    assert CONFIGS[2].decode_pages(4, 12) == 8
+    # Contexts below one page of the default 128 tokens are one decode graph.
+    assert BucketConfig((8,), (1,), (32, 64, 128, 256)).decode_contexts() == [32, 256]
+
+
+def test_pick_decode_context_follows_the_summed_pages_not_the_longest_row():
+    buckets = CONFIGS[0]  # contexts 8, 16, 32, 64: 1, 2, 4, 8 pages a row
+    assert buckets.pick_decode_context(2, [1, 8]) == 8  # 2 pages
+    assert buckets.pick_decode_context(2, [9, 8]) == 16  # 3 pages
+    # One long row next to a short one: 8 + 1 pages fit a batch of 2 at context 64 only...
+    assert buckets.pick_decode_context(2, [64, 1]) == 64
+    # ... but one long row in a padded batch shares the pages of the empty row.
+    assert buckets.pick_decode_context(2, [60]) == 32
+    with pytest.raises(BucketError, match="need 9 pages"):
+        buckets.pick_decode_context(1, [65])
 
 
 def test_num_graphs_counts_prefill_and_decode_shapes():
@@ -160,7 +188,8 @@ def validate(**changes):
 
 def test_validate_accepts_a_valid_set():
     validate()
-    validate(context_tokens=(72,))  # above max_model_len is fine
+    validate(context_tokens=(72,))  # above max_model_len is fine, within the same decode page
+    validate(page_tokens=16)
 
 
 @pytest.mark.parametrize(
@@ -181,6 +210,8 @@ def test_validate_accepts_a_valid_set():
         (dict(prefill_tokens=(8, 64)), "--max-num-batched-tokens"),
         (dict(decode_batch=(1, 8)), "--max-num-seqs"),
         (dict(context_tokens=(16, 56)), "--max-model-len"),
+        (dict(context_tokens=(16, 64, 256)), "--max-model-len"),
+        (dict(page_tokens=12), "decode_page_tokens(8) = 128"),
     ],
     ids=lambda value: "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else None,
 )

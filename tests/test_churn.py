@@ -84,7 +84,10 @@ def test_off_bucket_call_is_refused_in_strict_mode(llm):
     runner = model_runner(llm)
     chunk = step_inputs.Chunk(np.zeros(1, np.int64), 0, np.zeros(8, np.int64))
     odd_batch = 3  # decode buckets are 1, 2, 4
-    inputs = step_inputs.decode_inputs([chunk], odd_batch, 128, runner.block_size, runner.device)
+    pages, page_tokens = runner.buckets.decode_pages(odd_batch, 128), runner.buckets.page_tokens
+    inputs = step_inputs.decode_inputs(
+        [chunk], odd_batch, pages, page_tokens, runner.block_size, runner.device
+    )
     with pytest.raises(Exception, match="decode_batch_buckets"):
         runner._run(inputs, "decode")
     assert runner.recorder.num_graphs == EXPECTED_GRAPHS

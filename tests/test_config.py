@@ -1,7 +1,10 @@
 """Start-up checks: the plugin activates only when asked for, and refuses what it cannot serve with a message
 that says what to change."""
 
+import ctypes
+
 import pytest
+import torch
 from vllm.engine.arg_utils import EngineArgs
 
 import vllm_neuron
@@ -173,3 +176,22 @@ def test_automatic_bucket_policy_fits_the_graph_budget(tiny_model_dir):
 def test_bad_policy_settings_fail_at_start_up(tiny_model_dir, additional_config, message):
     with pytest.raises(ValueError, match=message):
         engine_config(tiny_model_dir, additional_config=additional_config)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks")
+        + ("fordblks", "keepcost")
+    ]
+
+
+def test_cpu_mode_keeps_freed_host_memory_for_the_next_step():
+    """After keep_host_heap, a freed 16 MiB activation stays in the heap for reuse (by default glibc maps it
+    and unmaps it on free, and every step page-faults it in again)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    assert device.keep_host_heap()
+    activation = torch.ones(16 << 20, dtype=torch.uint8)
+    del activation
+    assert libc.mallinfo2().fordblks >= 16 << 20

@@ -81,6 +81,29 @@ def test_requests_joining_mid_decode_match_hf(llm, hf_model):
     assert model_runner(llm).recorder.num_graphs == EXPECTED_GRAPHS
 
 
+def test_a_long_row_shares_the_pages_of_short_ones_and_matches_hf(llm, hf_model):
+    """A decode call attends over batch x pages(context) KV pages shared by its rows: a row of 150+ tokens
+    (2 pages of 128) decodes beside two short ones (1 page each) in batch bucket 4 at context 128, below its
+    own context, and every output still equals HF."""
+    engine, runner = llm.llm_engine, model_runner(llm)
+    prompts = {
+        "long": random_prompt(150, seed=31),
+        "s1": random_prompt(3, seed=32),
+        "s2": random_prompt(9, seed=33),
+    }
+    for req_id, prompt in prompts.items():
+        engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), greedy(10))
+    finished: dict[str, list[int]] = {}
+    calls: list[str] = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        calls += runner.step_calls
+        finished |= {out.request_id: list(out.outputs[0].token_ids) for out in outputs if out.finished}
+    assert "decode of 3 requests: batch 4 x context 128" in calls
+    for req_id, prompt in prompts.items():
+        assert finished[req_id] == hf_greedy(hf_model, prompt, 10), req_id
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm):
     prompt = random_prompt(30, seed=21)
     params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)

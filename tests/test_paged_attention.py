@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_cache.layout import NULL_BLOCK, allocate, kv_cache_shape
-from kv_cache.ops import paged_attention, reference_attention, write_kv
+from kv_cache.ops import decode_attention, paged_attention, reference_attention, write_kv
 
 HEAD_SIZE = 8
 SCALE = HEAD_SIZE**-0.5
@@ -143,63 +143,120 @@ def test_write_kv_writes_exactly_the_targeted_slots(block_size, dtype):
 
 # ---- decode ----------------------------------------------------------------------------------------
 
+BLOCKS_PER_PAGE = 2
 
-def decode_case(heads, kv_heads, block_size, dtype, seed=2, num_padded_rows=2):
-    """A cache holding several sequences, and a padded decode batch (query at seq_len - 1) over them."""
+
+@dataclass
+class DecodeCase:
+    kv_cache: torch.Tensor
+    sequences: list[Sequence]
+    query: torch.Tensor  # [rows, heads, d]: one query per row, rows past the sequences are batch padding
+    positions: torch.Tensor  # [rows]
+    page_blocks: torch.Tensor  # [pages, BLOCKS_PER_PAGE]
+    page_rows: torch.Tensor  # [pages]
+    page_starts: torch.Tensor  # [pages]
+
+    def attend(self, **changes) -> torch.Tensor:
+        fields = {name: getattr(self, name) for name in ("page_blocks", "page_rows", "page_starts")}
+        fields |= {"positions": self.positions} | changes
+        return decode_attention(
+            self.query,
+            self.kv_cache,
+            fields["page_blocks"],
+            fields["page_rows"],
+            fields["page_starts"],
+            fields["positions"],
+            SCALE,
+        )
+
+
+def decode_pages(sequences, block_size, num_padding_pages, gen):
+    """Each sequence's blocks cut into pages of BLOCKS_PER_PAGE (the last one null-padded), pages of all rows
+    shuffled together (a row combines its pages in any order), then padding pages that start past every
+    position."""
+    page_tokens = BLOCKS_PER_PAGE * block_size
+    blocks, rows, starts = [], [], []
+    for row, seq in enumerate(sequences):
+        for first in range(0, seq.blocks.numel(), BLOCKS_PER_PAGE):
+            blocks.append(padded_table(seq.blocks[first : first + BLOCKS_PER_PAGE], BLOCKS_PER_PAGE))
+            rows.append(row)
+            starts.append(first // BLOCKS_PER_PAGE * page_tokens)
+    order = torch.randperm(len(rows), generator=gen).tolist()
+    blocks = [blocks[i] for i in order] + [
+        padded_table(torch.tensor([]), BLOCKS_PER_PAGE)
+    ] * num_padding_pages
+    rows = [rows[i] for i in order] + [0] * num_padding_pages
+    starts = [starts[i] for i in order] + [2**30] * num_padding_pages
+    return torch.stack(blocks), torch.tensor(rows), torch.tensor(starts)
+
+
+def decode_case(heads, kv_heads, block_size, dtype, seed=2, num_padded_rows=2) -> DecodeCase:
+    """A cache holding several sequences and a padded decode batch (query at seq_len - 1) over their pages."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 6 * block_size, (5,), generator=gen).tolist()
     lengths[0] = 1  # a sequence of a single token
-    lengths[1] = 3 * block_size  # exactly full blocks
-    width = max(-(-n // block_size) for n in lengths) + 1  # wider than any row: zero-padded tables
+    lengths[1] = 3 * block_size  # exactly full blocks, an odd number of them: a half-empty last page
+    lengths[2] = 4 * block_size + 1  # one position into a new page
     num_blocks = 1 + sum(-(-n // block_size) for n in lengths) + 3
     kv_cache = allocate(num_blocks, block_size, kv_heads, HEAD_SIZE, dtype, torch.device("cpu"))
     sequences = make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype)
     for seq in sequences:
         write_sequence(kv_cache, seq, block_size)
-
+    # Garbage in the null block: padding pages and a row's null-padded last page must not read it.
+    kv_cache[:, :, NULL_BLOCK] = 7.0
     rows = len(sequences) + num_padded_rows
-    query = randn(gen, rows, 1, heads, HEAD_SIZE, dtype=dtype)
-    block_table = torch.full((rows, width), NULL_BLOCK, dtype=torch.int64)
-    positions = torch.zeros(rows, 1, dtype=torch.int64)
-    for row, seq in enumerate(sequences):
-        block_table[row] = padded_table(seq.blocks, width)
-        positions[row, 0] = seq.length - 1
-    return kv_cache, sequences, query, block_table, positions
+    query = randn(gen, rows, heads, HEAD_SIZE, dtype=dtype)
+    positions = torch.zeros(rows, dtype=torch.int64)
+    positions[: len(sequences)] = torch.tensor([seq.length - 1 for seq in sequences])
+    pages = decode_pages(sequences, block_size, num_padding_pages=3, gen=gen)
+    return DecodeCase(kv_cache, sequences, query, positions, *pages)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads, kv_heads", HEADS)
 def test_decode_matches_contiguous_reference(heads, kv_heads, block_size, dtype):
-    kv_cache, sequences, query, block_table, positions = decode_case(heads, kv_heads, block_size, dtype)
+    case = decode_case(heads, kv_heads, block_size, dtype)
 
-    out = paged_attention(query, kv_cache, block_table, positions, SCALE)
+    out = case.attend()
 
-    assert out.shape == query.shape and out.dtype == dtype
-    for row, seq in enumerate(sequences):
-        expected = expected_attention(query[row], seq, positions[row], dtype)
-        assert_close(out[row], expected, dtype)
-    # Fully padded rows read the (zeroed) null block at position 0: finite, equal to null block value 0.
-    padded = out[len(sequences) :]
-    assert torch.isfinite(padded.float()).all()
-    null_value = kv_cache[1, :, NULL_BLOCK, 0].repeat_interleave(heads // kv_heads, dim=0)
-    assert_close(padded, null_value.expand_as(padded), dtype)
+    assert out.shape == case.query.shape and out.dtype == dtype
+    for row, seq in enumerate(case.sequences):
+        position = case.positions[row : row + 1]
+        expected = expected_attention(case.query[row : row + 1], seq, position, dtype)
+        assert_close(out[row], expected[0], dtype)
+    # Batch padding rows own no page: zeros, not NaN.
+    padded = out[len(case.sequences) :]
+    assert torch.equal(padded, torch.zeros_like(padded))
 
 
-def test_decode_depends_on_blocks_and_position():
-    """The inputs discriminate: a foreign block or a wrong position gives a different answer.
+def test_decode_pages_equal_the_block_table_path():
+    """Decode over pages and paged_attention over padded block tables (the prefill path) agree."""
+    case = decode_case(8, 2, 4, torch.float32, num_padded_rows=0)
+    width = max(seq.blocks.numel() for seq in case.sequences) + 1
+    table = torch.stack([padded_table(seq.blocks, width) for seq in case.sequences])
+    query, positions = case.query.unsqueeze(1), case.positions.view(-1, 1)
+    expected = paged_attention(query, case.kv_cache, table, positions, SCALE)
+    torch.testing.assert_close(case.attend(), expected[:, 0])
 
-    (A decode query sees its whole context, so reordering its own blocks would not change the result.)
-    """
-    kv_cache, sequences, query, block_table, positions = decode_case(4, 2, 4, torch.float32)
-    out = paged_attention(query, kv_cache, block_table, positions, SCALE)
-    row = 1  # three full blocks
-    foreign = block_table.clone()
-    foreign[row, 0] = sequences[2].blocks[0]
-    assert not torch.allclose(paged_attention(query, kv_cache, foreign, positions, SCALE)[row], out[row])
-    earlier = positions.clone()
+
+def test_decode_depends_on_blocks_rows_and_position():
+    """The inputs discriminate: a foreign block, a page given to another row, or a wrong position gives a
+    different answer. (A decode query sees its whole context, so reordering its pages changes nothing.)"""
+    case = decode_case(4, 2, 4, torch.float32)
+    out = case.attend()
+    row = 1
+    page = int((case.page_rows == row).nonzero()[0])
+    foreign = case.page_blocks.clone()
+    foreign[page, 0] = case.sequences[2].blocks[0]
+    assert not torch.allclose(case.attend(page_blocks=foreign)[row], out[row])
+    moved = case.page_rows.clone()
+    moved[page] = 3
+    changed = case.attend(page_rows=moved)
+    assert not torch.allclose(changed[row], out[row]) and not torch.allclose(changed[3], out[3])
+    earlier = case.positions.clone()
     earlier[row] -= 1
-    assert not torch.allclose(paged_attention(query, kv_cache, block_table, earlier, SCALE)[row], out[row])
+    assert not torch.allclose(case.attend(positions=earlier)[row], out[row])
 
 
 # ---- prefill ---------------------------------------------------------------------------------------
@@ -290,21 +347,29 @@ def clone_inputs(inputs):
     return tuple(t.clone() for t in inputs)
 
 
+def write_then_decode(kv_cache, key, value, slots, query, blocks, rows, starts, positions):
+    write_kv(kv_cache, key, value, slots)
+    return decode_attention(query, kv_cache, blocks, rows, starts, positions, SCALE)
+
+
 @pytest.mark.parametrize("case", ["decode", "prefill"])
 def test_compiled_fullgraph_matches_eager(case):
     if case == "decode":
-        kv_cache, _, query, block_table, positions = decode_case(8, 2, 4, torch.float32)
-        rows = query.shape[0]
+        decode = decode_case(8, 2, 4, torch.float32)
+        rows = decode.query.shape[0]
         key = torch.randn(rows, 2, HEAD_SIZE)
         value = torch.randn(rows, 2, HEAD_SIZE)
         slots = torch.arange(rows) + 4  # somewhere in block 1
-        inputs = (kv_cache, key, value, slots, query, block_table, positions)
+        pages = (decode.page_blocks, decode.page_rows, decode.page_starts)
+        inputs = (decode.kv_cache, key, value, slots, decode.query, *pages, decode.positions)
+        function = write_then_decode
     else:
         _, inputs = prefill_case(8, 2, 4, torch.float32, start=5, count=6)
+        function = write_then_attend
 
     eager_inputs = clone_inputs(inputs)
-    expected = write_then_attend(*eager_inputs)
-    compiled = torch.compile(write_then_attend, backend="eager", fullgraph=True, dynamic=False)
+    expected = function(*eager_inputs)
+    compiled = torch.compile(function, backend="eager", fullgraph=True, dynamic=False)
     out = compiled(*inputs)
 
     torch.testing.assert_close(out, expected)

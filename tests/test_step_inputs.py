@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kv_cache.layout import allocate
-from kv_cache.ops import paged_attention, write_kv
+from kv_cache.ops import decode_attention, paged_attention, write_kv
 from worker.step_inputs import Chunk, decode_inputs, prefill_inputs
 
 CPU = torch.device("cpu")
@@ -40,21 +40,29 @@ DECODE_CHUNKS = [
 ]
 
 
-@pytest.mark.parametrize("context_bucket", [12, 16, 32], ids=["narrower-than-row", "row", "wider-than-row"])
-@pytest.mark.parametrize("batch_bucket", [3, 8])
-def test_decode_inputs(batch_bucket, context_bucket):
-    chunks = DECODE_CHUNKS
-    num_blocks = context_bucket // BLOCK_SIZE
+PAGE_TOKENS = 2 * BLOCK_SIZE
 
-    inputs = decode_inputs(chunks, batch_bucket, context_bucket, BLOCK_SIZE, CPU)
+
+def tensors_of(meta) -> list[torch.Tensor]:
+    return [value for value in vars(meta).values() if value is not None]
+
+
+@pytest.mark.parametrize("num_pages", [4, 9], ids=["exact", "padding-pages"])
+@pytest.mark.parametrize("batch_bucket", [3, 8])
+def test_decode_inputs(batch_bucket, num_pages):
+    chunks = DECODE_CHUNKS
+
+    inputs = decode_inputs(chunks, batch_bucket, num_pages, PAGE_TOKENS, BLOCK_SIZE, CPU)
     meta = inputs.metadata
 
     assert inputs.input_ids.shape == (batch_bucket,)
     assert inputs.positions.shape == (batch_bucket,)
     assert meta.query_positions.shape == (batch_bucket, 1)
     assert meta.slot_mapping.shape == (batch_bucket,)
-    assert meta.block_table.shape == (batch_bucket, num_blocks)
-    assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *vars(meta).values())
+    assert meta.block_table is None
+    assert meta.page_blocks.shape == (num_pages, 2)
+    assert meta.page_rows.shape == meta.page_starts.shape == (num_pages,)
+    assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *tensors_of(meta))
     assert inputs.num_real_rows == len(chunks)
     # Every row's logits are computed (static shape); the first num_real_rows are the requests, in order.
     assert inputs.logits_indices.tolist() == list(range(batch_bucket))
@@ -64,19 +72,42 @@ def test_decode_inputs(batch_bucket, context_bucket):
         assert inputs.input_ids[row] == chunk.token_ids[0]
         assert inputs.positions[row] == chunk.start
         assert meta.slot_mapping[row] == expected_slot(chunk.block_row, chunk.start)
-        assert meta.block_table[row].tolist() == expected_table_row(chunk.block_row, num_blocks)
+    # Pages in row order, each row as many as its context (position + 1) needs, null-padded at the end.
+    assert meta.page_rows[:4].tolist() == [0, 1, 1, 2]
+    assert meta.page_starts[:4].tolist() == [0, 0, PAGE_TOKENS, 0]
+    assert meta.page_blocks[:4].tolist() == [[5, 0], [8, 2], [7, 0], [3, 12]]
+    # Padding pages read the null block and start past every position; padding rows own no page.
+    assert not meta.page_blocks[4:].any() and not meta.page_rows[4:].any()
+    assert (meta.page_starts[4:] > 2**20).all()
     padding = slice(len(chunks), None)
     assert not inputs.input_ids[padding].any()
     assert not inputs.positions[padding].any()
     assert ((meta.slot_mapping[padding] >= 0) & (meta.slot_mapping[padding] < BLOCK_SIZE)).all()
-    assert not meta.block_table[padding].any()
+
+
+def test_a_lone_decode_row_attends_over_its_own_blocks():
+    """Batch bucket 1 shares no pages: the row's first num_pages pages of blocks, as a block table."""
+    chunk = DECODE_CHUNKS[1]  # position 9 of blocks 8, 2, 7
+    inputs = decode_inputs([chunk], 1, 3, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    meta = inputs.metadata
+    assert meta.page_blocks is None and meta.block_table.tolist() == [[8, 2, 7, 0, 0, 0]]
+    assert inputs.input_ids.tolist() == [22] and meta.query_positions.tolist() == [[9]]
+    assert meta.slot_mapping.tolist() == [expected_slot(chunk.block_row, 9)]
+    assert inputs.logits_indices.tolist() == [0] and inputs.num_real_rows == 1
+    with pytest.raises(ValueError, match="more than 1 KV pages"):
+        decode_inputs([chunk], 1, 1, PAGE_TOKENS, BLOCK_SIZE, CPU)
+
+
+def test_decode_inputs_refuse_rows_beyond_the_pages():
+    with pytest.raises(ValueError, match="need 4 KV pages, the call has 3"):
+        decode_inputs(DECODE_CHUNKS, 3, 3, PAGE_TOKENS, BLOCK_SIZE, CPU)
 
 
 def test_decode_inputs_does_not_alias_the_block_row():
     chunk = Chunk(np.array([1]), 2, block_row(4, 5))
-    inputs = decode_inputs([chunk], 2, 8, BLOCK_SIZE, CPU)
+    inputs = decode_inputs([chunk, chunk], 2, 2, PAGE_TOKENS, BLOCK_SIZE, CPU)
     chunk.block_row[0] = 99
-    assert inputs.metadata.block_table[0].tolist() == [4, 5]
+    assert inputs.metadata.page_blocks[0].tolist() == [4, 5]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +133,7 @@ def test_prefill_inputs(start, count, token_bucket, context_bucket):
     assert meta.query_positions.shape == (1, token_bucket)
     assert meta.slot_mapping.shape == (token_bucket,)
     assert meta.block_table.shape == (1, num_blocks)
-    assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *vars(meta).values())
+    assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *tensors_of(meta))
     assert inputs.num_real_rows == 1
     assert inputs.logits_indices.tolist() == [count - 1]  # the last real token
     assert torch.equal(meta.query_positions[0], inputs.positions)
@@ -118,10 +149,10 @@ def test_prefill_inputs(start, count, token_bucket, context_bucket):
 
 
 def test_padded_inputs_give_finite_attention():
-    """The padding conventions hold up in the kernels: padded rows and queries produce no NaN."""
+    """The padding conventions hold up in the kernels: padded rows, queries and pages produce no NaN."""
     kv_cache = allocate(16, BLOCK_SIZE, 2, 8, torch.float32, CPU)
     gen = torch.Generator().manual_seed(0)
-    decode = decode_inputs(DECODE_CHUNKS, 8, 16, BLOCK_SIZE, CPU)
+    decode = decode_inputs(DECODE_CHUNKS, 8, 9, PAGE_TOKENS, BLOCK_SIZE, CPU)
     prefill = prefill_inputs(Chunk(np.arange(1, 6), 6, block_row(9, 4, 13)), 8, 16, BLOCK_SIZE, CPU)
     for inputs in (prefill, decode):
         meta = inputs.metadata
@@ -129,6 +160,11 @@ def test_padded_inputs_give_finite_attention():
         key, value = torch.randn(2, tokens, 2, 8, generator=gen)
         write_kv(kv_cache, key, value, meta.slot_mapping)
         query = torch.randn(rows, tokens // rows, 4, 8, generator=gen)
-        out = paged_attention(query, kv_cache, meta.block_table, meta.query_positions, 8**-0.5)
-        assert out.shape == query.shape
+        if meta.block_table is not None:
+            out = paged_attention(query, kv_cache, meta.block_table, meta.query_positions, 8**-0.5)
+        else:
+            pages = (meta.page_blocks, meta.page_rows, meta.page_starts)
+            positions = meta.query_positions.view(rows)
+            out = decode_attention(query.view(rows, 4, 8), kv_cache, *pages, positions, 8**-0.5)
+        assert out.numel() == query.numel()
         assert torch.isfinite(out).all()

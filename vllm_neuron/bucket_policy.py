@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_neuron.buckets import BucketConfig, BucketError, round_up, validate_buckets
+from vllm_neuron.buckets import BucketConfig, BucketError, decode_page_tokens, round_up, validate_buckets
 
 # Prefill boundaries are rounded up to these multiples (tried in order) where that costs at most
 # ROUNDING_TOLERANCE more token slots: hardware tiles and DMA prefer aligned sizes.
@@ -121,15 +121,13 @@ class _DecodeSteps:
 
 @dataclass(frozen=True)
 class _DecodeCalls:
-    """Distinct runs of decode calls: `repeat` consecutive calls of `rows` rows whose longest context is
-    `longest` at the first call and one more at each next; `count` such runs. `context_sum` is the summed
-    row contexts of the first call of each, added over the `count` runs."""
+    """Distinct runs of decode calls: `repeat` consecutive calls of `rows` rows whose contexts sum to
+    `context_sum` at the first call and `rows` more at each next; `count` such runs."""
 
     rows: np.ndarray
-    longest: np.ndarray
+    context_sum: np.ndarray
     repeat: np.ndarray
     count: np.ndarray
-    context_sum: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -305,18 +303,16 @@ def _decode_calls(steps: _DecodeSteps, group: int) -> _DecodeCalls:
     position = np.arange(len(steps.contexts)) - np.repeat(first_row, steps.size)
     starts = np.flatnonzero(position % group == 0)  # where each call's rows begin
     rows = np.diff(np.append(starts, len(steps.contexts)))
-    longest = np.maximum.reduceat(steps.contexts, starts)
     summed = np.add.reduceat(steps.contexts, starts)
     repeat = np.repeat(steps.repeat, -(-steps.size // group))
-    # Merge identical (rows, longest, repeat) runs: the key packs the three into one integer.
-    key = (rows * (longest.max() + 1) + longest) * (repeat.max() + 1) + repeat
+    # Merge identical (rows, summed, repeat) runs: the key packs the three into one integer.
+    key = (rows * (summed.max() + 1) + summed) * (repeat.max() + 1) + repeat
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     return _DecodeCalls(
         rows=rows[first],
-        longest=longest[first],
+        context_sum=summed[first],
         repeat=repeat[first],
         count=np.bincount(inverse),
-        context_sum=np.bincount(inverse, weights=summed).astype(np.int64),
     )
 
 
@@ -333,17 +329,25 @@ def _pick(buckets: Sequence[int], sizes: np.ndarray, what: str) -> np.ndarray:
     return values[np.searchsorted(values, sizes, side="left")]
 
 
-def _bucket_sums(buckets: Sequence[int], low: np.ndarray, high: np.ndarray, what: str) -> np.ndarray:
-    """Sum of pick_bucket(buckets, x) for x in low..high, per element: the context buckets of a run of decode
-    calls whose longest context grows by one a call."""
-    values = np.asarray(buckets, np.int64)
-    if len(high) and high.max() > values[-1]:
+def _decode_context_sums(buckets: BucketConfig, batch: np.ndarray, calls: _DecodeCalls) -> np.ndarray:
+    """Per run, the KV positions its calls attend over: a decode call of `batch` rows attends over
+    batch x (the pages of its context bucket), and takes the smallest bucket whose pages hold the rows'
+    summed context, that is an average of ceil(summed / batch) per row. (The runner rounds each row up to
+    whole pages; the model rounds the sum, which keeps runs mergeable and differs by under a page a row.)"""
+    contexts = buckets.decode_contexts()
+    capacity = np.asarray([-(-c // buckets.page_tokens) * buckets.page_tokens for c in contexts], np.int64)
+    last = calls.context_sum + calls.rows * (calls.repeat - 1)
+    if len(last) and (-(-last // batch)).max() > capacity[-1]:
         raise BucketError(
-            f"{what} {int(high.max())} exceeds the largest bucket {values[-1]} of {list(buckets)}"
+            f"decode context {int((-(-last // batch)).max())} exceeds the largest context bucket "
+            f"{contexts[-1]} of {list(buckets.context_tokens)}"
         )
-    lower = np.concatenate(([1], values[:-1] + 1))  # bucket j holds lower[j]..values[j]
-    overlap = np.minimum(high[:, None], values) - np.maximum(low[:, None], lower) + 1
-    return np.clip(overlap, 0, None) @ values
+    # Calls k = 0 .. repeat-1 of a run need ceil((context_sum + rows * k) / batch) per row; those that fit
+    # capacity c are k <= (c * batch - context_sum) // rows.
+    fitting = (capacity[None, :] * batch[:, None] - calls.context_sum[:, None]) // calls.rows[:, None] + 1
+    fitting = np.clip(fitting, 0, calls.repeat[:, None])
+    in_bucket = np.diff(fitting, axis=1, prepend=0)
+    return in_bucket @ capacity * batch
 
 
 def _split_prefill(calls: _PrefillCalls, largest: int) -> _PrefillCalls:
@@ -380,11 +384,10 @@ def _evaluate(buckets: BucketConfig, trace: _Trace) -> dict[str, float | int]:
         decode = _decode_calls(trace.decode_steps, buckets.decode_batch[-1])
     calls = decode.count * decode.repeat
     batch = _pick(buckets.decode_batch, decode.rows, "decode batch of")
-    contexts = _bucket_sums(
-        buckets.context_tokens, decode.longest, decode.longest + decode.repeat - 1, "decode context"
-    )
+    attended = decode.count * _decode_context_sums(buckets, batch, decode)
     # Over a run the row contexts grow by `rows` a call: repeat * first + rows * (0 + 1 + ... + repeat - 1).
-    row_contexts = decode.repeat * decode.context_sum + calls * decode.rows * (decode.repeat - 1) // 2
+    per_run = decode.repeat * decode.context_sum + decode.rows * decode.repeat * (decode.repeat - 1) // 2
+    row_contexts = decode.count * per_run
 
     return {
         "prefill": _ratio((prefill.count * prefill.length).sum(), (prefill.count * tokens).sum()),
@@ -392,7 +395,7 @@ def _evaluate(buckets: BucketConfig, trace: _Trace) -> dict[str, float | int]:
         "prefill_context": _ratio(
             (prefill.count * attention).sum(), (prefill.count * tokens * context).sum()
         ),
-        "decode_context": _ratio(row_contexts.sum(), (decode.count * batch * contexts).sum()),
+        "decode_context": _ratio(row_contexts.sum(), attended.sum()),
         "prefill_calls": int(prefill.count.sum()),
         "decode_calls": int(calls.sum()),
         "graphs": buckets.num_graphs,
@@ -422,7 +425,8 @@ def simulate(
     - `prefill`: real prefill tokens / token-bucket slots computed;
     - `decode`: real decode rows / batch-bucket slots computed;
     - `prefill_context`: causal attention work of the real chunk tokens / (token bucket x context bucket);
-    - `decode_context`: summed real row contexts / (batch bucket x context bucket);
+    - `decode_context`: summed real row contexts / KV positions attended (batch bucket x the pages of
+      the context bucket: see `_decode_context_sums`);
     - `prefill_calls`, `decode_calls`: compiled calls of each phase; `graphs`: `buckets.num_graphs`.
     An efficiency is 1.0 where a phase made no calls. Raises BucketError if a call fits no bucket.
     """
@@ -519,10 +523,12 @@ def _context_options(trace: _Trace, block_size: int, max_context: int, most: int
     """Context needs weighted by the tokens (prefill) or rows (decode) that attend over them, rounded up to
     whole blocks (context buckets are multiples of the block size)."""
     prefill, decode = trace.prefill, trace.decode
-    # A run of decode calls needs longest, longest + 1, ...: spread its weight with a difference array.
+    # A run of decode calls needs its rows' average context, which grows by one a call: spread its weight
+    # over average, average + 1, ... with a difference array.
+    average = np.minimum(-(-decode.context_sum // decode.rows), max_context)
     spread = np.zeros(max_context + 2)
-    np.add.at(spread, decode.longest, decode.rows * decode.count)
-    np.add.at(spread, decode.longest + decode.repeat, -decode.rows * decode.count)
+    np.add.at(spread, average, decode.rows * decode.count)
+    np.add.at(spread, np.minimum(average + decode.repeat, max_context + 1), -decode.rows * decode.count)
     decode_weight = np.cumsum(spread)[: max_context + 1]
     decode_needs = np.flatnonzero(decode_weight > 0.5)
     needs = np.concatenate((prefill.end, decode_needs))
@@ -573,7 +579,8 @@ def auto_buckets(
     _check_limits(**limits, block_size=block_size)
     max_chunk = min(max_num_batched_tokens, max_model_len)
     max_context = round_up(max_model_len, block_size)
-    minimal = BucketConfig((max_chunk,), (max_num_seqs,), (max_context,))
+    page_tokens = decode_page_tokens(block_size)
+    minimal = BucketConfig((max_chunk,), (max_num_seqs,), (max_context,), page_tokens)
     if minimal.num_graphs > graph_budget:
         raise ValueError(
             f"graph_budget={graph_budget} is below the smallest bucket set ({minimal.describe()}): "
@@ -591,7 +598,7 @@ def auto_buckets(
         # A lower bound first: each prefill bucket has >= 1 graph, each decode bucket one per context bucket.
         if len(prefill) + len(decode) * len(context) > graph_budget:
             continue
-        candidate = BucketConfig(prefill, decode, context)
+        candidate = BucketConfig(prefill, decode, context, page_tokens)
         graphs = candidate.num_graphs
         if graphs > graph_budget:
             continue

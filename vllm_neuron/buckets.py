@@ -5,7 +5,10 @@ serving. Three dimensions:
 - prefill token buckets: tokens of one prefill chunk;
 - decode batch buckets: requests in one decode step;
 - context buckets: KV positions a call attends to (a multiple of the block size), so short requests read
-  only the blocks they need instead of max_model_len.
+  only the blocks they need instead of max_model_len. A prefill chunk attends to the context bucket of its
+  end. A decode call of batch bucket B and context bucket c reads B x pages(c) pages of `page_tokens` KV
+  positions, shared among its rows as each needs: the bucket follows the rows' average context, not the
+  longest one.
 """
 
 import bisect
@@ -40,11 +43,26 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+# KV positions per decode attention page: large enough that a page is a good matmul tile (128 is also the
+# partition width of a NeuronCore), small enough that rounding each row up to a page wastes little.
+PAGE_TARGET_TOKENS = 128
+
+
+def decode_page_tokens(block_size: int) -> int:
+    """Decode pages hold whole KV blocks: PAGE_TARGET_TOKENS rounded up to the block size."""
+    return round_up(PAGE_TARGET_TOKENS, block_size)
+
+
+def pages_for(context: int, page_tokens: int) -> int:
+    return -(-context // page_tokens)
+
+
 @dataclass(frozen=True)
 class BucketConfig:
     prefill_tokens: tuple[int, ...]
     decode_batch: tuple[int, ...]
     context_tokens: tuple[int, ...]
+    page_tokens: int = PAGE_TARGET_TOKENS  # decode_page_tokens(block size)
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(tokens, context) pairs a prefill call can take: a chunk that needs bucket T has more tokens than
@@ -57,9 +75,32 @@ class BucketConfig:
             previous = tokens
         return shapes
 
+    def decode_contexts(self) -> list[int]:
+        """The context buckets decode calls use: the smallest of those with the same number of pages."""
+        contexts: list[int] = []
+        for ctx in self.context_tokens:
+            if not contexts or pages_for(ctx, self.page_tokens) > pages_for(contexts[-1], self.page_tokens):
+                contexts.append(ctx)
+        return contexts
+
     def decode_shapes(self) -> list[tuple[int, int]]:
         """(batch, context) pairs of decode calls."""
-        return [(batch, ctx) for batch in self.decode_batch for ctx in self.context_tokens]
+        return [(batch, ctx) for batch in self.decode_batch for ctx in self.decode_contexts()]
+
+    def decode_pages(self, batch: int, context: int) -> int:
+        """KV pages a decode call of this shape attends over, shared among its rows."""
+        return batch * pages_for(context, self.page_tokens)
+
+    def pick_decode_context(self, batch: int, row_contexts: Sequence[int]) -> int:
+        """The smallest context bucket whose pages hold every row's context, each rounded up to pages."""
+        needed = sum(pages_for(ctx, self.page_tokens) for ctx in row_contexts)
+        for ctx in self.decode_contexts():
+            if self.decode_pages(batch, ctx) >= needed:
+                return ctx
+        raise BucketError(
+            f"decode rows of contexts {list(row_contexts)} need {needed} pages, more than a batch of {batch} "
+            f"holds at the largest context bucket {self.context_tokens[-1]}"
+        )
 
     @property
     def num_graphs(self) -> int:
@@ -81,6 +122,7 @@ def default_buckets(
         prefill_tokens=tuple(powers_of_two(min(128, max_chunk), max_chunk)),
         decode_batch=tuple(powers_of_two(1, max_num_seqs)),
         context_tokens=tuple(powers_of_two(min(round_up(512, block_size), max_context), max_context)),
+        page_tokens=decode_page_tokens(block_size),
     )
 
 
@@ -129,6 +171,19 @@ def validate_buckets(
             f"the largest context bucket {buckets.context_tokens[-1]} is below "
             f"max_model_len={max_model_len}: "
             f"add a context bucket >= {round_up(max_model_len, block_size)} or lower --max-model-len"
+        )
+    if buckets.page_tokens % block_size:
+        raise BucketError(
+            f"decode pages of {buckets.page_tokens} tokens are not whole KV blocks of {block_size}: "
+            f"use decode_page_tokens({block_size}) = {decode_page_tokens(block_size)}"
+        )
+    if pages_for(buckets.context_tokens[-1], buckets.page_tokens) > pages_for(
+        max_model_len, buckets.page_tokens
+    ):
+        raise BucketError(
+            f"the largest context bucket {buckets.context_tokens[-1]} reaches past max_model_len="
+            f"{max_model_len} by more than a decode page ({buckets.page_tokens} tokens): "
+            f"use {round_up(max_model_len, block_size)} or raise --max-model-len"
         )
     if buckets.prefill_tokens[-1] > buckets.context_tokens[-1]:
         raise BucketError(

@@ -4,7 +4,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_neuron import envs
-from vllm_neuron.buckets import BucketConfig, BucketError, default_buckets, validate_buckets
+from vllm_neuron.buckets import (
+    BucketConfig,
+    BucketError,
+    decode_page_tokens,
+    default_buckets,
+    validate_buckets,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,6 +73,7 @@ class NeuronConfig:
             prefill_tokens=chosen["prefill_buckets"],
             decode_batch=chosen["decode_batch_buckets"],
             context_tokens=chosen["context_buckets"],
+            page_tokens=decode_page_tokens(limits["block_size"]),
         )
         try:
             validate_buckets(buckets, **limits)

@@ -227,8 +227,15 @@ class NeuronModelRunner:
             group = rows[first : first + largest]
             chunks = [chunk for _, chunk in group]
             batch_bucket = pick_bucket(self.buckets.decode_batch, len(chunks))
-            context = pick_bucket(self.buckets.context_tokens, max(c.start for c in chunks) + 1)
-            inputs = step_inputs.decode_inputs(chunks, batch_bucket, context, self.block_size, self.device)
+            context = self.buckets.pick_decode_context(batch_bucket, [c.start + 1 for c in chunks])
+            inputs = step_inputs.decode_inputs(
+                chunks,
+                batch_bucket,
+                self.buckets.decode_pages(batch_bucket, context),
+                self.buckets.page_tokens,
+                self.block_size,
+                self.device,
+            )
             self.recorder.current_call = (
                 f"decode of {len(chunks)} requests: batch {batch_bucket} x context {context}"
             )

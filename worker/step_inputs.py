@@ -1,7 +1,9 @@
 """Padded inputs of one compiled call, built on the host: the only place that turns rows into bucket shapes.
 
 Padding conventions: token id 0, position 0, slot 0 (inside the null block), block id 0 (the null block).
-A padded query at position 0 attends to one finite key, so no row produces NaN; its logits are dropped.
+A padded prefill query at position 0 attends to one finite key, a padded decode row to no page (zeros), so no
+row produces NaN; their logits are dropped. A padding decode page starts past every position: no key of it
+is visible.
 """
 
 from dataclasses import dataclass
@@ -11,6 +13,9 @@ import torch
 
 from kv_cache.backend import NeuronAttentionMetadata
 from kv_cache.layout import NULL_BLOCK, slot_mapping
+
+# First position of a padding decode page: past any context (and within int32, for device index types).
+PADDING_PAGE_START = 2**30
 
 
 @dataclass
@@ -40,28 +45,64 @@ def _context_blocks(block_row: np.ndarray, num_blocks: int) -> np.ndarray:
 
 
 def decode_inputs(
-    chunks: list[Chunk], batch_bucket: int, context_bucket: int, block_size: int, device: torch.device
+    chunks: list[Chunk],
+    batch_bucket: int,
+    num_pages: int,
+    page_tokens: int,
+    block_size: int,
+    device: torch.device,
 ) -> StepInputs:
-    """One token per request: rows = batch bucket, one query per row."""
-    num_blocks = context_bucket // block_size
+    """One token per request: rows = batch bucket, one query per row, over `num_pages` KV pages of
+    `page_tokens` positions that the rows share, each row as many as its context needs (in row order).
+
+    A batch bucket of one shares nothing: its row attends over its own first num_pages pages of blocks as a
+    block table, through the fused kernel the prefill path uses (fewer, larger ops for the same work)."""
+    blocks_per_page = page_tokens // block_size
+    if batch_bucket == 1:
+        (chunk,) = chunks
+        block_table = _context_blocks(chunk.block_row, num_pages * blocks_per_page).reshape(1, -1)
+        if chunk.start >= num_pages * page_tokens:
+            raise ValueError(f"a decode row at position {chunk.start} needs more than {num_pages} KV pages")
+        return _to_device(
+            np.array([chunk.token_ids[0]], dtype=np.int64),
+            np.array([chunk.start], dtype=np.int64),
+            np.zeros(1, dtype=np.int64),
+            np.array([[chunk.start]], dtype=np.int64),
+            slot_mapping(block_table[0], np.array([chunk.start]), block_size),
+            1,
+            device,
+            block_table=block_table,
+        )
     input_ids = np.zeros(batch_bucket, dtype=np.int64)
     positions = np.zeros(batch_bucket, dtype=np.int64)
     slots = np.full(batch_bucket, NULL_BLOCK * block_size, dtype=np.int64)
-    block_table = np.full((batch_bucket, num_blocks), NULL_BLOCK, dtype=np.int64)
+    page_blocks = np.full((num_pages, blocks_per_page), NULL_BLOCK, dtype=np.int64)
+    page_rows = np.zeros(num_pages, dtype=np.int64)
+    page_starts = np.full(num_pages, PADDING_PAGE_START, dtype=np.int64)
+    used = 0
     for row, chunk in enumerate(chunks):
         input_ids[row] = chunk.token_ids[0]
         positions[row] = chunk.start
-        block_table[row] = _context_blocks(chunk.block_row, num_blocks)
-        slots[row] = slot_mapping(block_table[row], positions[row : row + 1], block_size)[0]
+        row_pages = -(-(chunk.start + 1) // page_tokens)
+        blocks = _context_blocks(chunk.block_row, row_pages * blocks_per_page)
+        slots[row] = slot_mapping(blocks, positions[row : row + 1], block_size)[0]
+        page_blocks[used : used + row_pages] = blocks.reshape(row_pages, blocks_per_page)
+        page_rows[used : used + row_pages] = row
+        page_starts[used : used + row_pages] = np.arange(row_pages) * page_tokens
+        used += row_pages
+    if used > num_pages:
+        raise ValueError(f"decode rows need {used} KV pages, the call has {num_pages}")
     return _to_device(
         input_ids,
         positions,
         np.arange(batch_bucket, dtype=np.int64),
-        block_table,
         positions.reshape(batch_bucket, 1),
         slots,
         len(chunks),
         device,
+        page_blocks=page_blocks,
+        page_rows=page_rows,
+        page_starts=page_starts,
     )
 
 
@@ -82,11 +123,11 @@ def prefill_inputs(
         input_ids,
         positions,
         np.array([count - 1], dtype=np.int64),
-        block_table,
         positions.reshape(1, token_bucket),
         slots,
         1,
         device,
+        block_table=block_table,
     )
 
 
@@ -94,11 +135,11 @@ def _to_device(
     input_ids: np.ndarray,
     positions: np.ndarray,
     logits_indices: np.ndarray,
-    block_table: np.ndarray,
     query_positions: np.ndarray,
     slots: np.ndarray,
     num_real_rows: int,
     device: torch.device,
+    **attention_tables: np.ndarray,
 ) -> StepInputs:
     def put(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
@@ -108,7 +149,9 @@ def _to_device(
         positions=put(positions),
         logits_indices=put(logits_indices),
         metadata=NeuronAttentionMetadata(
-            block_table=put(block_table), query_positions=put(query_positions), slot_mapping=put(slots)
+            query_positions=put(query_positions),
+            slot_mapping=put(slots),
+            **{name: put(table) for name, table in attention_tables.items()},
         ),
         num_real_rows=num_real_rows,
     )

@@ -84,7 +84,7 @@ def warmup_steps(buckets: BucketConfig, *, max_model_len: int, block_size: int) 
     for index, (batch, context) in enumerate(buckets.decode_shapes()):
         # `batch` requests each with one token left to compute, at the end of the context bucket.
         total = min(context, max_model_len)
-        assert pick_bucket(buckets.context_tokens, total) == context
+        assert buckets.pick_decode_context(batch, [total] * batch) == context
         ids = [f"warmup-decode-{index}-{row}" for row in range(batch)]
         requests = [_request(req_id, total, total - 1, block_size, row) for row, req_id in enumerate(ids)]
         yield WarmupStep("decode", (batch, context), _step(requests, dict.fromkeys(ids, 1)), ids)
