@@ -105,6 +105,8 @@ def measure(config: Config, requests: int, concurrency: int, workdir: Path, cold
         "graphs": int(startup.get("vllm_neuron:compiled_graphs", 0)),
         "warmup_prefill_s": startup.get('vllm_neuron:warmup_seconds{phase="prefill"}', float("nan")),
         "warmup_decode_s": startup.get('vllm_neuron:warmup_seconds{phase="decode"}', float("nan")),
+        # 0 when the bucket set has no mixed calls (decode rows and a capped prefill chunk in one call)
+        "warmup_mixed_s": startup.get('vllm_neuron:warmup_seconds{phase="mixed"}', 0.0),
         "cold_healthy_s": cold_s,
         "unexpected_recompiles": after.get("vllm_neuron:unexpected_recompiles_total", float("nan")),
         "prefill_efficiency": efficiency(after, "prefill"),
@@ -215,6 +217,7 @@ def main() -> None:
         ("graphs", "{}"),
         ("warmup_prefill_s", "{:.1f}"),
         ("warmup_decode_s", "{:.1f}"),
+        ("warmup_mixed_s", "{:.1f}"),
         ("cold_healthy_s", "{:.1f}"),
         ("warm_healthy_s", "{:.1f}"),
         ("warm_over_cold", "{:.2f}"),

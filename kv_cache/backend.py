@@ -16,24 +16,46 @@ from kv_cache import ops
 
 
 @dataclass
-class NeuronAttentionMetadata:
-    """Per-call attention inputs; all tensors, all of bucketed shape, so a compiled graph never specialises on
-    a per-step Python value. A prefill call has a block table, a decode call pages (kv_cache.ops).
+class TableQueries:
+    """Rows of consecutive queries (a prefill chunk, or a lone decode row), each row over its own block table.
 
-    query_positions: [rows, queries_per_row] absolute positions of the queries
-    slot_mapping:    [rows * queries_per_row] cache slot each new key/value is written to
-    block_table:     prefill: [rows, context_blocks] block ids of each row's context window
-    page_blocks:     decode: [pages, blocks_per_page] block ids of each KV page (padding: null block)
-    page_rows:       decode: [pages] the row each page belongs to
-    page_starts:     decode: [pages] position of each page's first key
+    positions:   [rows, queries_per_row] absolute positions of the queries
+    block_table: [rows, context_blocks] block ids of each row's context window
     """
 
-    query_positions: torch.Tensor
+    positions: torch.Tensor
+    block_table: torch.Tensor
+
+
+@dataclass
+class PagedQueries:
+    """Decode rows, one query each, over KV pages the rows share (kv_cache.ops.decode_attention).
+
+    positions:   [rows] absolute position of each row's query
+    page_blocks: [pages, blocks_per_page] block ids of each KV page (padding: null block)
+    page_rows:   [pages] the row each page belongs to
+    page_starts: [pages] position of each page's first key
+    """
+
+    positions: torch.Tensor
+    page_blocks: torch.Tensor
+    page_rows: torch.Tensor
+    page_starts: torch.Tensor
+
+
+@dataclass
+class NeuronAttentionMetadata:
+    """Per-call attention inputs; all tensors, all of bucketed shape, so a compiled graph never specialises on
+    a per-step Python value. A call's tokens are the table queries first, then the paged ones: a prefill call
+    has only table queries, a decode call only paged ones (or one table row for a batch of one), and a mixed
+    call a prefill chunk followed by decode rows.
+
+    slot_mapping: [tokens] cache slot each new key/value is written to
+    """
+
     slot_mapping: torch.Tensor
-    block_table: torch.Tensor | None = None
-    page_blocks: torch.Tensor | None = None
-    page_rows: torch.Tensor | None = None
-    page_starts: torch.Tensor | None = None
+    table: TableQueries | None = None
+    paged: PagedQueries | None = None
 
 
 class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMetadata]):
@@ -109,25 +131,29 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ops.write_kv(kv_cache, key, value, attn_metadata.slot_mapping)
-        rows, queries_per_row = attn_metadata.query_positions.shape
-        if attn_metadata.page_blocks is not None:
-            attended = ops.decode_attention(
-                query.view(rows, self.num_heads, self.head_size),
+        query = query.view(-1, self.num_heads, self.head_size)
+        attended = output.view(-1, self.num_heads, self.head_size)
+        first_paged = 0
+        if (table := attn_metadata.table) is not None:
+            rows, queries_per_row = table.positions.shape
+            first_paged = rows * queries_per_row
+            out = ops.paged_attention(
+                query[:first_paged].view(rows, queries_per_row, self.num_heads, self.head_size),
                 kv_cache,
-                attn_metadata.page_blocks,
-                attn_metadata.page_rows,
-                attn_metadata.page_starts,
-                attn_metadata.query_positions.view(rows),
+                table.block_table,
+                table.positions,
                 self.scale,
             )
-            output.copy_(attended.view_as(output))
-            return output
-        attended = ops.paged_attention(
-            query.view(rows, queries_per_row, self.num_heads, self.head_size),
-            kv_cache,
-            attn_metadata.block_table,
-            attn_metadata.query_positions,
-            self.scale,
-        )
-        output.copy_(attended.view_as(output))
+            attended[:first_paged].copy_(out.view(first_paged, self.num_heads, self.head_size))
+        if (paged := attn_metadata.paged) is not None:
+            out = ops.decode_attention(
+                query[first_paged:],
+                kv_cache,
+                paged.page_blocks,
+                paged.page_rows,
+                paged.page_starts,
+                paged.positions,
+                self.scale,
+            )
+            attended[first_paged:].copy_(out)
         return output

@@ -38,9 +38,14 @@ ENGINE_KWARGS = dict(
         "prefill_buckets": [32, 64],
         "decode_batch_buckets": [1, 2, 4],
         "context_buckets": [128, 256],
+        # Capped steps carry 64 prefill tokens (the CPU default is 16), so that the scripted steps show the
+        # cap, a capped chunk that is a whole prompt, and one that ends a prompt chunked across steps.
+        "prefill_tokens_while_decoding": 64,
     },
 )
-EXPECTED_GRAPHS = 10  # prefill (32,128) (32,256) (64,128) (64,256) + decode 3 batch x 2 context
+# prefill (32,128) (32,256) (64,128) (64,256) + decode 3 batch x 2 context + mixed: the decode shapes of batch
+# 1 and 2 (at most max_num_seqs // 2 rows), each with a 64-token chunk
+EXPECTED_GRAPHS = 14
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -32,8 +32,9 @@ def test_prefix_cache_hit_computes_only_new_tokens(llm, hf_model):
 
 def test_running_streams_keep_decoding_while_a_long_prompt_prefills(llm, hf_model):
     """Each step of the long prefill gives every running stream its next token and carries at most
-    prefill_tokens_while_decoding prefill tokens (64 here: the smallest prefill bucket >= 48), since two
-    streams decoding in a batch of four and one prompt waiting is light load."""
+    prefill_tokens_while_decoding prefill tokens (64 in the test engine), since two
+    streams decoding in a batch of four and one prompt waiting is light load. Each such step is one call:
+    the decode rows and the chunk together, and every output still equals HF."""
     engine, runner = llm.llm_engine, model_runner(llm)
     cap = runner.neuron_config.prefill_tokens_while_decoding
     assert cap == 64
@@ -60,6 +61,9 @@ def test_running_streams_keep_decoding_while_a_long_prompt_prefills(llm, hf_mode
             # Every step of the long prefill also gave each unfinished stream its next token.
             assert all(tokens[s] == before[s] + 1 for s in streams if s not in outputs), (before, tokens)
             assert runner.stats.real_tokens["prefill"] - prefilled <= cap
+            # ... in one mixed call: the chunk rides with the decode rows (one pass over the weights).
+            (call,) = runner.step_calls
+            assert call.startswith("decode of 2 requests: batch 2 x context") and ", with prefill of" in call
     assert prefill_steps >= 248 // cap  # the 248-token prompt took several capped steps
     for req_id, prompt in streams.items():
         assert outputs[req_id] == hf_greedy(hf_model, prompt, 40)

@@ -13,6 +13,8 @@ from vllm_neuron.buckets import (
     BucketConfig,
     BucketError,
     default_buckets,
+    light_load_batches,
+    mixed_graphs,
     pages_for,
     pick_bucket,
     validate_buckets,
@@ -322,6 +324,15 @@ def test_auto_buckets_fit_the_budget_and_the_engine(traffic, limits, budget):
     assert buckets.context_tokens[-1] == -(-max_model_len // block_size) * block_size
     result = simulate(buckets, traffic, **{k: v for k, v in limits.items() if k != "block_size"})
     assert all(0 < result[name] <= 1 for name in EFFICIENCIES)
+
+
+@pytest.mark.parametrize("budget", [12, 24])
+def test_auto_buckets_budget_covers_the_mixed_calls(budget):
+    buckets = auto_buckets(TRAFFIC, **LIMITS, block_size=BLOCK, graph_budget=budget, mixed_calls=True)
+    mixed = mixed_graphs(buckets, light_load_batches(buckets.decode_batch, LIMITS["max_num_seqs"]))
+    assert mixed > 0 and buckets.num_graphs + mixed <= budget
+    without = auto_buckets(TRAFFIC, **LIMITS, block_size=BLOCK, graph_budget=budget)
+    assert without.num_graphs > buckets.num_graphs  # the mixed calls took graphs from the plain calls
 
 
 def test_auto_buckets_refuses_a_budget_below_one_bucket_per_dimension():

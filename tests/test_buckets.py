@@ -1,6 +1,7 @@
 """vllm_neuron.buckets: picking, default sets, the (tokens, context) shapes to compile, validation."""
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ from vllm_neuron.buckets import (
     BucketConfig,
     BucketError,
     default_buckets,
+    light_load_batches,
+    mixed_graphs,
     pick_bucket,
     powers_of_two,
     validate_buckets,
@@ -176,6 +179,33 @@ def test_num_graphs_counts_prefill_and_decode_shapes():
     assert "18 graphs" in buckets.describe()
 
 
+def test_mixed_shapes_are_the_decode_shapes_of_the_mixed_batches():
+    plain = CONFIGS[0]  # decode shapes: batch 1, 2 x contexts 8, 16, 32, 64
+    buckets = replace(plain, mixed_tokens=16, mixed_batch=(2,))
+    assert buckets.mixed_shapes() == [(2, 8), (2, 16), (2, 32), (2, 64)]
+    assert buckets.num_graphs == plain.num_graphs + 4 == plain.num_graphs + mixed_graphs(plain, (2,))
+    assert "mixed: decode batch [2] + a chunk of 16 tokens -> 22 graphs" in buckets.describe()
+    assert buckets.has_mixed(2, 16) and buckets.has_mixed(2, 1)
+    assert not buckets.has_mixed(2, 17)  # a longer chunk runs as its own call
+    assert not buckets.has_mixed(1, 4)  # batch 1 has no mixed calls
+    assert plain.mixed_shapes() == [] and not plain.has_mixed(1, 1)
+
+
+@pytest.mark.parametrize(
+    "decode_batch, max_num_seqs, expected",
+    [
+        ((1, 2, 4, 8, 16, 32), 32, (1, 2, 4, 8, 16)),  # at most 16 rows decode in a capped step
+        ((1, 4, 32), 40, (1, 4, 32)),  # 20 rows pad to bucket 32
+        ((1, 4, 32), 32, (1, 4)),  # ... but 32 rows leave no room for the prefilling request
+        ((1, 2, 4), 4, (1, 2)),
+        ((1,), 1, ()),  # one request at a time: no step is capped
+        ((1, 2), 64, (1, 2)),  # the largest bucket at most
+    ],
+)
+def test_light_load_batches(decode_batch, max_num_seqs, expected):
+    assert light_load_batches(decode_batch, max_num_seqs) == expected
+
+
 # ---- validate_buckets ------------------------------------------------------------------------------
 
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=8)
@@ -212,6 +242,8 @@ def test_validate_accepts_a_valid_set():
         (dict(context_tokens=(16, 56)), "--max-model-len"),
         (dict(context_tokens=(16, 64, 256)), "--max-model-len"),
         (dict(page_tokens=12), "decode_page_tokens(8) = 128"),
+        (dict(mixed_tokens=8, mixed_batch=(3,)), "mixed_batch_buckets"),
+        (dict(mixed_tokens=8, mixed_batch=(4,)), "no room for the prefilling request"),
     ],
     ids=lambda value: "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else None,
 )

@@ -28,8 +28,14 @@ def test_key_is_stable_and_changes_with_what_the_graphs_depend_on(tiny_model_dir
     assert key_of(tiny_model_dir, dtype="bfloat16") != base
     assert key_of(tiny_model_dir, additional_config={"decode_batch_buckets": [1, 4]}) != base
     assert key_of(tiny_model_dir, max_model_len=128) != base
-    # The prefill share per step is a scheduling choice: the graphs do not depend on it.
-    assert key_of(tiny_model_dir, additional_config={"prefill_tokens_while_decoding": 32}) == base
+    # The prefill share per step is the chunk of the mixed calls, which are graphs too ...
+    assert key_of(tiny_model_dir, additional_config={"prefill_tokens_while_decoding": 32}) != base
+    assert key_of(tiny_model_dir, additional_config={"mixed_batch_buckets": []}) != base
+    # ... but without mixed calls it is only a scheduling choice: the graphs do not depend on it.
+    separate = [{"mixed_batch_buckets": [], "prefill_tokens_while_decoding": n} for n in (32, 64)]
+    assert key_of(tiny_model_dir, additional_config=separate[0]) == key_of(
+        tiny_model_dir, additional_config=separate[1]
+    )
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
     assert key_of(tiny_model_dir) != base
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")

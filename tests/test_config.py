@@ -63,15 +63,41 @@ def test_engine_config_gets_our_worker_buckets_and_no_vllm_compilation(tiny_mode
         "prefill_buckets": [128],
         "decode_batch_buckets": [1, 2, 4],
         "context_buckets": [256],
-        "prefill_tokens_while_decoding": 128,  # no prefill bucket >= 48 but 128
+        "prefill_tokens_while_decoding": 16,  # what a decode call takes along cheaply in CPU mode
+        "mixed_batch_buckets": [1, 2],  # steps with at most max_num_seqs // 2 = 2 rows decoding
     }
+
+
+@pytest.mark.parametrize(
+    ("additional_config", "mixed_batch", "graphs"),
+    [
+        # prefill 2 x 2 contexts + decode 2 x 2 + mixed: the decode shapes of the mixed batches
+        ({}, [1, 2], 12),
+        ({"mixed_batch_buckets": [2]}, [2], 10),
+        ({"mixed_batch_buckets": []}, [], 8),
+        ({"prefill_tokens_while_decoding": 0}, [], 8),  # no cap, no capped steps to merge
+    ],
+)
+def test_mixed_calls(tiny_model_dir, additional_config, mixed_batch, graphs):
+    from vllm_neuron.config import NeuronConfig
+
+    buckets = {"prefill_buckets": [32, 64], "decode_batch_buckets": [1, 2], "context_buckets": [128, 256]}
+    config = engine_config(tiny_model_dir, additional_config=buckets | additional_config)
+    resolved = NeuronConfig.from_vllm_config(config).buckets
+    assert config.additional_config["mixed_batch_buckets"] == mixed_batch
+    assert resolved.mixed_batch == tuple(mixed_batch)
+    assert resolved.mixed_tokens == (16 if mixed_batch else 0)  # the chunk the cap (16) lets through
+    assert resolved.num_graphs == graphs
 
 
 @pytest.mark.parametrize(
     ("additional_config", "expected"),
     [
-        ({"prefill_buckets": [32, 64, 128]}, 64),  # the smallest prefill bucket of at least 48
-        ({"prefill_buckets": [16, 32]}, 32),  # none that large: the largest
+        ({"prefill_buckets": [32, 64, 128]}, 16),  # rides in the decode call: device.mixed_chunk_tokens()
+        ({"prefill_buckets": [8]}, 8),  # at most the largest prefill bucket
+        # Mixed calls off: the chunk's own call; the smallest prefill bucket of at least 48 ...
+        ({"prefill_buckets": [32, 64, 128], "mixed_batch_buckets": []}, 64),
+        ({"prefill_buckets": [16, 32], "mixed_batch_buckets": []}, 32),  # ... or the largest
         ({"prefill_tokens_while_decoding": 48}, 48),
         ({"prefill_tokens_while_decoding": 0}, 0),  # no cap
     ],
@@ -104,6 +130,12 @@ def test_float64_is_refused(tiny_model_dir):
         ({"prefill_bucket": [64]}, "unknown --additional-config keys"),
         ({"prefill_buckets": 64}, "must be a list of integers"),
         ({"prefill_tokens_while_decoding": -1}, "must be a non-negative integer"),
+        ({"mixed_batch_buckets": [3]}, "are not decode batch buckets"),
+        ({"mixed_batch_buckets": 2}, "must be a list of integers"),
+        (
+            {"mixed_batch_buckets": [1], "prefill_tokens_while_decoding": 0},
+            "needs prefill_tokens_while_decoding > 0",
+        ),
     ],
 )
 def test_invalid_buckets_fail_at_start_up(tiny_model_dir, additional_config, message):
@@ -160,6 +192,7 @@ def test_automatic_bucket_policy_fits_the_graph_budget(tiny_model_dir):
         "decode_batch_buckets",
         "context_buckets",
         "prefill_tokens_while_decoding",
+        "mixed_batch_buckets",
     }
     assert config.additional_config["decode_batch_buckets"][0] == 1
 

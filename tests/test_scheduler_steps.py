@@ -2,9 +2,11 @@
 steps become bucketed calls shows up as a readable diff of this table.
 
 Engine: max_num_batched_tokens 96, max_num_seqs 4; buckets prefill [32, 64], decode [1, 2, 4],
-context [128, 256] (tests/conftest.py). vLLM's scheduler serves running requests first, then waiting ones,
-within the 96-token budget. Under light load (at most 2 of 4 requests decoding, fewer prompts waiting than
-that) our scheduler holds prefill to 64 tokens a step (vllm_neuron/scheduler.py)."""
+context [128, 256], prefill share 64 (tests/conftest.py). vLLM's scheduler serves running requests first,
+then waiting ones, within the 96-token budget. Under light load (at most 2 of 4 requests decoding, fewer
+prompts waiting than that) our scheduler holds prefill to 64 tokens a step (vllm_neuron/scheduler.py), and
+a chunk of at most 64 tokens rides in the call of 1 or 2 decode rows (a mixed call, vllm_neuron/buckets.py),
+attending over the largest context bucket."""
 
 import pytest
 from vllm.inputs import TokensPrompt
@@ -27,14 +29,15 @@ EXPECTED = [
         "prefill of 40 tokens at 0: tokens 64 x context 128",
         "prefill of 56 tokens at 0: tokens 64 x context 128",
     ],
-    # step 1: a decodes while b's prefill finishes
-    ["decode of 1 requests: batch 1 x context 128", "prefill of 44 tokens at 56: tokens 64 x context 128"],
+    # step 1: a decodes while b's prefill finishes, in one call
+    ["decode of 1 requests: batch 1 x context 128, with prefill of 44 tokens at 56: tokens 64 x context 256"],
     # step 2: c arrives and prefills beside two decodes
-    ["decode of 2 requests: batch 2 x context 128", "prefill of 5 tokens at 0: tokens 32 x context 128"],
+    ["decode of 2 requests: batch 2 x context 128, with prefill of 5 tokens at 0: tokens 64 x context 256"],
     # step 3: three decodes pad to the batch bucket of 4
     ["decode of 3 requests: batch 4 x context 128"],
     # step 4: d arrives while three of four requests decode (more than half: no cap): its first 93 tokens
-    # (96 minus 3 decodes) run as sub-chunks of 64 and 29; b and c finish
+    # (96 minus 3 decodes) run as sub-chunks of 64 and 29, apart from the decode rows (batch 4 has no mixed
+    # calls: steps that full are not capped); b and c finish
     [
         "decode of 3 requests: batch 4 x context 128",
         "prefill of 64 tokens at 0: tokens 64 x context 128",
@@ -42,7 +45,7 @@ EXPECTED = [
     ],
     # step 5: light load (a decodes, d prefills): d's prefill may take 64 tokens, and its last 57 need the
     # 256 context bucket
-    ["decode of 1 requests: batch 1 x context 128", "prefill of 57 tokens at 93: tokens 64 x context 256"],
+    ["decode of 1 requests: batch 1 x context 128, with prefill of 57 tokens at 93: tokens 64 x context 256"],
     # step 6: a was cancelled; d decodes alone and finishes
     ["decode of 1 requests: batch 1 x context 256"],
     # step 7: nothing left

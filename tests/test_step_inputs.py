@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from kv_cache.backend import NeuronAttentionImpl
 from kv_cache.layout import allocate
 from kv_cache.ops import decode_attention, paged_attention, write_kv
-from worker.step_inputs import Chunk, decode_inputs, prefill_inputs
+from worker.step_inputs import Chunk, decode_inputs, mixed_inputs, prefill_inputs
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -44,7 +45,8 @@ PAGE_TOKENS = 2 * BLOCK_SIZE
 
 
 def tensors_of(meta) -> list[torch.Tensor]:
-    return [value for value in vars(meta).values() if value is not None]
+    parts = [meta, *(part for part in (meta.table, meta.paged) if part is not None)]
+    return [value for part in parts for value in vars(part).values() if isinstance(value, torch.Tensor)]
 
 
 @pytest.mark.parametrize("num_pages", [4, 9], ids=["exact", "padding-pages"])
@@ -53,32 +55,32 @@ def test_decode_inputs(batch_bucket, num_pages):
     chunks = DECODE_CHUNKS
 
     inputs = decode_inputs(chunks, batch_bucket, num_pages, PAGE_TOKENS, BLOCK_SIZE, CPU)
-    meta = inputs.metadata
+    meta, paged = inputs.metadata, inputs.metadata.paged
 
     assert inputs.input_ids.shape == (batch_bucket,)
     assert inputs.positions.shape == (batch_bucket,)
-    assert meta.query_positions.shape == (batch_bucket, 1)
+    assert paged.positions.shape == (batch_bucket,)
     assert meta.slot_mapping.shape == (batch_bucket,)
-    assert meta.block_table is None
-    assert meta.page_blocks.shape == (num_pages, 2)
-    assert meta.page_rows.shape == meta.page_starts.shape == (num_pages,)
+    assert meta.table is None
+    assert paged.page_blocks.shape == (num_pages, 2)
+    assert paged.page_rows.shape == paged.page_starts.shape == (num_pages,)
     assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *tensors_of(meta))
     assert inputs.num_real_rows == len(chunks)
     # Every row's logits are computed (static shape); the first num_real_rows are the requests, in order.
     assert inputs.logits_indices.tolist() == list(range(batch_bucket))
-    assert torch.equal(meta.query_positions[:, 0], inputs.positions)
+    assert torch.equal(paged.positions, inputs.positions)
 
     for row, chunk in enumerate(chunks):
         assert inputs.input_ids[row] == chunk.token_ids[0]
         assert inputs.positions[row] == chunk.start
         assert meta.slot_mapping[row] == expected_slot(chunk.block_row, chunk.start)
     # Pages in row order, each row as many as its context (position + 1) needs, null-padded at the end.
-    assert meta.page_rows[:4].tolist() == [0, 1, 1, 2]
-    assert meta.page_starts[:4].tolist() == [0, 0, PAGE_TOKENS, 0]
-    assert meta.page_blocks[:4].tolist() == [[5, 0], [8, 2], [7, 0], [3, 12]]
+    assert paged.page_rows[:4].tolist() == [0, 1, 1, 2]
+    assert paged.page_starts[:4].tolist() == [0, 0, PAGE_TOKENS, 0]
+    assert paged.page_blocks[:4].tolist() == [[5, 0], [8, 2], [7, 0], [3, 12]]
     # Padding pages read the null block and start past every position; padding rows own no page.
-    assert not meta.page_blocks[4:].any() and not meta.page_rows[4:].any()
-    assert (meta.page_starts[4:] > 2**20).all()
+    assert not paged.page_blocks[4:].any() and not paged.page_rows[4:].any()
+    assert (paged.page_starts[4:] > 2**20).all()
     padding = slice(len(chunks), None)
     assert not inputs.input_ids[padding].any()
     assert not inputs.positions[padding].any()
@@ -90,11 +92,11 @@ def test_a_lone_decode_row_attends_over_its_own_blocks():
     chunk = DECODE_CHUNKS[1]  # position 9 of blocks 8, 2, 7
     inputs = decode_inputs([chunk], 1, 3, PAGE_TOKENS, BLOCK_SIZE, CPU)
     meta = inputs.metadata
-    assert meta.page_blocks is None and meta.block_table.tolist() == [[8, 2, 7, 0, 0, 0]]
-    assert inputs.input_ids.tolist() == [22] and meta.query_positions.tolist() == [[9]]
+    assert meta.paged is None and meta.table.block_table.tolist() == [[8, 2, 7, 0, 0, 0]]
+    assert inputs.input_ids.tolist() == [22] and meta.table.positions.tolist() == [[9]]
     assert meta.slot_mapping.tolist() == [expected_slot(chunk.block_row, 9)]
     assert inputs.logits_indices.tolist() == [0] and inputs.num_real_rows == 1
-    with pytest.raises(ValueError, match="more than 1 KV pages"):
+    with pytest.raises(ValueError, match="do not fit a context bucket of 8"):
         decode_inputs([chunk], 1, 1, PAGE_TOKENS, BLOCK_SIZE, CPU)
 
 
@@ -107,7 +109,7 @@ def test_decode_inputs_does_not_alias_the_block_row():
     chunk = Chunk(np.array([1]), 2, block_row(4, 5))
     inputs = decode_inputs([chunk, chunk], 2, 2, PAGE_TOKENS, BLOCK_SIZE, CPU)
     chunk.block_row[0] = 99
-    assert inputs.metadata.page_blocks[0].tolist() == [4, 5]
+    assert inputs.metadata.paged.page_blocks[0].tolist() == [4, 5]
 
 
 @pytest.mark.parametrize(
@@ -126,26 +128,48 @@ def test_prefill_inputs(start, count, token_bucket, context_bucket):
     num_blocks = context_bucket // BLOCK_SIZE
 
     inputs = prefill_inputs(Chunk(tokens, start, row), token_bucket, context_bucket, BLOCK_SIZE, CPU)
-    meta = inputs.metadata
+    meta, table = inputs.metadata, inputs.metadata.table
 
+    assert meta.paged is None
     assert inputs.input_ids.shape == (token_bucket,)
     assert inputs.positions.shape == (token_bucket,)
-    assert meta.query_positions.shape == (1, token_bucket)
+    assert table.positions.shape == (1, token_bucket)
     assert meta.slot_mapping.shape == (token_bucket,)
-    assert meta.block_table.shape == (1, num_blocks)
+    assert table.block_table.shape == (1, num_blocks)
     assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *tensors_of(meta))
     assert inputs.num_real_rows == 1
     assert inputs.logits_indices.tolist() == [count - 1]  # the last real token
-    assert torch.equal(meta.query_positions[0], inputs.positions)
+    assert torch.equal(table.positions[0], inputs.positions)
 
     positions = list(range(start, start + count))
     assert inputs.input_ids[:count].tolist() == tokens.tolist()
     assert inputs.positions[:count].tolist() == positions
     assert meta.slot_mapping[:count].tolist() == [expected_slot(row, p) for p in positions]
-    assert meta.block_table[0].tolist() == expected_table_row(row, num_blocks)
+    assert table.block_table[0].tolist() == expected_table_row(row, num_blocks)
     assert not inputs.input_ids[count:].any()
     assert not inputs.positions[count:].any()
     assert ((meta.slot_mapping[count:] >= 0) & (meta.slot_mapping[count:] < BLOCK_SIZE)).all()
+
+
+def test_mixed_inputs_put_the_chunk_first_then_the_decode_rows():
+    chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
+    inputs = mixed_inputs(chunk, 8, 16, DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    meta, table, paged = inputs.metadata, inputs.metadata.table, inputs.metadata.paged
+    alone_chunk = prefill_inputs(chunk, 8, 16, BLOCK_SIZE, CPU)
+    alone_decode = decode_inputs(DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)
+
+    assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *tensors_of(meta))
+    # Tokens, positions and slots: the chunk's 8 (padded), then the 4 decode rows, each as alone.
+    for name in ("input_ids", "positions"):
+        both = torch.cat([getattr(alone_chunk, name), getattr(alone_decode, name)])
+        assert torch.equal(getattr(inputs, name), both)
+    both = torch.cat([alone_chunk.metadata.slot_mapping, alone_decode.metadata.slot_mapping])
+    assert torch.equal(meta.slot_mapping, both)
+    for part, alone in ((table, alone_chunk.metadata.table), (paged, alone_decode.metadata.paged)):
+        assert all(torch.equal(getattr(part, f), getattr(alone, f)) for f in vars(part))
+    # Logits: the chunk's last token, then every decode row; the real ones (chunk + 3 rows) come first.
+    assert inputs.logits_indices.tolist() == [4, 8, 9, 10, 11]
+    assert inputs.num_real_rows == 4
 
 
 def test_padded_inputs_give_finite_attention():
@@ -156,15 +180,52 @@ def test_padded_inputs_give_finite_attention():
     prefill = prefill_inputs(Chunk(np.arange(1, 6), 6, block_row(9, 4, 13)), 8, 16, BLOCK_SIZE, CPU)
     for inputs in (prefill, decode):
         meta = inputs.metadata
-        tokens, rows = meta.slot_mapping.shape[0], meta.query_positions.shape[0]
+        tokens = meta.slot_mapping.shape[0]
         key, value = torch.randn(2, tokens, 2, 8, generator=gen)
         write_kv(kv_cache, key, value, meta.slot_mapping)
-        query = torch.randn(rows, tokens // rows, 4, 8, generator=gen)
-        if meta.block_table is not None:
-            out = paged_attention(query, kv_cache, meta.block_table, meta.query_positions, 8**-0.5)
+        if meta.table is not None:
+            query = torch.randn(1, tokens, 4, 8, generator=gen)
+            table = meta.table
+            out = paged_attention(query, kv_cache, table.block_table, table.positions, 8**-0.5)
         else:
-            pages = (meta.page_blocks, meta.page_rows, meta.page_starts)
-            positions = meta.query_positions.view(rows)
-            out = decode_attention(query.view(rows, 4, 8), kv_cache, *pages, positions, 8**-0.5)
+            query = torch.randn(tokens, 4, 8, generator=gen)
+            paged = meta.paged
+            pages = (paged.page_blocks, paged.page_rows, paged.page_starts)
+            out = decode_attention(query, kv_cache, *pages, paged.positions, 8**-0.5)
         assert out.numel() == query.numel()
         assert torch.isfinite(out).all()
+
+
+def test_a_mixed_call_attends_like_its_parts_alone():
+    """The attention backend splits a mixed call's queries: the chunk over its block table, the decode rows
+    over their pages; outputs and cache writes equal those of the two calls run separately."""
+    heads, kv_heads, head_size = 4, 2, 8
+    impl = NeuronAttentionImpl(heads, head_size, head_size**-0.5, num_kv_heads=kv_heads)
+    gen = torch.Generator().manual_seed(3)
+    kv_cache = allocate(16, BLOCK_SIZE, kv_heads, head_size, torch.float32, CPU)
+    kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen))
+    chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
+    parts = [
+        prefill_inputs(chunk, 8, 16, BLOCK_SIZE, CPU),
+        decode_inputs(DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU),
+    ]
+    mixed = mixed_inputs(chunk, 8, 16, DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    tokens = mixed.input_ids.shape[0]
+    # Shaped as vLLM's Attention layer hands them to the backend.
+    query = torch.randn(tokens, heads, head_size, generator=gen)
+    key, value = torch.randn(2, tokens, kv_heads, head_size, generator=gen)
+
+    def attend(cache, inputs, rows):
+        output = torch.empty(len(range(*rows.indices(tokens))), heads, head_size)
+        impl.forward(None, query[rows], key[rows], value[rows], cache, inputs.metadata, output)
+        return output
+
+    separate_cache = kv_cache.clone()
+    separate = torch.cat(
+        [attend(separate_cache, parts[0], slice(0, 8)), attend(separate_cache, parts[1], slice(8, None))]
+    )
+    together = attend(kv_cache, mixed, slice(None))
+    torch.testing.assert_close(together, separate)
+    torch.testing.assert_close(kv_cache, separate_cache)
+    # The decode rows of the mixed call see the cache, not zeros: real rows are non-zero.
+    assert together[8:11].abs().sum((1, 2)).min() > 0

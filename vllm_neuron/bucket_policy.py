@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from vllm_neuron.buckets import BucketConfig, BucketError, decode_page_tokens, round_up, validate_buckets
+from vllm_neuron.buckets import (
+    BucketConfig,
+    BucketError,
+    decode_page_tokens,
+    light_load_batches,
+    mixed_graphs,
+    round_up,
+    validate_buckets,
+)
 
 # Prefill boundaries are rounded up to these multiples (tried in order) where that costs at most
 # ROUNDING_TOLERANCE more token slots: hardware tiles and DMA prefer aligned sizes.
@@ -566,13 +574,16 @@ def auto_buckets(
     block_size: int,
     graph_budget: int = 24,
     seed: int = 0,
+    mixed_calls: bool = False,
 ) -> BucketConfig:
     """The bucket set with the best simulated padding efficiency for `traffic` within `graph_budget` graphs.
 
     The largest bucket of each dimension is the engine limit (min(max_num_batched_tokens, max_model_len)
     tokens, max_num_seqs rows, max_model_len rounded up to the block size), so no chunk or decode step is ever
     split, and the result always passes `validate_buckets` for the same limits. Deterministic for a `seed`.
-    Raises ValueError if even one bucket per dimension needs more than `graph_budget` graphs."""
+    Raises ValueError if even one bucket per dimension needs more than `graph_budget` graphs. With
+    `mixed_calls`, the budget also covers the mixed calls the set gets by default (`light_load_batches`).
+    """
     limits = dict(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
     )
@@ -580,11 +591,17 @@ def auto_buckets(
     max_chunk = min(max_num_batched_tokens, max_model_len)
     max_context = round_up(max_model_len, block_size)
     page_tokens = decode_page_tokens(block_size)
+
+    def graphs_of(buckets: BucketConfig) -> int:
+        mixed = mixed_graphs(buckets, light_load_batches(buckets.decode_batch, max_num_seqs))
+        return buckets.num_graphs + (mixed if mixed_calls else 0)
+
     minimal = BucketConfig((max_chunk,), (max_num_seqs,), (max_context,), page_tokens)
-    if minimal.num_graphs > graph_budget:
+    if graphs_of(minimal) > graph_budget:
         raise ValueError(
-            f"graph_budget={graph_budget} is below the smallest bucket set ({minimal.describe()}): "
-            f"raise graph_budget to at least {minimal.num_graphs}"
+            f"graph_budget={graph_budget} is below the smallest bucket set ({minimal.describe()}"
+            f"{' and its mixed calls' if mixed_calls else ''}): "
+            f"raise graph_budget to at least {graphs_of(minimal)}"
         )
     trace = _trace(traffic, **limits, num_requests=FIT_REQUESTS, seed=seed)
     most = graph_budget - 1  # buckets in one dimension: the other phase needs a graph too
@@ -599,7 +616,7 @@ def auto_buckets(
         if len(prefill) + len(decode) * len(context) > graph_budget:
             continue
         candidate = BucketConfig(prefill, decode, context, page_tokens)
-        graphs = candidate.num_graphs
+        graphs = graphs_of(candidate)
         if graphs > graph_budget:
             continue
         key = (_score(_evaluate(candidate, trace)), graphs)

@@ -9,11 +9,17 @@ serving. Three dimensions:
   end. A decode call of batch bucket B and context bucket c reads B x pages(c) pages of `page_tokens` KV
   positions, shared among its rows as each needs: the bucket follows the rows' average context, not the
   longest one.
+
+A mixed call runs decode rows and one prefill chunk of at most `mixed_tokens` tokens together, in one pass
+over the weights: a step that carries a capped chunk beside running streams (vllm_neuron/scheduler.py)
+costs about one call, not two. Its shapes are those of the decode calls with a batch bucket in
+`mixed_batch`; the chunk attends over the largest context bucket (a small chunk's attention is cheap next
+to a pass over the weights, and a context dimension would multiply the graphs again).
 """
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class BucketError(ValueError):
@@ -63,6 +69,8 @@ class BucketConfig:
     decode_batch: tuple[int, ...]
     context_tokens: tuple[int, ...]
     page_tokens: int = PAGE_TARGET_TOKENS  # decode_page_tokens(block size)
+    mixed_tokens: int = 0  # the token bucket of a mixed call's chunk (the prefill cap); 0: no mixed calls
+    mixed_batch: tuple[int, ...] = ()  # the decode batch buckets with mixed calls
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(tokens, context) pairs a prefill call can take: a chunk that needs bucket T has more tokens than
@@ -102,15 +110,46 @@ class BucketConfig:
             f"holds at the largest context bucket {self.context_tokens[-1]}"
         )
 
+    def mixed_shapes(self) -> list[tuple[int, int]]:
+        """(batch, context) pairs of mixed calls: decode shapes whose batch bucket has mixed calls."""
+        if not self.mixed_tokens:
+            return []
+        return [(batch, ctx) for batch, ctx in self.decode_shapes() if batch in self.mixed_batch]
+
+    def has_mixed(self, batch: int, chunk_tokens: int) -> bool:
+        """Whether a decode call of this batch bucket can take a prefill chunk of this many tokens along."""
+        return batch in self.mixed_batch and 0 < chunk_tokens <= self.mixed_tokens
+
     @property
     def num_graphs(self) -> int:
-        return len(self.prefill_shapes()) + len(self.decode_shapes())
+        return len(self.prefill_shapes()) + len(self.decode_shapes()) + len(self.mixed_shapes())
 
     def describe(self) -> str:
+        mixed = (
+            f", mixed: decode batch {list(self.mixed_batch)} + a chunk of {self.mixed_tokens} tokens"
+            if self.mixed_tokens
+            else ""
+        )
         return (
             f"prefill tokens {list(self.prefill_tokens)}, decode batch {list(self.decode_batch)}, "
-            f"context {list(self.context_tokens)} -> {self.num_graphs} graphs"
+            f"context {list(self.context_tokens)}{mixed} -> {self.num_graphs} graphs"
         )
+
+
+def light_load_batches(decode_batch: Sequence[int], max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch buckets of steps the scheduler caps prefill in (vllm_neuron/scheduler.py: at most
+    half of max_num_seqs requests decoding): those that get mixed calls by default. A mixed call also holds
+    the prefilling request, so its batch bucket stays below max_num_seqs."""
+    light_load = min(max_num_seqs // 2, decode_batch[-1])
+    if not light_load:
+        return ()
+    largest = pick_bucket(decode_batch, light_load)
+    return tuple(batch for batch in decode_batch if batch <= largest and batch < max_num_seqs)
+
+
+def mixed_graphs(buckets: BucketConfig, mixed_batch: Sequence[int]) -> int:
+    """Graphs the mixed calls of these decode batch buckets add to a bucket set."""
+    return len(replace(buckets, mixed_tokens=1, mixed_batch=tuple(mixed_batch)).mixed_shapes())
 
 
 def default_buckets(
@@ -184,6 +223,18 @@ def validate_buckets(
             f"the largest context bucket {buckets.context_tokens[-1]} reaches past max_model_len="
             f"{max_model_len} by more than a decode page ({buckets.page_tokens} tokens): "
             f"use {round_up(max_model_len, block_size)} or raise --max-model-len"
+        )
+    full = [batch for batch in buckets.mixed_batch if batch >= max_num_seqs]
+    if full:
+        raise BucketError(
+            f"mixed batch buckets {full} leave no room for the prefilling request beside the decode rows "
+            f"(max_num_seqs={max_num_seqs}): change mixed_batch_buckets"
+        )
+    stray = sorted(set(buckets.mixed_batch) - set(buckets.decode_batch))
+    if stray:
+        raise BucketError(
+            f"mixed batch buckets {stray} are not decode batch buckets {list(buckets.decode_batch)}: "
+            "change mixed_batch_buckets"
         )
     if buckets.prefill_tokens[-1] > buckets.context_tokens[-1]:
         raise BucketError(

@@ -64,6 +64,8 @@ def key_fields(
             "prefill_tokens": neuron_config.buckets.prefill_tokens,
             "decode_batch": neuron_config.buckets.decode_batch,
             "context_tokens": neuron_config.buckets.context_tokens,
+            "mixed_tokens": neuron_config.buckets.mixed_tokens,
+            "mixed_batch": neuron_config.buckets.mixed_batch,
         },
         "tensor_parallel_size": parallel_config.tensor_parallel_size,
         # Each rank compiles the graphs of its own shard (on Trainium, with its place in the group).

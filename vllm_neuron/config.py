@@ -1,14 +1,16 @@
 """NeuronConfig: the plugin's settings from --additional-config and VLLM_NEURON_* variables, checked once."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from vllm_neuron import device as neuron_device
 from vllm_neuron import envs
 from vllm_neuron.buckets import (
     BucketConfig,
     BucketError,
     decode_page_tokens,
     default_buckets,
+    light_load_batches,
     validate_buckets,
 )
 
@@ -25,10 +27,13 @@ BUCKET_SETTINGS = {
 POLICY_SETTINGS = ("bucket_policy", "graph_budget", "traffic")
 # --additional-config key: prefill tokens per step while requests decode (vllm_neuron/scheduler.py)
 INTERLEAVE_SETTING = "prefill_tokens_while_decoding"
+# --additional-config key: decode batch buckets whose calls take a capped prefill chunk along (buckets.py)
+MIXED_SETTING = "mixed_batch_buckets"
 DEFAULT_GRAPH_BUDGET = 24
 DEFAULT_BLOCK_SIZE = 32
-# A prefill chunk of this size costs about one decode step of a small model on CPU (docs/batching.md)
-DEFAULT_INTERLEAVE_TOKENS = 48
+# Without mixed calls a capped chunk is a call of its own: a chunk of this size costs about one decode step
+# of a small model on CPU, so the fixed cost of the call is not paid for a handful of tokens.
+DEFAULT_SEPARATE_CHUNK_TOKENS = 48
 
 
 class NeuronConfigError(ValueError):
@@ -44,7 +49,7 @@ class NeuronConfig:
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
         additional: dict[str, Any] = dict(vllm_config.additional_config or {})
-        accepted = {*BUCKET_SETTINGS, *POLICY_SETTINGS, INTERLEAVE_SETTING}
+        accepted = {*BUCKET_SETTINGS, *POLICY_SETTINGS, INTERLEAVE_SETTING, MIXED_SETTING}
         unknown = sorted(set(additional) - accepted)
         if unknown:
             raise NeuronConfigError(
@@ -77,12 +82,15 @@ class NeuronConfig:
         )
         try:
             validate_buckets(buckets, **limits)
+            interleave = _interleave_tokens(additional, buckets)
+            buckets = _with_mixed_calls(buckets, additional, interleave, limits["max_num_seqs"])
+            validate_buckets(buckets, **limits)
         except BucketError as err:
             raise NeuronConfigError(f"invalid Neuron bucket configuration: {err}") from None
         return cls(
             buckets=buckets,
             block_size=limits["block_size"],
-            prefill_tokens_while_decoding=_interleave_tokens(additional, buckets),
+            prefill_tokens_while_decoding=interleave,
         )
 
     def as_additional_config(self) -> dict[str, Any]:
@@ -92,17 +100,47 @@ class NeuronConfig:
             "decode_batch_buckets": list(self.buckets.decode_batch),
             "context_buckets": list(self.buckets.context_tokens),
             INTERLEAVE_SETTING: self.prefill_tokens_while_decoding,
+            MIXED_SETTING: list(self.buckets.mixed_batch),
         }
+
+
+def _with_mixed_calls(
+    buckets: BucketConfig, additional: dict[str, Any], interleave: int, max_num_seqs: int
+) -> BucketConfig:
+    """Mixed calls exist where capped steps happen: the scheduler caps prefill while at most half of
+    max_num_seqs requests decode, so by default the decode batch buckets up to that one get them. Their
+    chunk has the cap's size."""
+    value = additional.get(MIXED_SETTING)
+    if value is None:
+        if not interleave:
+            return buckets
+        value = light_load_batches(buckets.decode_batch, max_num_seqs)
+    if not isinstance(value, list | tuple) or any(
+        not isinstance(v, int) or isinstance(v, bool) for v in value
+    ):
+        raise NeuronConfigError(
+            f"{MIXED_SETTING} must be a list of integers ([] turns mixed calls off), got {value!r}"
+        )
+    if value and not interleave:
+        raise NeuronConfigError(
+            f"{MIXED_SETTING} needs {INTERLEAVE_SETTING} > 0: mixed calls carry the capped prefill chunk"
+        )
+    if not value:
+        return buckets
+    return replace(buckets, mixed_tokens=interleave, mixed_batch=tuple(sorted(set(value))))
 
 
 def _interleave_tokens(additional: dict[str, Any], buckets: BucketConfig) -> int:
     """Prefill tokens per step while requests decode; 0 lets prefill take the whole step budget.
 
-    The default is the smallest prefill bucket of at least DEFAULT_INTERLEAVE_TOKENS, so the capped chunk
-    fills a compiled shape exactly."""
+    By default the capped chunk rides in the decode call (mixed calls), and the share is what the device
+    takes along at little cost (`device.mixed_chunk_tokens`). With mixed calls off it is the smallest prefill
+    bucket of at least DEFAULT_SEPARATE_CHUNK_TOKENS, so the chunk's own call fills a compiled shape."""
     value = additional.get(INTERLEAVE_SETTING)
     if value is None:
-        fitting = [size for size in buckets.prefill_tokens if size >= DEFAULT_INTERLEAVE_TOKENS]
+        if additional.get(MIXED_SETTING) != []:
+            return min(neuron_device.mixed_chunk_tokens(), buckets.prefill_tokens[-1])
+        fitting = [size for size in buckets.prefill_tokens if size >= DEFAULT_SEPARATE_CHUNK_TOKENS]
         return fitting[0] if fitting else buckets.prefill_tokens[-1]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise NeuronConfigError(
@@ -136,6 +174,8 @@ def _policy_buckets(additional: dict[str, Any], limits: dict[str, int]) -> Bucke
     )
     try:
         traffic = TrafficShape.from_dict(declared)
-        return auto_buckets(traffic, **limits, graph_budget=budget)
+        # The budget covers the mixed calls the bucket set will get (none if the prefill cap is off).
+        mixed = additional.get(INTERLEAVE_SETTING) != 0 and additional.get(MIXED_SETTING) != []
+        return auto_buckets(traffic, **limits, graph_budget=budget, mixed_calls=mixed)
     except ValueError as err:
         raise NeuronConfigError(f"automatic bucket policy: {err}") from None

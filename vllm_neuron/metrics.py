@@ -25,7 +25,8 @@ WARMUP_SECONDS = Gauge(
 )
 PADDING_REAL_TOKENS = Counter(
     "vllm_neuron:padding_real_tokens",
-    "Real tokens computed by compiled calls (decode: one per request), by phase.",
+    "Real tokens computed by compiled calls (decode: one per request), by phase (prefill or decode; a mixed "
+    "call counts under both).",
     ["phase"],
 )
 PADDING_SLOTS = Counter(
@@ -35,7 +36,8 @@ PADDING_SLOTS = Counter(
 )
 BUCKET_CALLS = Counter(
     "vllm_neuron:bucket_calls",
-    "Compiled calls by phase and bucket shape (prefill: tokens x context, decode: batch x context).",
+    "Compiled calls by phase and bucket shape (prefill: tokens x context, decode: batch x context, "
+    "mixed: decode rows and a prefill chunk in one call, batch x context + chunk tokens).",
     ["phase", "bucket"],
 )
 
@@ -77,14 +79,17 @@ class CallStats:
         self.slots = {"prefill": 0, "decode": 0}
         self.bucket_calls: dict[tuple[str, str], int] = {}
 
-    def record(self, phase: str, bucket: str, real: int, slots: int) -> None:
-        self.real_tokens[phase] += real
-        self.slots[phase] += slots
-        key = (phase, bucket)
+    def record(self, call: str, bucket: str, tokens: dict[str, tuple[int, int]]) -> None:
+        """One call of kind `call` (prefill, decode or mixed) and bucket; `tokens` maps each token phase it
+        computed (a mixed call: both) to (real tokens, slots)."""
+        key = (call, bucket)
         self.bucket_calls[key] = self.bucket_calls.get(key, 0) + 1
-        PADDING_REAL_TOKENS.labels(phase=phase).inc(real)
-        PADDING_SLOTS.labels(phase=phase).inc(slots)
-        BUCKET_CALLS.labels(phase=phase, bucket=bucket).inc()
+        BUCKET_CALLS.labels(phase=call, bucket=bucket).inc()
+        for phase, (real, slots) in tokens.items():
+            self.real_tokens[phase] += real
+            self.slots[phase] += slots
+            PADDING_REAL_TOKENS.labels(phase=phase).inc(real)
+            PADDING_SLOTS.labels(phase=phase).inc(slots)
 
     def efficiency(self, phase: str) -> float | None:
         """Real tokens / computed token slots of a phase, None before its first call."""

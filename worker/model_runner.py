@@ -132,8 +132,8 @@ class NeuronModelRunner:
     def warm_up(self) -> float:
         """Compile every bucket by pushing synthetic scheduler steps through execute_model, then arm the
         recompile guard. Returns the seconds it took."""
-        seconds = {"prefill": 0.0, "decode": 0.0}
-        graphs = {"prefill": 0, "decode": 0}
+        seconds = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
+        graphs = {"prefill": 0, "decode": 0, "mixed": 0}
         steps = warmup.warmup_steps(
             self.buckets, max_model_len=self.model_config.max_model_len, block_size=self.block_size
         )
@@ -149,15 +149,14 @@ class NeuronModelRunner:
         self.recorder.on_unexpected = lambda shapes: metrics.UNEXPECTED_RECOMPILES.inc()
         self.serving = True
         metrics.COMPILED_GRAPHS.set(self.recorder.num_graphs)
+        if not self.buckets.mixed_shapes():
+            del seconds["mixed"], graphs["mixed"]
         for phase, phase_seconds in seconds.items():
             metrics.WARMUP_SECONDS.labels(phase=phase).set(phase_seconds)
         logger.info(
-            "Warm-up compiled %d graphs (prefill %d in %.1f s, decode %d in %.1f s) for %s",
+            "Warm-up compiled %d graphs (%s) for %s",
             self.recorder.num_graphs,
-            graphs["prefill"],
-            seconds["prefill"],
-            graphs["decode"],
-            seconds["decode"],
+            ", ".join(f"{phase} {graphs[phase]} in {seconds[phase]:.1f} s" for phase in graphs),
             self.buckets.describe(),
         )
         self._log_effective_configuration()
@@ -202,7 +201,12 @@ class NeuronModelRunner:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
         logits = torch.empty(batch.num_reqs, self.model_config.get_vocab_size(), dtype=torch.float32)
-        self._run_decode(decode, logits)
+        # The first prefill chunk small enough rides along with the decode rows, in the same call.
+        rider = next((item for item in prefill if len(item[1].token_ids) <= self.buckets.mixed_tokens), None)
+        if decode and rider is not None and self._run_decode(decode, logits, rider):
+            prefill.remove(rider)
+        elif decode:
+            self._run_decode(decode, logits)
         self._run_prefill(prefill, logits)
         self._pending = _PendingStep(scheduler_output, logits, partial)
         if self.serving and self.records_traffic:
@@ -221,26 +225,67 @@ class NeuronModelRunner:
             self._memory_sampled_at = now
             metrics.DEVICE_MEMORY_USED.set(neuron_device.memory_in_use())
 
-    def _run_decode(self, rows: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
+    def _run_decode(
+        self,
+        rows: list[tuple[int, Chunk]],
+        logits: torch.Tensor,
+        rider: tuple[int, Chunk] | None = None,
+    ) -> bool:
+        """Decode calls of at most the largest batch bucket; the first whose batch bucket has mixed calls
+        takes the prefill chunk `rider` along. Returns whether one did."""
         largest = self.buckets.decode_batch[-1]
         for first in range(0, len(rows), largest):
             group = rows[first : first + largest]
             chunks = [chunk for _, chunk in group]
             batch_bucket = pick_bucket(self.buckets.decode_batch, len(chunks))
             context = self.buckets.pick_decode_context(batch_bucket, [c.start + 1 for c in chunks])
+            num_pages = self.buckets.decode_pages(batch_bucket, context)
+            decode_call = f"decode of {len(chunks)} requests: batch {batch_bucket} x context {context}"
+            if rider is not None and self.buckets.has_mixed(batch_bucket, len(rider[1].token_ids)):
+                self._run_mixed(group, batch_bucket, context, num_pages, rider, decode_call, logits)
+                rider = None
+                continue
             inputs = step_inputs.decode_inputs(
-                chunks,
-                batch_bucket,
-                self.buckets.decode_pages(batch_bucket, context),
-                self.buckets.page_tokens,
-                self.block_size,
-                self.device,
+                chunks, batch_bucket, num_pages, self.buckets.page_tokens, self.block_size, self.device
             )
-            self.recorder.current_call = (
-                f"decode of {len(chunks)} requests: batch {batch_bucket} x context {context}"
-            )
-            self._tally("decode", f"{batch_bucket}x{context}", len(chunks), batch_bucket)
+            self.recorder.current_call = decode_call
+            self._tally("decode", f"{batch_bucket}x{context}", decode=(len(chunks), batch_bucket))
             logits[[row for row, _ in group]] = self._run(inputs, "decode")
+        return rider is None
+
+    def _run_mixed(
+        self,
+        group: list[tuple[int, Chunk]],
+        batch_bucket: int,
+        context: int,
+        num_pages: int,
+        rider: tuple[int, Chunk],
+        decode_call: str,
+        logits: torch.Tensor,
+    ) -> None:
+        row, chunk = rider
+        count, tokens = len(chunk.token_ids), self.buckets.mixed_tokens
+        chunk_context = self.buckets.context_tokens[-1]
+        inputs = step_inputs.mixed_inputs(
+            chunk,
+            tokens,
+            chunk_context,
+            [c for _, c in group],
+            batch_bucket,
+            num_pages,
+            self.buckets.page_tokens,
+            self.block_size,
+            self.device,
+        )
+        self.recorder.current_call = (
+            f"{decode_call}, with prefill of {count} tokens at {chunk.start}: "
+            f"tokens {tokens} x context {chunk_context}"
+        )
+        bucket = f"{batch_bucket}x{context}+{tokens}"
+        self._tally("mixed", bucket, decode=(len(group), batch_bucket), prefill=(count, tokens))
+        out = self._run(inputs, "mixed")
+        logits[row] = out[0]
+        logits[[r for r, _ in group]] = out[1:]
 
     def _run_prefill(self, rows: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
         largest = self.buckets.prefill_tokens[-1]
@@ -257,17 +302,18 @@ class NeuronModelRunner:
                 self.recorder.current_call = (
                     f"prefill of {count} tokens at {part.start}: tokens {tokens} x context {context}"
                 )
-                self._tally("prefill", f"{tokens}x{context}", count, tokens)
+                self._tally("prefill", f"{tokens}x{context}", prefill=(count, tokens))
                 out = self._run(
                     step_inputs.prefill_inputs(part, tokens, context, self.block_size, self.device),
                     "prefill",
                 )
             logits[row] = out[0]
 
-    def _tally(self, phase: str, bucket: str, real: int, slots: int) -> None:
+    def _tally(self, call: str, bucket: str, **tokens: tuple[int, int]) -> None:
+        """Describe the call for step_calls and count it: `tokens` gives (real, slots) per token phase."""
         self.step_calls.append(self.recorder.current_call)
         if self.serving and self.records_traffic:
-            self.stats.record(phase, bucket, real, slots)
+            self.stats.record(call, bucket, tokens)
 
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
     def _run(self, inputs: StepInputs, phase: str) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kv_cache.backend import NeuronAttentionMetadata
+from kv_cache.backend import NeuronAttentionMetadata, PagedQueries, TableQueries
 from kv_cache.layout import NULL_BLOCK, slot_mapping
 
 # First position of a padding decode page: past any context (and within int32, for device index types).
@@ -33,7 +33,19 @@ class StepInputs:
     positions: torch.Tensor  # [tokens]
     logits_indices: torch.Tensor  # [rows whose logits we keep]
     metadata: NeuronAttentionMetadata
-    num_real_rows: int  # logits rows that belong to real requests
+    num_real_rows: int  # the first logits rows, those of real requests
+
+
+@dataclass
+class _HostPart:
+    """Host arrays of the table or the paged queries of a call, before they are joined and sent."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    logits_indices: np.ndarray  # within the part; its real rows first
+    num_real_rows: int
+    tables: dict[str, np.ndarray]  # the fields of its TableQueries / PagedQueries
 
 
 def _context_blocks(block_row: np.ndarray, num_blocks: int) -> np.ndarray:
@@ -42,6 +54,73 @@ def _context_blocks(block_row: np.ndarray, num_blocks: int) -> np.ndarray:
     width = min(num_blocks, block_row.shape[0])
     out[:width] = block_row[:width]
     return out
+
+
+def _table_part(chunk: Chunk, token_bucket: int, context_bucket: int, block_size: int) -> _HostPart:
+    """One request's chunk as one row of token_bucket queries over a block table of context_bucket
+    positions; keeps only the last real token's logits."""
+    count = len(chunk.token_ids)
+    if chunk.start + count > context_bucket:
+        raise ValueError(
+            f"{count} tokens at position {chunk.start} do not fit a context bucket of {context_bucket}"
+        )
+    num_blocks = context_bucket // block_size
+    input_ids = np.zeros(token_bucket, dtype=np.int64)
+    input_ids[:count] = chunk.token_ids
+    positions = np.zeros(token_bucket, dtype=np.int64)
+    positions[:count] = np.arange(chunk.start, chunk.start + count)
+    block_table = _context_blocks(chunk.block_row, num_blocks).reshape(1, num_blocks)
+    slots = np.full(token_bucket, NULL_BLOCK * block_size, dtype=np.int64)
+    slots[:count] = slot_mapping(block_table[0], positions[:count], block_size)
+    return _HostPart(
+        input_ids,
+        positions,
+        slots,
+        np.array([count - 1], dtype=np.int64),
+        1,
+        {"positions": positions.reshape(1, token_bucket), "block_table": block_table},
+    )
+
+
+def _paged_part(
+    chunks: list[Chunk], batch_bucket: int, num_pages: int, page_tokens: int, block_size: int
+) -> _HostPart:
+    """One token per request over `num_pages` KV pages the rows share, each row as many as its context needs
+    (in row order)."""
+    blocks_per_page = page_tokens // block_size
+    input_ids = np.zeros(batch_bucket, dtype=np.int64)
+    positions = np.zeros(batch_bucket, dtype=np.int64)
+    slots = np.full(batch_bucket, NULL_BLOCK * block_size, dtype=np.int64)
+    page_blocks = np.full((num_pages, blocks_per_page), NULL_BLOCK, dtype=np.int64)
+    page_rows = np.zeros(num_pages, dtype=np.int64)
+    page_starts = np.full(num_pages, PADDING_PAGE_START, dtype=np.int64)
+    used = 0
+    for row, chunk in enumerate(chunks):
+        input_ids[row] = chunk.token_ids[0]
+        positions[row] = chunk.start
+        row_pages = -(-(chunk.start + 1) // page_tokens)
+        blocks = _context_blocks(chunk.block_row, row_pages * blocks_per_page)
+        slots[row] = slot_mapping(blocks, positions[row : row + 1], block_size)[0]
+        if used + row_pages <= num_pages:
+            page_blocks[used : used + row_pages] = blocks.reshape(row_pages, blocks_per_page)
+            page_rows[used : used + row_pages] = row
+            page_starts[used : used + row_pages] = np.arange(row_pages) * page_tokens
+        used += row_pages
+    if used > num_pages:
+        raise ValueError(f"decode rows need {used} KV pages, the call has {num_pages}")
+    return _HostPart(
+        input_ids,
+        positions,
+        slots,
+        np.arange(batch_bucket, dtype=np.int64),
+        len(chunks),
+        {
+            "positions": positions,
+            "page_blocks": page_blocks,
+            "page_rows": page_rows,
+            "page_starts": page_starts,
+        },
+    )
 
 
 def decode_inputs(
@@ -57,101 +136,60 @@ def decode_inputs(
 
     A batch bucket of one shares nothing: its row attends over its own first num_pages pages of blocks as a
     block table, through the fused kernel the prefill path uses (fewer, larger ops for the same work)."""
-    blocks_per_page = page_tokens // block_size
     if batch_bucket == 1:
         (chunk,) = chunks
-        block_table = _context_blocks(chunk.block_row, num_pages * blocks_per_page).reshape(1, -1)
-        if chunk.start >= num_pages * page_tokens:
-            raise ValueError(f"a decode row at position {chunk.start} needs more than {num_pages} KV pages")
-        return _to_device(
-            np.array([chunk.token_ids[0]], dtype=np.int64),
-            np.array([chunk.start], dtype=np.int64),
-            np.zeros(1, dtype=np.int64),
-            np.array([[chunk.start]], dtype=np.int64),
-            slot_mapping(block_table[0], np.array([chunk.start]), block_size),
-            1,
-            device,
-            block_table=block_table,
-        )
-    input_ids = np.zeros(batch_bucket, dtype=np.int64)
-    positions = np.zeros(batch_bucket, dtype=np.int64)
-    slots = np.full(batch_bucket, NULL_BLOCK * block_size, dtype=np.int64)
-    page_blocks = np.full((num_pages, blocks_per_page), NULL_BLOCK, dtype=np.int64)
-    page_rows = np.zeros(num_pages, dtype=np.int64)
-    page_starts = np.full(num_pages, PADDING_PAGE_START, dtype=np.int64)
-    used = 0
-    for row, chunk in enumerate(chunks):
-        input_ids[row] = chunk.token_ids[0]
-        positions[row] = chunk.start
-        row_pages = -(-(chunk.start + 1) // page_tokens)
-        blocks = _context_blocks(chunk.block_row, row_pages * blocks_per_page)
-        slots[row] = slot_mapping(blocks, positions[row : row + 1], block_size)[0]
-        page_blocks[used : used + row_pages] = blocks.reshape(row_pages, blocks_per_page)
-        page_rows[used : used + row_pages] = row
-        page_starts[used : used + row_pages] = np.arange(row_pages) * page_tokens
-        used += row_pages
-    if used > num_pages:
-        raise ValueError(f"decode rows need {used} KV pages, the call has {num_pages}")
-    return _to_device(
-        input_ids,
-        positions,
-        np.arange(batch_bucket, dtype=np.int64),
-        positions.reshape(batch_bucket, 1),
-        slots,
-        len(chunks),
-        device,
-        page_blocks=page_blocks,
-        page_rows=page_rows,
-        page_starts=page_starts,
-    )
+        return _to_device(device, table=_table_part(chunk, 1, num_pages * page_tokens, block_size))
+    return _to_device(device, paged=_paged_part(chunks, batch_bucket, num_pages, page_tokens, block_size))
 
 
 def prefill_inputs(
     chunk: Chunk, token_bucket: int, context_bucket: int, block_size: int, device: torch.device
 ) -> StepInputs:
     """One request's chunk: one row of token_bucket queries; keeps only the last real token's logits."""
-    num_blocks = context_bucket // block_size
-    count = len(chunk.token_ids)
-    input_ids = np.zeros(token_bucket, dtype=np.int64)
-    input_ids[:count] = chunk.token_ids
-    positions = np.zeros(token_bucket, dtype=np.int64)
-    positions[:count] = np.arange(chunk.start, chunk.start + count)
-    block_table = _context_blocks(chunk.block_row, num_blocks).reshape(1, num_blocks)
-    slots = np.full(token_bucket, NULL_BLOCK * block_size, dtype=np.int64)
-    slots[:count] = slot_mapping(block_table[0], positions[:count], block_size)
+    return _to_device(device, table=_table_part(chunk, token_bucket, context_bucket, block_size))
+
+
+def mixed_inputs(
+    chunk: Chunk,
+    token_bucket: int,
+    context_bucket: int,
+    decode_chunks: list[Chunk],
+    batch_bucket: int,
+    num_pages: int,
+    page_tokens: int,
+    block_size: int,
+    device: torch.device,
+) -> StepInputs:
+    """A prefill chunk and decode rows in one call (one pass over the weights): the chunk's token_bucket
+    queries first, then one per decode row over shared pages. Logits row 0 is the chunk's, rows 1.. the
+    decode rows'."""
     return _to_device(
-        input_ids,
-        positions,
-        np.array([count - 1], dtype=np.int64),
-        positions.reshape(1, token_bucket),
-        slots,
-        1,
         device,
-        block_table=block_table,
+        table=_table_part(chunk, token_bucket, context_bucket, block_size),
+        paged=_paged_part(decode_chunks, batch_bucket, num_pages, page_tokens, block_size),
     )
 
 
 def _to_device(
-    input_ids: np.ndarray,
-    positions: np.ndarray,
-    logits_indices: np.ndarray,
-    query_positions: np.ndarray,
-    slots: np.ndarray,
-    num_real_rows: int,
-    device: torch.device,
-    **attention_tables: np.ndarray,
+    device: torch.device, table: _HostPart | None = None, paged: _HostPart | None = None
 ) -> StepInputs:
     def put(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
+    parts = [part for part in (table, paged) if part is not None]
+    logits_indices, offset = [], 0
+    for part in parts:
+        logits_indices.append(part.logits_indices + offset)
+        offset += len(part.input_ids)
     return StepInputs(
-        input_ids=put(input_ids),
-        positions=put(positions),
-        logits_indices=put(logits_indices),
+        input_ids=put(np.concatenate([part.input_ids for part in parts])),
+        positions=put(np.concatenate([part.positions for part in parts])),
+        logits_indices=put(np.concatenate(logits_indices)),
         metadata=NeuronAttentionMetadata(
-            query_positions=put(query_positions),
-            slot_mapping=put(slots),
-            **{name: put(table) for name, table in attention_tables.items()},
+            slot_mapping=put(np.concatenate([part.slots for part in parts])),
+            table=None if table is None else TableQueries(**{k: put(v) for k, v in table.tables.items()}),
+            paged=None if paged is None else PagedQueries(**{k: put(v) for k, v in paged.tables.items()}),
         ),
-        num_real_rows=num_real_rows,
+        # The table part has one real row, so the real rows of both parts come first.
+        num_real_rows=sum(part.num_real_rows for part in parts),
     )

@@ -37,7 +37,7 @@ SAMPLING_VARIANTS = (
 
 @dataclass(frozen=True)
 class WarmupStep:
-    phase: str  # "prefill" or "decode"
+    phase: str  # "prefill", "decode" or "mixed"
     shape: tuple[int, int]  # (tokens or batch, context)
     step: SchedulerOutput
     request_ids: list[str]
@@ -71,7 +71,8 @@ def _step(requests: list[NewRequestData], scheduled: dict[str, int]) -> Schedule
 
 
 def warmup_steps(buckets: BucketConfig, *, max_model_len: int, block_size: int) -> Iterator[WarmupStep]:
-    """One step per graph shape: each prefill (tokens, context) and each decode (batch, context)."""
+    """One step per graph shape: each prefill (tokens, context), each decode (batch, context) and each mixed
+    (batch, context)."""
     for index, (tokens, context) in enumerate(buckets.prefill_shapes()):
         # A chunk of n tokens ending at the context bucket (or at max_model_len, inside the same bucket).
         total = min(context, max_model_len)
@@ -88,6 +89,17 @@ def warmup_steps(buckets: BucketConfig, *, max_model_len: int, block_size: int) 
         ids = [f"warmup-decode-{index}-{row}" for row in range(batch)]
         requests = [_request(req_id, total, total - 1, block_size, row) for row, req_id in enumerate(ids)]
         yield WarmupStep("decode", (batch, context), _step(requests, dict.fromkeys(ids, 1)), ids)
+    for index, (batch, context) in enumerate(buckets.mixed_shapes()):
+        # The decode rows above, and a chunk of mixed_tokens tokens (or the whole context if shorter).
+        total = min(context, max_model_len)
+        ids = [f"warmup-mixed-{index}-{row}" for row in range(batch)]
+        requests = [_request(req_id, total, total - 1, block_size, row) for row, req_id in enumerate(ids)]
+        count = min(buckets.mixed_tokens, max_model_len)
+        assert buckets.has_mixed(batch, count)
+        chunk_id = f"warmup-mixed-{index}-chunk"
+        requests.append(_request(chunk_id, max_model_len, max_model_len - count, block_size, index))
+        scheduled = {**dict.fromkeys(ids, 1), chunk_id: count}
+        yield WarmupStep("mixed", (batch, context), _step(requests, scheduled), [*ids, chunk_id])
 
 
 def finish_step(request_ids: list[str]) -> SchedulerOutput:
