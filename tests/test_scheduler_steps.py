@@ -68,3 +68,22 @@ def test_scripted_steps_become_the_expected_calls(llm):
     assert observed == EXPECTED
     assert not engine.has_unfinished_requests()
     assert runner.recorder.num_graphs == graphs
+
+
+def test_a_short_chunk_beside_a_batch_without_mixed_calls_runs_once_on_its_own(llm):
+    """Three requests decoding are more than half of max_num_seqs: no cap, and their batch bucket (4) has no
+    mixed calls, so a short prompt arriving then runs as its own call, and the decode rows exactly once."""
+    engine, runner = llm.llm_engine, model_runner(llm)
+    for index in range(3):
+        prompt = random_prompt(5, seed=9100 + index)
+        engine.add_request(f"busy-{index}", TokensPrompt(prompt_token_ids=prompt), greedy(6))
+    engine.step()  # their prompts
+    engine.add_request("short", TokensPrompt(prompt_token_ids=random_prompt(10, seed=9200)), greedy(2))
+    runner.step_calls = []
+    engine.step()
+    assert runner.step_calls == [
+        "decode of 3 requests: batch 4 x context 128",
+        "prefill of 10 tokens at 0: tokens 32 x context 128",
+    ]
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -203,10 +203,8 @@ class NeuronModelRunner:
         logits = torch.empty(batch.num_reqs, self.model_config.get_vocab_size(), dtype=torch.float32)
         # The first prefill chunk small enough rides along with the decode rows, in the same call.
         rider = next((item for item in prefill if len(item[1].token_ids) <= self.buckets.mixed_tokens), None)
-        if decode and rider is not None and self._run_decode(decode, logits, rider):
-            prefill.remove(rider)
-        elif decode:
-            self._run_decode(decode, logits)
+        if decode and self._run_decode(decode, logits, rider):
+            prefill = [item for item in prefill if item is not rider]
         self._run_prefill(prefill, logits)
         self._pending = _PendingStep(scheduler_output, logits, partial)
         if self.serving and self.records_traffic:
@@ -233,7 +231,7 @@ class NeuronModelRunner:
     ) -> bool:
         """Decode calls of at most the largest batch bucket; the first whose batch bucket has mixed calls
         takes the prefill chunk `rider` along. Returns whether one did."""
-        largest = self.buckets.decode_batch[-1]
+        largest, taken = self.buckets.decode_batch[-1], False
         for first in range(0, len(rows), largest):
             group = rows[first : first + largest]
             chunks = [chunk for _, chunk in group]
@@ -241,9 +239,13 @@ class NeuronModelRunner:
             context = self.buckets.pick_decode_context(batch_bucket, [c.start + 1 for c in chunks])
             num_pages = self.buckets.decode_pages(batch_bucket, context)
             decode_call = f"decode of {len(chunks)} requests: batch {batch_bucket} x context {context}"
-            if rider is not None and self.buckets.has_mixed(batch_bucket, len(rider[1].token_ids)):
+            if (
+                not taken
+                and rider is not None
+                and self.buckets.has_mixed(batch_bucket, len(rider[1].token_ids))
+            ):
                 self._run_mixed(group, batch_bucket, context, num_pages, rider, decode_call, logits)
-                rider = None
+                taken = True
                 continue
             inputs = step_inputs.decode_inputs(
                 chunks, batch_bucket, num_pages, self.buckets.page_tokens, self.block_size, self.device
@@ -251,7 +253,7 @@ class NeuronModelRunner:
             self.recorder.current_call = decode_call
             self._tally("decode", f"{batch_bucket}x{context}", decode=(len(chunks), batch_bucket))
             logits[[row for row, _ in group]] = self._run(inputs, "decode")
-        return rider is None
+        return taken
 
     def _run_mixed(
         self,
