@@ -1,13 +1,13 @@
 """vLLM's scheduler, with prefill held to a small share of each step while requests are decoding.
 
-The model runner executes a step as one call for the decode rows and one per prefill chunk, so a step's
-duration, and with it the inter-token latency of every running stream, grows with the prefill tokens it
-carries. Under light load (the decode batch at most half full, and fewer prompts waiting than streams
-running) a step carries at most `prefill_tokens_while_decoding` prefill tokens beside the decode rows: the
-running streams' pace is what users feel then, and a long prompt is prefilled a little per step. Otherwise
-(a full decode batch, or a burst of arrivals) throughput and everyone's time to first token win, and
-prefill gets vLLM's whole `--max-num-batched-tokens` budget, as it does with nothing decoding. Everything
-else (admission, chunking, prefix caching, preemption) is vLLM's own scheduler, unchanged.
+A step's duration, and with it the inter-token latency of every running stream, grows with the prefill
+tokens it carries. Under light load (the decode batch at most half full, and only a few prompts waiting: at
+most one per `STREAMS_PER_WAITING_PROMPT` streams decoding, and always one) a step carries at most
+`prefill_tokens_while_decoding` prefill tokens beside the decode rows: the running streams' pace is what
+users feel then, and a long prompt is prefilled a little per step. Otherwise (a full decode batch, or a
+queue of arrivals) throughput and everyone's time to first token win, and prefill gets vLLM's whole
+`--max-num-batched-tokens` budget, as it does with nothing decoding. Everything else (admission, chunking,
+prefix caching, preemption) is vLLM's own scheduler, unchanged.
 """
 
 import copy
@@ -16,6 +16,21 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_neuron.config import NeuronConfig
+
+# Prompts waiting beyond one per this many decoding streams are a queue, not an arrival beside running
+# streams: a capped share would hold all of them to one share-sized piece of one prompt per step (at the
+# ramp of a busy server, half the batch decoding while the other half waits for its prompts).
+STREAMS_PER_WAITING_PROMPT = 4
+
+
+def prefill_share(decoding: int, prefilling: int, max_num_seqs: int, share: int, full_budget: int) -> int:
+    """Prefill tokens a step may carry beside `decoding` decode rows while `prefilling` requests wait for
+    (more of) their prompt; 0 means vLLM's whole budget."""
+    few_waiting = prefilling <= max(1, decoding // STREAMS_PER_WAITING_PROMPT)
+    light_load = decoding <= max_num_seqs // 2 and few_waiting
+    if not decoding or not light_load or not share:
+        return 0
+    return min(share, full_budget)
 
 
 class NeuronScheduler(Scheduler):
@@ -32,7 +47,13 @@ class NeuronScheduler(Scheduler):
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         decoding = sum(1 for request in self.running if not request.is_prefill_chunk)
         prefilling = len(self.running) - decoding + len(self.waiting)
-        cap = self.prefill_share(decoding, prefilling)
+        cap = prefill_share(
+            decoding,
+            prefilling,
+            self.max_num_running_reqs,
+            self.prefill_tokens_while_decoding,
+            self.full_token_budget,
+        )
         if cap:
             # Every prefill chunk is capped too: a chunk ahead of the decoding requests in the running
             # queue must not take their tokens.
@@ -42,11 +63,3 @@ class NeuronScheduler(Scheduler):
             self.max_num_scheduled_tokens = self.full_token_budget
             self.scheduler_config.long_prefill_token_threshold = self.configured_prefill_cap
         return super().schedule(throttle_prefills)
-
-    def prefill_share(self, decoding: int, prefilling: int) -> int:
-        """Prefill tokens a step may carry beside `decoding` decode rows while `prefilling` requests wait for
-        (more of) their prompt; 0 means vLLM's whole budget."""
-        light_load = decoding <= self.max_num_running_reqs // 2 and prefilling <= decoding
-        if not decoding or not light_load or not self.prefill_tokens_while_decoding:
-            return 0
-        return min(self.prefill_tokens_while_decoding, self.full_token_budget)
