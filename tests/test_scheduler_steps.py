@@ -3,10 +3,10 @@ steps become bucketed calls shows up as a readable diff of this table.
 
 Engine: max_num_batched_tokens 96, max_num_seqs 4; buckets prefill [32, 64], decode [1, 2, 4],
 context [128, 256], prefill share 64 (tests/conftest.py). vLLM's scheduler serves running requests first,
-then waiting ones, within the 96-token budget. Under light load (at most 2 of 4 requests decoding, fewer
-prompts waiting than that) our scheduler holds prefill to 64 tokens a step (vllm_neuron/scheduler.py), and
-a chunk of at most 64 tokens rides in the call of 1 or 2 decode rows (a mixed call, vllm_neuron/buckets.py),
-attending over the largest context bucket."""
+then waiting ones, within the 96-token budget. Under light load (at most 2 of 4 requests decoding, and a
+prompt waiting beside them, not a queue) our scheduler holds prefill to 64 tokens a step
+(vllm_neuron/scheduler.py), and a chunk of at most 64 tokens rides in the call of 1 or 2 decode rows (a
+mixed call, vllm_neuron/buckets.py), attending over the largest context bucket."""
 
 import pytest
 from vllm.inputs import TokensPrompt

@@ -593,8 +593,10 @@ def auto_buckets(
     page_tokens = decode_page_tokens(block_size)
 
     def graphs_of(buckets: BucketConfig) -> int:
-        mixed = mixed_graphs(buckets, light_load_batches(buckets.decode_batch, max_num_seqs))
-        return buckets.num_graphs + (mixed if mixed_calls else 0)
+        if not mixed_calls:
+            return buckets.num_graphs
+        mixed_batch = light_load_batches(buckets.decode_batch, max_num_seqs)
+        return buckets.num_graphs + mixed_graphs(buckets, mixed_batch)
 
     minimal = BucketConfig((max_chunk,), (max_num_seqs,), (max_context,), page_tokens)
     if graphs_of(minimal) > graph_budget:

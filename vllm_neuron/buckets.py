@@ -19,7 +19,7 @@ to a pass over the weights, and a context dimension would multiply the graphs ag
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 class BucketError(ValueError):
@@ -149,7 +149,7 @@ def light_load_batches(decode_batch: Sequence[int], max_num_seqs: int) -> tuple[
 
 def mixed_graphs(buckets: BucketConfig, mixed_batch: Sequence[int]) -> int:
     """Graphs the mixed calls of these decode batch buckets add to a bucket set."""
-    return len(replace(buckets, mixed_tokens=1, mixed_batch=tuple(mixed_batch)).mixed_shapes())
+    return sum(1 for batch, _ in buckets.decode_shapes() if batch in mixed_batch)
 
 
 def default_buckets(
