@@ -73,12 +73,19 @@ def llm(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def api_server(tiny_model_dir, tmp_path_factory):
-    """One `vllm-neuron serve` of the tiny model for the HTTP tests, with an API key and a body limit."""
+    """One `vllm-neuron serve` of the tiny model for the HTTP tests, with an API key, a body limit and a step
+    trace."""
     from tests.serving import API_KEY, MAX_REQUEST_BYTES, ServerProcess
 
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    folder = tmp_path_factory.mktemp("server")
     server = ServerProcess(
-        tiny_model_dir, log_path, "--api-key", API_KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES)
+        tiny_model_dir,
+        folder / "server.log",
+        "--api-key",
+        API_KEY,
+        "--max-request-bytes",
+        str(MAX_REQUEST_BYTES),
+        step_trace=folder / "steps.jsonl",
     )
     try:
         server.wait_healthy()

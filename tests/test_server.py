@@ -344,6 +344,28 @@ def test_plugin_series_on_metrics_after_traffic(server, client):
     assert one("vllm_neuron:device_memory_used_bytes") > 0
 
 
+def test_step_trace_gives_each_step_of_a_request(server, client):
+    """VLLM_NEURON_STEP_TRACE: one JSON line per step, in the engine-core process, with what it computed."""
+
+    def lines() -> list[dict]:
+        return [json.loads(line) for line in server.step_trace.read_text().splitlines()]
+
+    before, start = len(lines()), time.time()
+    prompt = [(index * 37) % 300 + 20 for index in range(50)]  # unseen: no prefix-cache hits
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0)
+    steps = lines()[before:]
+    # The prompt in one step (50 tokens, within the budget), which samples the first token; then one decode
+    # row per further token.
+    assert [(step["prefill_tokens"], step["decode_rows"]) for step in steps] == [(50, 0)] + [(0, 1)] * 5
+    assert steps[0]["calls"] == ["prefill of 50 tokens at 0: tokens 64 x context 128"]
+    assert all(step["calls"] == ["decode of 1 requests: batch 1 x context 128"] for step in steps[1:])
+    for step in steps:
+        assert start <= step["time"] <= time.time()
+        parts = step["prepare_ms"] + step["forward_ms"] + step["sample_ms"]
+        assert 0 < step["forward_ms"] <= parts <= step["step_ms"] + 0.1
+        assert step["since_previous_ms"] >= 0
+
+
 def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server, client):
     def metric(name: str) -> float:
         return sum(metric_values(http("GET", server.base + "/metrics")[1].decode(), name).values())

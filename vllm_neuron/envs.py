@@ -67,6 +67,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "1: a compile after warm-up (a shape outside the buckets) is refused with an error instead of being "
         "counted and logged.",
     ),
+    "VLLM_NEURON_STEP_TRACE": (
+        lambda: os.environ.get("VLLM_NEURON_STEP_TRACE", ""),
+        "Path of a JSON-lines file that gets one line per served step (wall time, compiled calls, decode "
+        "rows, prefill tokens, milliseconds of each part and since the previous step): latency diagnosis.",
+    ),
     "VLLM_NEURON_CACHE_ROOT": (
         lambda: os.environ.get("VLLM_NEURON_CACHE_ROOT", ""),
         "Root folder of the persistent compile cache (default: $XDG_CACHE_HOME/vllm-neuron/compile); "

@@ -27,6 +27,7 @@ from vllm_neuron.config import NeuronConfig
 from worker import step_inputs, warmup
 from worker.input_batch import PersistentBatch
 from worker.step_inputs import Chunk, StepInputs
+from worker.step_trace import StepTrace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,6 +55,9 @@ class _PendingStep:
     scheduler_output: "SchedulerOutput"
     logits: torch.Tensor
     partial_prefill_rows: list[int]
+    started: float  # time.perf_counter() at the start of execute_model
+    prepare_seconds: float
+    forward_seconds: float
 
 
 class NeuronModelRunner:
@@ -81,6 +85,8 @@ class NeuronModelRunner:
         self._pending: _PendingStep | None = None
         self._forward_seconds = 0.0  # of the step being executed
         self._memory_sampled_at = 0.0
+        trace_path = envs.VLLM_NEURON_STEP_TRACE
+        self.trace = StepTrace(trace_path) if trace_path and self.records_traffic else None
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -206,10 +212,12 @@ class NeuronModelRunner:
         if decode and self._run_decode(decode, logits, rider):
             prefill = [item for item in prefill if item is not rider]
         self._run_prefill(prefill, logits)
-        self._pending = _PendingStep(scheduler_output, logits, partial)
+        prepare = time.perf_counter() - step_start - self._forward_seconds
+        self._pending = _PendingStep(
+            scheduler_output, logits, partial, step_start, prepare, self._forward_seconds
+        )
         if self.serving and self.records_traffic:
             metrics.STEP_SECONDS.labels(part="forward").observe(self._forward_seconds)
-            prepare = time.perf_counter() - step_start - self._forward_seconds
             metrics.STEP_SECONDS.labels(part="prepare").observe(prepare)
             self._sample_usage(step_start)
         return None
@@ -365,4 +373,18 @@ class NeuronModelRunner:
         self.batch.append_sampled(sampled)
         if self.serving and self.records_traffic:
             metrics.STEP_SECONDS.labels(part="sample").observe(time.perf_counter() - start)
+            if self.trace is not None:
+                self._trace_step(pending, time.perf_counter() - start)
         return output
+
+    def _trace_step(self, step: _PendingStep, sample_seconds: float) -> None:
+        scheduled = step.scheduler_output.num_scheduled_tokens.values()
+        self.trace.record(
+            step.started,
+            self.step_calls,
+            decode_rows=sum(1 for count in scheduled if count == 1),
+            prefill_tokens=sum(count for count in scheduled if count > 1),
+            prepare_s=step.prepare_seconds,
+            forward_s=step.forward_seconds,
+            sample_s=sample_seconds,
+        )

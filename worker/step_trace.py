@@ -1,0 +1,45 @@
+"""A JSON-lines trace of scheduler steps (VLLM_NEURON_STEP_TRACE), for finding what makes a slow token.
+
+Each served step appends one line: when it ended (wall clock, so it lines up with client-side token
+times), its compiled calls, its decode rows and prefill tokens, the milliseconds of each part, and the
+milliseconds between the end of the previous step and the start of this one (the engine's own work:
+scheduling, output processing, messages to the API server, and any wait for the CPU).
+"""
+
+import json
+import time
+from pathlib import Path
+
+
+class StepTrace:
+    def __init__(self, path: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
+        self._previous_end: float | None = None
+
+    def record(
+        self,
+        start: float,
+        calls: list[str],
+        decode_rows: int,
+        prefill_tokens: int,
+        prepare_s: float,
+        forward_s: float,
+        sample_s: float,
+    ) -> None:
+        """One step that started at `start` (time.perf_counter()) and ends now."""
+        end = time.perf_counter()
+        between = None if self._previous_end is None else 1e3 * (start - self._previous_end)
+        self._previous_end = end
+        line = {
+            "time": round(time.time(), 4),
+            "calls": calls,
+            "decode_rows": decode_rows,
+            "prefill_tokens": prefill_tokens,
+            "prepare_ms": round(1e3 * prepare_s, 2),
+            "forward_ms": round(1e3 * forward_s, 2),
+            "sample_ms": round(1e3 * sample_s, 2),
+            "step_ms": round(1e3 * (end - start), 2),
+            "since_previous_ms": None if between is None else round(between, 2),
+        }
+        self._file.write(json.dumps(line) + "\n")
