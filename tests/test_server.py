@@ -363,7 +363,8 @@ def test_step_trace_gives_each_step_of_a_request(server, client):
         assert start <= step["time"] <= time.time()
         parts = step["prepare_ms"] + step["forward_ms"] + step["sample_ms"]
         assert 0 < step["forward_ms"] <= parts <= step["step_ms"] + 0.1
-        assert step["since_previous_ms"] >= 0
+    # The engine's own work between two steps of one request (the first served step has no previous one).
+    assert all(step["since_previous_ms"] >= 0 for step in steps[1:])
 
 
 def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server, client):
