@@ -372,9 +372,10 @@ class NeuronModelRunner:
         )
         self.batch.append_sampled(sampled)
         if self.serving and self.records_traffic:
-            metrics.STEP_SECONDS.labels(part="sample").observe(time.perf_counter() - start)
+            sample_seconds = time.perf_counter() - start
+            metrics.STEP_SECONDS.labels(part="sample").observe(sample_seconds)
             if self.trace is not None:
-                self._trace_step(pending, time.perf_counter() - start)
+                self._trace_step(pending, sample_seconds)
         return output
 
     def _trace_step(self, step: _PendingStep, sample_seconds: float) -> None:
