@@ -21,10 +21,14 @@ class TableQueries:
 
     positions:   [rows, queries_per_row] absolute positions of the queries
     block_table: [rows, context_blocks] block ids of each row's context window
+    mask:        their causal mask (kv_cache.ops.context_mask), built by the first layer that attends and
+                 reused by the others: every layer of a call gets this same object, and building the mask in
+                 each layer cost a sixth of a prefill call over the 2048 context on CPU
     """
 
     positions: torch.Tensor
     block_table: torch.Tensor
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -137,12 +141,17 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         if (table := attn_metadata.table) is not None:
             rows, queries_per_row = table.positions.shape
             first_paged = rows * queries_per_row
+            if table.mask is None:
+                context = table.block_table.shape[1] * kv_cache.shape[3]
+                group = self.num_heads // self.num_kv_heads
+                table.mask = ops.context_mask(table.positions, context, group, query.dtype)
             out = ops.paged_attention(
                 query[:first_paged].view(rows, queries_per_row, self.num_heads, self.head_size),
                 kv_cache,
                 table.block_table,
                 table.positions,
                 self.scale,
+                table.mask,
             )
             attended[:first_paged].copy_(out.view(first_paged, self.num_heads, self.head_size))
         if (paged := attn_metadata.paged) is not None:

@@ -55,43 +55,53 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torc
     return both[0], both[1]
 
 
+def context_mask(query_positions: torch.Tensor, context: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive causal mask of queries at query_positions [rows, q] over context positions 0 ..
+    context-1, laid out as attention_over_context folds the query heads of a KV head: [1, rows, group * q,
+    context], 0 where a key is visible and -inf where it is not."""
+    rows, num_queries = query_positions.shape
+    positions = query_positions.view(1, rows, 1, num_queries).expand(1, rows, group, num_queries)
+    key_positions = torch.arange(context, device=query_positions.device)
+    visible = key_positions.view(1, 1, 1, context) <= positions.reshape(1, rows, group * num_queries, 1)
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     query_positions: torch.Tensor,
     scale: float,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [rows, q, heads, head_size] over the paged context of each row.
 
-    block_table: [rows, blocks] block ids; query_positions: [rows, q] absolute positions.
+    block_table: [rows, blocks] block ids; query_positions: [rows, q] absolute positions; mask: their
+    context_mask, when the caller shares one across layers (built here otherwise).
     Returns [rows, q, heads, head_size] in the query's dtype.
     """
     keys, values = gather_blocks(kv_cache, block_table)
-    return attention_over_context(query, keys, values, query_positions, scale)
+    if mask is None:
+        group = query.shape[2] // keys.shape[0]
+        mask = context_mask(query_positions, keys.shape[2], group, query.dtype)
+    return attention_over_context(query, keys, values, mask, scale)
 
 
 def attention_over_context(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    query_positions: torch.Tensor,
-    scale: float,
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Grouped-query causal attention over contiguous context keys/values [kv_heads, rows, context, d]."""
+    """Grouped-query attention over contiguous context keys/values [kv_heads, rows, context, d], with the
+    additive mask of context_mask."""
     rows, num_queries, num_heads, head_size = query.shape
-    kv_heads, context = keys.shape[0], keys.shape[2]
+    kv_heads = keys.shape[0]
     group = num_heads // kv_heads
     # The query heads of one KV head fold into the query dimension, [kv_heads, rows, group * q, d], so
     # attention batches over (kv_heads, rows) with K/V exactly as gathered: only the small query is copied.
     q = query.view(rows, num_queries, kv_heads, group, head_size).permute(2, 0, 3, 1, 4)
     q = q.reshape(kv_heads, rows, group * num_queries, head_size)
-    positions = query_positions.view(1, rows, 1, num_queries).expand(1, rows, group, num_queries)
-    key_positions = torch.arange(context, device=query.device)
-    visible = key_positions.view(1, 1, 1, context) <= positions.reshape(1, rows, group * num_queries, 1)
     # PyTorch's fused attention: on CPU it never materialises the [queries, context] scores (4-5x faster for
     # prefill chunks than matmul + softmax), and it accumulates in float32 whatever the model's dtype.
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     out = out.view(kv_heads, rows, group, num_queries, head_size)
     return out.permute(1, 3, 0, 2, 4).reshape(rows, num_queries, num_heads, head_size)
 
