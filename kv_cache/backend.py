@@ -39,12 +39,15 @@ class PagedQueries:
     page_blocks: [pages, blocks_per_page] block ids of each KV page (padding: null block)
     page_rows:   [pages] the row each page belongs to
     page_starts: [pages] position of each page's first key
+    masks:       what attention derives from the pages (kv_cache.ops.page_masks), built by the first layer
+                 and reused by the others, like TableQueries.mask
     """
 
     positions: torch.Tensor
     page_blocks: torch.Tensor
     page_rows: torch.Tensor
     page_starts: torch.Tensor
+    masks: ops.PageMasks | None = None
 
 
 @dataclass
@@ -155,6 +158,9 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
             )
             attended[:first_paged].copy_(out.view(first_paged, self.num_heads, self.head_size))
         if (paged := attn_metadata.paged) is not None:
+            if paged.masks is None:
+                page_tokens = paged.page_blocks.shape[1] * kv_cache.shape[3]
+                paged.masks = ops.page_masks(paged.page_rows, paged.page_starts, paged.positions, page_tokens)
             out = ops.decode_attention(
                 query[first_paged:],
                 kv_cache,
@@ -163,6 +169,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                 paged.page_starts,
                 paged.positions,
                 self.scale,
+                paged.masks,
             )
             attended[first_paged:].copy_(out)
         return output

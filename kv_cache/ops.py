@@ -14,6 +14,8 @@ decode_attention: one query per row, over pages of KV blocks that the rows share
 context needs), so a decode step reads about the rows' real contexts instead of rows x the longest one.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -106,6 +108,30 @@ def attention_over_context(
     return out.permute(1, 3, 0, 2, 4).reshape(rows, num_queries, num_heads, head_size)
 
 
+@dataclass
+class PageMasks:
+    """What decode_attention derives from the pages alone, the same in every layer of a call.
+
+    hidden:    [1, pages, 1, page_tokens] keys of each page past its row's position
+    owner:     [rows, pages] whether a page belongs to a row
+    ownership: owner as float32, for the matmuls that add up each row's pages
+    """
+
+    hidden: torch.Tensor
+    owner: torch.Tensor
+    ownership: torch.Tensor
+
+
+def page_masks(
+    page_rows: torch.Tensor, page_starts: torch.Tensor, positions: torch.Tensor, page_tokens: int
+) -> PageMasks:
+    pages, rows = page_rows.shape[0], positions.shape[0]
+    key_positions = page_starts.view(pages, 1) + torch.arange(page_tokens, device=page_rows.device)
+    hidden = key_positions > positions.index_select(0, page_rows).view(pages, 1)
+    owner = page_rows.view(1, pages) == torch.arange(rows, device=page_rows.device).view(rows, 1)
+    return PageMasks(hidden.view(1, pages, 1, page_tokens), owner, owner.to(torch.float32))
+
+
 def decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -114,13 +140,15 @@ def decode_attention(
     page_starts: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    masks: PageMasks | None = None,
 ) -> torch.Tensor:
     """One query per row [rows, heads, head_size] at `positions` [rows], over KV pages shared by the rows.
 
     page_blocks [pages, blocks_per_page]: the blocks of each page; page_rows [pages]: the row it belongs to;
-    page_starts [pages]: the position of its first key. A row's pages cover its context, so the work follows
-    the rows' real contexts rather than padding every row to the longest. Padding pages start past every
-    position (nothing visible) and belong to row 0; a row without pages (batch padding) returns zeros.
+    page_starts [pages]: the position of its first key; masks: their page_masks, when the caller shares one
+    across layers (built here otherwise). A row's pages cover its context, so the work follows the rows'
+    real contexts rather than padding every row to the longest. Padding pages start past every position
+    (nothing visible) and belong to row 0; a row without pages (batch padding) returns zeros.
 
     Each page gives a partial softmax (its max, its sum, its weighted values); the rows combine their pages
     by rescaling to the row's max, as split-K ("flash decoding") kernels do. Returns [rows, heads, head_size].
@@ -129,27 +157,25 @@ def decode_attention(
     keys, values = gather_blocks(kv_cache, page_blocks)  # [kv_heads, pages, page_tokens, d]
     kv_heads, pages, page_tokens = keys.shape[0], keys.shape[1], keys.shape[2]
     group = num_heads // kv_heads
+    if masks is None:
+        masks = page_masks(page_rows, page_starts, positions, page_tokens)
     # Each page takes its row's query heads of every KV head: [kv_heads, pages, group, d].
     q = query.view(rows, kv_heads, group, head_size).index_select(0, page_rows).transpose(0, 1)
     # Scores in the model's dtype, like the model's own eager attention; softmax statistics in float32.
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [kv_heads, pages, group, tokens]
-    key_positions = page_starts.view(pages, 1) + torch.arange(page_tokens, device=query.device)
-    visible = key_positions <= positions.index_select(0, page_rows).view(pages, 1)
-    scores = scores.masked_fill(~visible.view(1, pages, 1, page_tokens), _MASKED)
+    scores = scores.masked_fill(masks.hidden, _MASKED)
     page_max = scores.amax(-1)  # [kv_heads, pages, group]
     weights = torch.exp(scores - page_max.unsqueeze(-1))
     page_sum = weights.sum(-1)
     page_out = torch.matmul(weights.to(values.dtype), values).float()  # [kv_heads, pages, group, d]
     # Combine each row's pages through a [rows, pages] ownership matrix: matmuls and a masked max, no
     # scatter, so it traces and tiles the same way on every backend.
-    owner = page_rows.view(1, pages) == torch.arange(rows, device=query.device).view(rows, 1)
     row_max = torch.where(
-        owner.view(1, rows, pages, 1), page_max.view(kv_heads, 1, pages, group), _MASKED
+        masks.owner.view(1, rows, pages, 1), page_max.view(kv_heads, 1, pages, group), _MASKED
     ).amax(2)  # [kv_heads, rows, group]
     rescale = torch.exp(page_max - row_max.index_select(1, page_rows))  # [kv_heads, pages, group]
-    ownership = owner.to(torch.float32)
-    total = torch.matmul(ownership, (page_out * rescale.unsqueeze(-1)).reshape(kv_heads, pages, -1))
-    norm = torch.matmul(ownership, page_sum * rescale).clamp_min(torch.finfo(torch.float32).tiny)
+    total = torch.matmul(masks.ownership, (page_out * rescale.unsqueeze(-1)).reshape(kv_heads, pages, -1))
+    norm = torch.matmul(masks.ownership, page_sum * rescale).clamp_min(torch.finfo(torch.float32).tiny)
     out = total.view(kv_heads, rows, group, head_size) / norm.view(kv_heads, rows, group, 1)
     return out.to(query.dtype).permute(1, 0, 2, 3).reshape(rows, num_heads, head_size)
 
