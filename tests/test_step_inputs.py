@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from kv_cache import ops
 from kv_cache.backend import NeuronAttentionImpl
 from kv_cache.layout import allocate
 from kv_cache.ops import decode_attention, paged_attention, write_kv
@@ -231,3 +232,52 @@ def test_a_mixed_call_attends_like_its_parts_alone():
     torch.testing.assert_close(kv_cache, separate_cache)
     # The decode rows of the mixed call see the cache, not zeros: real rows are non-zero.
     assert together[8:11].abs().sum((1, 2)).min() > 0
+
+
+def test_the_layers_of_a_call_share_its_masks(monkeypatch):
+    """Every layer gets the call's one metadata object: the first layer builds the chunk's causal mask and
+    the pages' masks, the next layers reuse them, and attention equals masks built on the spot."""
+    heads, kv_heads, head_size = 4, 2, 8
+    impl = NeuronAttentionImpl(heads, head_size, head_size**-0.5, num_kv_heads=kv_heads)
+    gen = torch.Generator().manual_seed(4)
+    chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
+    mixed = mixed_inputs(chunk, 8, 16, DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    tokens = mixed.input_ids.shape[0]
+    built = []
+    for name in ("context_mask", "page_masks"):
+        build = getattr(ops, name)
+        monkeypatch.setattr(
+            ops, name, lambda *args, build=build, name=name: built.append(name) or build(*args)
+        )
+
+    for _ in range(3):  # three layers, each with its own cache and inputs
+        kv_cache = allocate(16, BLOCK_SIZE, kv_heads, head_size, torch.float32, CPU)
+        kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen))
+        query = torch.randn(tokens, heads, head_size, generator=gen)
+        key, value = torch.randn(2, tokens, kv_heads, head_size, generator=gen)
+        output = torch.empty(tokens, heads, head_size)
+        impl.forward(None, query, key, value, kv_cache, mixed.metadata, output)
+
+    assert built == ["context_mask", "page_masks"]
+    table, paged = mixed.metadata.table, mixed.metadata.paged
+    on_the_spot = torch.cat(
+        [
+            paged_attention(
+                query[:8].view(1, 8, heads, head_size),
+                kv_cache,
+                table.block_table,
+                table.positions,
+                impl.scale,
+            ).view(8, heads, head_size),
+            decode_attention(
+                query[8:],
+                kv_cache,
+                paged.page_blocks,
+                paged.page_rows,
+                paged.page_starts,
+                paged.positions,
+                impl.scale,
+            ),
+        ]
+    )
+    torch.testing.assert_close(output, on_the_spot)
