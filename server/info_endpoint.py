@@ -49,6 +49,7 @@ def describe(vllm_config) -> dict[str, Any]:
             "prefill_tokens": list(buckets.prefill_tokens),
             "decode_batch": list(buckets.decode_batch),
             "context_tokens": list(buckets.context_tokens),
+            "decode_context_tokens": buckets.decode_contexts(),
         },
         "graphs": buckets.num_graphs,
         "prefill_tokens_while_decoding": neuron_config.prefill_tokens_while_decoding,

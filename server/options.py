@@ -18,6 +18,7 @@ NEURON_OPTIONS: dict[str, tuple[str, dict]] = {
     "--prefill-buckets": ("VLLM_NEURON_PREFILL_BUCKETS", {"metavar": "N,N,..."}),
     "--decode-batch-buckets": ("VLLM_NEURON_DECODE_BATCH_BUCKETS", {"metavar": "N,N,..."}),
     "--context-buckets": ("VLLM_NEURON_CONTEXT_BUCKETS", {"metavar": "N,N,..."}),
+    "--decode-context-buckets": ("VLLM_NEURON_DECODE_CONTEXT_BUCKETS", {"metavar": "N,N,..."}),
     "--max-request-bytes": ("VLLM_NEURON_MAX_REQUEST_BYTES", {"metavar": "BYTES", "type": int}),
 }
 

@@ -159,6 +159,21 @@ def test_decode_contexts_keep_the_smallest_bucket_of_each_page_count():
     assert BucketConfig((8,), (1,), (32, 64, 128, 256)).decode_contexts() == [32, 256]
 
 
+def test_decode_context_buckets_of_their_own_shape_decode_and_mixed_calls_only():
+    shared = replace(CONFIGS[0], mixed_tokens=16, mixed_batch=(2,))  # contexts 8, 16, 32, 64
+    own = replace(shared, decode_context_tokens=(24, 64))  # pages of 8: 3 and 8 a row
+    assert own.prefill_shapes() == shared.prefill_shapes()
+    assert own.decode_contexts() == [24, 64]
+    assert own.decode_shapes() == [(1, 24), (1, 64), (2, 24), (2, 64)]
+    assert own.mixed_shapes() == [(2, 24), (2, 64)]
+    assert own.num_graphs == len(own.prefill_shapes()) + 4 + 2
+    assert own.pick_decode_context(2, [20, 20]) == 24  # 6 pages: 2 x 3
+    assert own.pick_decode_context(2, [40, 20]) == 64  # 8 pages: more than 2 x 3
+    assert "context [8, 16, 32, 64], decode context [24, 64], mixed" in own.describe()
+    with pytest.raises(BucketError, match="largest decode context bucket 64"):
+        own.pick_decode_context(1, [65])
+
+
 def test_pick_decode_context_follows_the_summed_pages_not_the_longest_row():
     buckets = CONFIGS[0]  # contexts 8, 16, 32, 64: 1, 2, 4, 8 pages a row
     assert buckets.pick_decode_context(2, [1, 8]) == 8  # 2 pages
@@ -220,6 +235,7 @@ def test_validate_accepts_a_valid_set():
     validate()
     validate(context_tokens=(72,))  # above max_model_len is fine, within the same decode page
     validate(page_tokens=16)
+    validate(decode_context_tokens=(24, 32, 64))  # decode calls' own, independent of the context buckets
 
 
 @pytest.mark.parametrize(
@@ -244,6 +260,13 @@ def test_validate_accepts_a_valid_set():
         (dict(page_tokens=12), "decode_page_tokens(8) = 128"),
         (dict(mixed_tokens=8, mixed_batch=(3,)), "mixed_batch_buckets"),
         (dict(mixed_tokens=8, mixed_batch=(4,)), "no room for the prefilling request"),
+        (dict(decode_context_tokens=(64, 16)), "decode_context_buckets"),
+        (dict(decode_context_tokens=(0, 64)), "VLLM_NEURON_DECODE_CONTEXT_BUCKETS"),
+        (dict(decode_context_tokens=(12, 64)), "decode_context_buckets"),
+        (dict(decode_context_tokens=(16, 56)), "--max-model-len"),
+        (dict(decode_context_tokens=(64, 72)), "shorten decode_context_buckets"),
+        (dict(decode_context_tokens=(16, 256)), "--max-model-len"),
+        (dict(context_tokens=(16, 256), decode_context_tokens=(64,)), "--max-model-len"),
     ],
     ids=lambda value: "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else None,
 )

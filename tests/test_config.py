@@ -63,6 +63,7 @@ def test_engine_config_gets_our_worker_buckets_and_no_vllm_compilation(tiny_mode
         "prefill_buckets": [128],
         "decode_batch_buckets": [1, 2, 4],
         "context_buckets": [256],
+        "decode_context_buckets": [],  # decode calls use the context buckets
         "prefill_tokens_while_decoding": 16,  # what a decode call takes along cheaply in CPU mode
         "mixed_batch_buckets": [1, 2],  # steps with at most max_num_seqs // 2 = 2 rows decoding
     }
@@ -76,6 +77,8 @@ def test_engine_config_gets_our_worker_buckets_and_no_vllm_compilation(tiny_mode
         ({"mixed_batch_buckets": [2]}, [2], 10),
         ({"mixed_batch_buckets": []}, [], 8),
         ({"prefill_tokens_while_decoding": 0}, [], 8),  # no cap, no capped steps to merge
+        # decode and mixed calls over one context bucket of their own: 4 + 2 x 1 + 2 x 1
+        ({"decode_context_buckets": [256]}, [1, 2], 8),
     ],
 )
 def test_mixed_calls(tiny_model_dir, additional_config, mixed_batch, graphs):
@@ -126,6 +129,9 @@ def test_float64_is_refused(tiny_model_dir):
         ({"decode_batch_buckets": [1, 8]}, "exceeds max_num_seqs=4"),
         ({"context_buckets": [128]}, "below max_model_len=256"),
         ({"context_buckets": [100, 256]}, "not multiples of the KV block size"),
+        ({"decode_context_buckets": [128]}, "largest decode context bucket 128 is below max_model_len=256"),
+        ({"decode_context_buckets": [100, 256]}, "decode context buckets .100. are not multiples"),
+        ({"decode_context_buckets": [256, 128]}, "VLLM_NEURON_DECODE_CONTEXT_BUCKETS"),
         ({"prefill_buckets": [64, 32]}, "strictly ascending"),
         ({"prefill_bucket": [64]}, "unknown --additional-config keys"),
         ({"prefill_buckets": 64}, "must be a list of integers"),
@@ -191,6 +197,7 @@ def test_automatic_bucket_policy_fits_the_graph_budget(tiny_model_dir):
         "prefill_buckets",
         "decode_batch_buckets",
         "context_buckets",
+        "decode_context_buckets",
         "prefill_tokens_while_decoding",
         "mixed_batch_buckets",
     }

@@ -395,6 +395,8 @@ def test_buckets_and_extra_args_reach_vllm_neuron_serve(render):
     ]
     assert json.loads(flag(args, "--additional-config")) == {"bucket_policy": "auto"}
     assert args[-1] == "--enable-prefix-caching"
+    args = server(render(None, "buckets.decodeContext={384,2048}"))["args"]
+    assert json.loads(flag(args, "--additional-config")) == {"decode_context_buckets": [384, 2048]}
     assert "--additional-config" not in server(render("default"))["args"]
 
 
@@ -411,6 +413,7 @@ def test_example_buckets_pass_the_plugins_own_checks(render, example):
         prefill_tokens=tuple(config["prefill_buckets"]),
         decode_batch=tuple(config["decode_batch_buckets"]),
         context_tokens=tuple(config["context_buckets"]),
+        decode_context_tokens=tuple(config.get("decode_context_buckets", ())),
     )
     validate_buckets(
         buckets,

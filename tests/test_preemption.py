@@ -22,8 +22,13 @@ def test_64_concurrent_requests_under_kv_pressure_match_running_alone(tiny_model
             "prefill_buckets": [32, 64],
             "decode_batch_buckets": [1, 2, 4, 8, 16],
             "context_buckets": [128, 256],
+            # Decode and mixed calls over context buckets of their own: 2 pages a row, always.
+            "decode_context_buckets": [256],
         },
     }
     result = run_engine(tiny_model_dir, engine, {"VLLM_NEURON_DEVICE": "cpu"}, prompts=prompts, max_tokens=24)
     assert result["preemptions"] > 0
+    # prefill 2 x 2 contexts, decode 5 x 1, mixed (batches 1 to 8) 4 x 1; nothing compiled while serving
+    [stats] = result["compile_stats"]
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (4 + 5 + 4, 0)
     assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in prompts]

@@ -268,6 +268,7 @@ def test_neuron_info_endpoint(server):
         "prefill_tokens": buckets["prefill_buckets"],
         "decode_batch": buckets["decode_batch_buckets"],
         "context_tokens": buckets["context_buckets"],
+        "decode_context_tokens": buckets["context_buckets"],  # none of their own: the same pages
     }
     assert info["graphs"] == EXPECTED_GRAPHS and info["max_model_len"] == MAX_MODEL_LEN
     assert info["kv_cache"]["block_size"] == 32 and info["kv_cache"]["num_blocks"] > 0

@@ -8,7 +8,9 @@ serving. Three dimensions:
   only the blocks they need instead of max_model_len. A prefill chunk attends to the context bucket of its
   end. A decode call of batch bucket B and context bucket c reads B x pages(c) pages of `page_tokens` KV
   positions, shared among its rows as each needs: the bucket follows the rows' average context, not the
-  longest one.
+  longest one. Decode calls may have context buckets of their own (`decode_context_tokens`): a full batch
+  reads every page of its bucket, row after row, while a prefill chunk reads its context once for all its
+  tokens, so decode gains from finer steps where prefill would only add graphs.
 
 A mixed call runs decode rows and one prefill chunk of at most `mixed_tokens` tokens together, in one pass
 over the weights: a step that carries a capped chunk beside running streams (vllm_neuron/scheduler.py)
@@ -71,6 +73,7 @@ class BucketConfig:
     page_tokens: int = PAGE_TARGET_TOKENS  # decode_page_tokens(block size)
     mixed_tokens: int = 0  # the token bucket of a mixed call's chunk (the prefill cap); 0: no mixed calls
     mixed_batch: tuple[int, ...] = ()  # the decode batch buckets with mixed calls
+    decode_context_tokens: tuple[int, ...] = ()  # the decode calls' context buckets; (): context_tokens
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(tokens, context) pairs a prefill call can take: a chunk that needs bucket T has more tokens than
@@ -84,9 +87,10 @@ class BucketConfig:
         return shapes
 
     def decode_contexts(self) -> list[int]:
-        """The context buckets decode calls use: the smallest of those with the same number of pages."""
+        """The context buckets decode calls use (`decode_context_tokens`, else the context buckets): the
+        smallest of those with the same number of pages."""
         contexts: list[int] = []
-        for ctx in self.context_tokens:
+        for ctx in self.decode_context_tokens or self.context_tokens:
             if not contexts or pages_for(ctx, self.page_tokens) > pages_for(contexts[-1], self.page_tokens):
                 contexts.append(ctx)
         return contexts
@@ -107,7 +111,7 @@ class BucketConfig:
                 return ctx
         raise BucketError(
             f"decode rows of contexts {list(row_contexts)} need {needed} pages, more than a batch of {batch} "
-            f"holds at the largest context bucket {self.context_tokens[-1]}"
+            f"holds at the largest decode context bucket {self.decode_contexts()[-1]}"
         )
 
     def mixed_shapes(self) -> list[tuple[int, int]]:
@@ -130,9 +134,12 @@ class BucketConfig:
             if self.mixed_tokens
             else ""
         )
+        decode_context = (
+            f", decode context {list(self.decode_context_tokens)}" if self.decode_context_tokens else ""
+        )
         return (
             f"prefill tokens {list(self.prefill_tokens)}, decode batch {list(self.decode_batch)}, "
-            f"context {list(self.context_tokens)}{mixed} -> {self.num_graphs} graphs"
+            f"context {list(self.context_tokens)}{decode_context}{mixed} -> {self.num_graphs} graphs"
         )
 
 
@@ -174,6 +181,36 @@ def _check_ascending(name: str, values: Sequence[int], setting: str) -> None:
         raise BucketError(f"{name} buckets {list(values)} must be strictly ascending ({setting})")
 
 
+def _check_contexts(
+    name: str, values: Sequence[int], setting: str, *, max_model_len: int, block_size: int, page_tokens: int
+) -> None:
+    """Context buckets are whole KV blocks, the largest holds max_model_len (and not more than a decode page
+    beyond it), and every one can be used."""
+    misaligned = [c for c in values if c % block_size]
+    if misaligned:
+        raise BucketError(
+            f"{name} buckets {misaligned} are not multiples of the KV block size {block_size}: "
+            f"change {setting} or --block-size"
+        )
+    if values[-1] < max_model_len:
+        raise BucketError(
+            f"the largest {name} bucket {values[-1]} is below max_model_len={max_model_len}: "
+            f"add a {name} bucket >= {round_up(max_model_len, block_size)} or lower --max-model-len"
+        )
+    if pages_for(values[-1], page_tokens) > pages_for(max_model_len, page_tokens):
+        raise BucketError(
+            f"the largest {name} bucket {values[-1]} reaches past max_model_len={max_model_len} by more "
+            f"than a decode page ({page_tokens} tokens): use {round_up(max_model_len, block_size)} or raise "
+            "--max-model-len"
+        )
+    # A bucket no call can use is a graph compiled for nothing.
+    if len(values) > 1 and values[-2] >= max_model_len:
+        raise BucketError(
+            f"{name} buckets above {values[-2]} are never used: no context is longer than "
+            f"max_model_len={max_model_len}; shorten {setting.split(' / ')[0]}"
+        )
+
+
 def validate_buckets(
     buckets: BucketConfig,
     *,
@@ -199,31 +236,19 @@ def validate_buckets(
             f"decode batch bucket {buckets.decode_batch[-1]} exceeds max_num_seqs={max_num_seqs}: "
             "lower the bucket or raise --max-num-seqs"
         )
-    misaligned = [c for c in buckets.context_tokens if c % block_size]
-    if misaligned:
-        raise BucketError(
-            f"context buckets {misaligned} are not multiples of the KV block size {block_size}: "
-            "change context_buckets / VLLM_NEURON_CONTEXT_BUCKETS or --block-size"
-        )
-    if buckets.context_tokens[-1] < max_model_len:
-        raise BucketError(
-            f"the largest context bucket {buckets.context_tokens[-1]} is below "
-            f"max_model_len={max_model_len}: "
-            f"add a context bucket >= {round_up(max_model_len, block_size)} or lower --max-model-len"
-        )
     if buckets.page_tokens % block_size:
         raise BucketError(
             f"decode pages of {buckets.page_tokens} tokens are not whole KV blocks of {block_size}: "
             f"use decode_page_tokens({block_size}) = {decode_page_tokens(block_size)}"
         )
-    if pages_for(buckets.context_tokens[-1], buckets.page_tokens) > pages_for(
-        max_model_len, buckets.page_tokens
-    ):
-        raise BucketError(
-            f"the largest context bucket {buckets.context_tokens[-1]} reaches past max_model_len="
-            f"{max_model_len} by more than a decode page ({buckets.page_tokens} tokens): "
-            f"use {round_up(max_model_len, block_size)} or raise --max-model-len"
-        )
+    sizes = dict(max_model_len=max_model_len, block_size=block_size, page_tokens=buckets.page_tokens)
+    _check_contexts(
+        "context", buckets.context_tokens, "context_buckets / VLLM_NEURON_CONTEXT_BUCKETS", **sizes
+    )
+    if buckets.decode_context_tokens:
+        setting = "decode_context_buckets / VLLM_NEURON_DECODE_CONTEXT_BUCKETS"
+        _check_ascending("decode context", buckets.decode_context_tokens, setting)
+        _check_contexts("decode context", buckets.decode_context_tokens, setting, **sizes)
     full = [batch for batch in buckets.mixed_batch if batch >= max_num_seqs]
     if full:
         raise BucketError(
@@ -247,9 +272,4 @@ def validate_buckets(
         raise BucketError(
             f"prefill buckets above {buckets.prefill_tokens[-2]} are never used: no chunk is longer than "
             f"min(max_num_batched_tokens, max_model_len) = {max_chunk}; shorten prefill_buckets"
-        )
-    if len(buckets.context_tokens) > 1 and buckets.context_tokens[-2] >= max_model_len:
-        raise BucketError(
-            f"context buckets above {buckets.context_tokens[-2]} are never used: no context is longer than "
-            f"max_model_len={max_model_len}; shorten context_buckets"
         )

@@ -64,6 +64,7 @@ def key_fields(
             "prefill_tokens": neuron_config.buckets.prefill_tokens,
             "decode_batch": neuron_config.buckets.decode_batch,
             "context_tokens": neuron_config.buckets.context_tokens,
+            "decode_context_tokens": neuron_config.buckets.decode_context_tokens,
             "mixed_tokens": neuron_config.buckets.mixed_tokens,
             "mixed_batch": neuron_config.buckets.mixed_batch,
         },

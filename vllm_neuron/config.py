@@ -22,6 +22,7 @@ BUCKET_SETTINGS = {
     "prefill_buckets": "VLLM_NEURON_PREFILL_BUCKETS",
     "decode_batch_buckets": "VLLM_NEURON_DECODE_BATCH_BUCKETS",
     "context_buckets": "VLLM_NEURON_CONTEXT_BUCKETS",
+    "decode_context_buckets": "VLLM_NEURON_DECODE_CONTEXT_BUCKETS",  # []: the context buckets
 }
 # --additional-config keys of the automatic bucket policy (docs/buckets.md)
 POLICY_SETTINGS = ("bucket_policy", "graph_budget", "traffic")
@@ -66,6 +67,7 @@ class NeuronConfig:
             "prefill_buckets": defaults.prefill_tokens,
             "decode_batch_buckets": defaults.decode_batch,
             "context_buckets": defaults.context_tokens,
+            "decode_context_buckets": defaults.decode_context_tokens,
         }
         for key, env_name in BUCKET_SETTINGS.items():
             from_env = getattr(envs, env_name)
@@ -78,6 +80,7 @@ class NeuronConfig:
             prefill_tokens=chosen["prefill_buckets"],
             decode_batch=chosen["decode_batch_buckets"],
             context_tokens=chosen["context_buckets"],
+            decode_context_tokens=chosen["decode_context_buckets"],
             page_tokens=decode_page_tokens(limits["block_size"]),
         )
         try:
@@ -99,6 +102,7 @@ class NeuronConfig:
             "prefill_buckets": list(self.buckets.prefill_tokens),
             "decode_batch_buckets": list(self.buckets.decode_batch),
             "context_buckets": list(self.buckets.context_tokens),
+            "decode_context_buckets": list(self.buckets.decode_context_tokens),
             INTERLEAVE_SETTING: self.prefill_tokens_while_decoding,
             MIXED_SETTING: list(self.buckets.mixed_batch),
         }

@@ -105,6 +105,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _int_list("VLLM_NEURON_CONTEXT_BUCKETS"),
         "Comma-separated context-length buckets in tokens (overrides additional_config context_buckets).",
     ),
+    "VLLM_NEURON_DECODE_CONTEXT_BUCKETS": (
+        _int_list("VLLM_NEURON_DECODE_CONTEXT_BUCKETS"),
+        "Comma-separated context-length buckets of decode calls in tokens, if not the context buckets "
+        "(overrides additional_config decode_context_buckets).",
+    ),
 }
 
 

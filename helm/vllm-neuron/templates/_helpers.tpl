@@ -68,6 +68,7 @@ ranks rounded up to devices: a Trainium2 chip has 8 physical cores, i.e. 8 / LNC
 {{- with .Values.buckets.prefill }}{{ $_ := set $config "prefill_buckets" . }}{{ end -}}
 {{- with .Values.buckets.decodeBatch }}{{ $_ := set $config "decode_batch_buckets" . }}{{ end -}}
 {{- with .Values.buckets.context }}{{ $_ := set $config "context_buckets" . }}{{ end -}}
+{{- with .Values.buckets.decodeContext }}{{ $_ := set $config "decode_context_buckets" . }}{{ end -}}
 {{- if $config }}{{ toJson $config }}{{ end -}}
 {{- end -}}
 
