@@ -7,16 +7,18 @@ decode buckets just below max_num_seqs. This module
 
 - simulates vLLM-like continuous batching under a `TrafficShape` and maps each step to bucketed calls as
   `worker/model_runner.py` does (`simulate`), and
-- picks the bucket set with the best simulated padding efficiency that fits a graph budget (`auto_buckets`):
+- picks the bucket set with the least estimated serving time that fits a graph budget (`auto_buckets`):
   optimal 1-D bucketing of each dimension by dynamic programming, then a search over how many buckets each
-  dimension gets, every candidate scored on the same simulated run.
+  dimension gets, every candidate costed on the same simulated run with `CallCosts`. Prefill calls depend
+  only on the prefill token and context buckets, decode calls only on the decode batch and decode context
+  buckets, so the two halves are searched apart and joined under the budget.
 """
 
 import itertools
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,18 +37,32 @@ from vllm_neuron.buckets import (
 # ROUNDING_TOLERANCE more token slots: hardware tiles and DMA prefer aligned sizes.
 PREFILL_ALIGNMENTS = (16, 8)
 ROUNDING_TOLERANCE = 0.005
-# Weight of attention efficiency (prefill_context + decode_context) next to token and batch efficiency in
-# the score auto_buckets maximises; see _score.
-CONTEXT_WEIGHT = 0.5
 # Share of the simulated requests run at the declared concurrency, at half of it, and at a quarter of it.
 LOAD_PROFILE = (0.6, 0.2, 0.2)
 LOAD_DIVISORS = (1, 2, 4)
 LOAD_PROFILE_CUMULATIVE = tuple(sum(LOAD_PROFILE[: i + 1]) for i in range(len(LOAD_PROFILE)))
-# Candidate scores closer than this are a tie, and a tie goes to fewer graphs (shorter warm-up).
-SCORE_TIE = 1e-3
+# Candidate times closer than this fraction are a tie, and a tie goes to fewer graphs (shorter warm-up).
+TIME_TIE = 1e-3
 # Requests in the simulated run auto_buckets fits to: more than simulate's default, so the boundaries follow
 # the traffic's distribution rather than one small sample of it.
 FIT_REQUESTS = 1600
+
+
+@dataclass(frozen=True)
+class CallCosts:
+    """What a compiled call costs, in milliseconds, by what its bucket shape makes it compute.
+
+    The defaults are SmolLM2-135M in CPU mode on 2 cores (docs/batching.md): a 1-row decode call 79 ms, a
+    32-row one over 128 pages 295 ms (half of it reading the pages), a 484-token prefill chunk 580 ms, a
+    48-token one 120 ms. Only their ratios matter to the choice. Trainium's, estimated from its HBM bandwidth
+    and matmul throughput for the same model, land within about 3x of these ratios: a call's pass over the
+    weights dominates small calls, and decode pages are read once per row."""
+
+    call: float = 70.0  # a pass over the weights, whatever the shape
+    token: float = 1.1  # each prefill token slot
+    row: float = 2.3  # each decode row slot (its logits and sampling too)
+    kv_position: float = 0.0092  # each KV position a decode call reads: batch x pages x page tokens
+    attention: float = 0.00025  # each (query, key) pair of a prefill chunk: token bucket x context bucket
 
 
 # ---- traffic -----------------------------------------------------------------------------------------
@@ -379,33 +395,46 @@ def _ratio(real: float, padded: float) -> float:
     return float(real / padded) if padded else 1.0  # a phase without calls wastes nothing
 
 
-def _evaluate(buckets: BucketConfig, trace: _Trace) -> dict[str, float | int]:
+def _prefill_figures(buckets: BucketConfig, trace: _Trace, costs: CallCosts) -> dict[str, float | int]:
     prefill = _split_prefill(trace.prefill, buckets.prefill_tokens[-1])
     tokens = _pick(buckets.prefill_tokens, prefill.length, "prefill chunk of")
     context = _pick(buckets.context_tokens, prefill.end, "prefill context")
     # Causal attention work of a real chunk: the token at position p reads p + 1 keys.
     start = prefill.end - prefill.length
     attention = prefill.length * start + prefill.length * (prefill.length + 1) // 2
+    calls = int(prefill.count.sum())
+    slots = (prefill.count * tokens).sum()
+    pairs = (prefill.count * tokens * context).sum()
+    return {
+        "prefill": _ratio((prefill.count * prefill.length).sum(), slots),
+        "prefill_context": _ratio((prefill.count * attention).sum(), pairs),
+        "prefill_calls": calls,
+        "prefill_ms": float(costs.call * calls + costs.token * slots + costs.attention * pairs),
+    }
 
+
+def _decode_figures(buckets: BucketConfig, trace: _Trace, costs: CallCosts) -> dict[str, float | int]:
     decode = trace.decode
     if len(decode.rows) and decode.rows.max() > buckets.decode_batch[-1]:
         decode = _decode_calls(trace.decode_steps, buckets.decode_batch[-1])
     calls = decode.count * decode.repeat
     batch = _pick(buckets.decode_batch, decode.rows, "decode batch of")
-    attended = decode.count * _decode_context_sums(buckets, batch, decode)
+    attended = (decode.count * _decode_context_sums(buckets, batch, decode)).sum()
     # Over a run the row contexts grow by `rows` a call: repeat * first + rows * (0 + 1 + ... + repeat - 1).
     per_run = decode.repeat * decode.context_sum + decode.rows * decode.repeat * (decode.repeat - 1) // 2
-    row_contexts = decode.count * per_run
-
+    slots = (calls * batch).sum()
     return {
-        "prefill": _ratio((prefill.count * prefill.length).sum(), (prefill.count * tokens).sum()),
-        "decode": _ratio((calls * decode.rows).sum(), (calls * batch).sum()),
-        "prefill_context": _ratio(
-            (prefill.count * attention).sum(), (prefill.count * tokens * context).sum()
-        ),
-        "decode_context": _ratio(row_contexts.sum(), attended.sum()),
-        "prefill_calls": int(prefill.count.sum()),
+        "decode": _ratio((calls * decode.rows).sum(), slots),
+        "decode_context": _ratio((decode.count * per_run).sum(), attended),
         "decode_calls": int(calls.sum()),
+        "decode_ms": float(costs.call * calls.sum() + costs.row * slots + costs.kv_position * attended),
+    }
+
+
+def _evaluate(buckets: BucketConfig, trace: _Trace, costs: CallCosts) -> dict[str, float | int]:
+    return {
+        **_prefill_figures(buckets, trace, costs),
+        **_decode_figures(buckets, trace, costs),
         "graphs": buckets.num_graphs,
     }
 
@@ -425,9 +454,10 @@ def simulate(
     max_num_batched_tokens: int,
     num_requests: int = 400,
     seed: int = 0,
+    costs: CallCosts = CallCosts(),
 ) -> dict[str, float | int]:
-    """Padding efficiency of `buckets` under `traffic`, from a deterministic simulation of continuous
-    batching (same arguments, same result) until `num_requests` requests have finished.
+    """Padding efficiency and estimated time of `buckets` under `traffic`, from a deterministic simulation of
+    continuous batching (same arguments, same result) until `num_requests` requests have finished.
 
     Returns
     - `prefill`: real prefill tokens / token-bucket slots computed;
@@ -435,14 +465,15 @@ def simulate(
     - `prefill_context`: causal attention work of the real chunk tokens / (token bucket x context bucket);
     - `decode_context`: summed real row contexts / KV positions attended (batch bucket x the pages of
       the context bucket: see `_decode_context_sums`);
-    - `prefill_calls`, `decode_calls`: compiled calls of each phase; `graphs`: `buckets.num_graphs`.
+    - `prefill_calls`, `decode_calls`: compiled calls of each phase; `graphs`: `buckets.num_graphs`;
+    - `prefill_ms`, `decode_ms`: the calls' estimated time by `costs`.
     An efficiency is 1.0 where a phase made no calls. Raises BucketError if a call fits no bucket.
     """
     limits = dict(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
     )
     _check_limits(**limits)
-    return _evaluate(buckets, _trace(traffic, **limits, num_requests=num_requests, seed=seed))
+    return _evaluate(buckets, _trace(traffic, **limits, num_requests=num_requests, seed=seed), costs)
 
 
 # ---- optimal 1-D bucketing ---------------------------------------------------------------------------
@@ -527,42 +558,57 @@ def _decode_options(trace: _Trace, max_num_seqs: int, most: int) -> list[tuple[i
     return sorted(options)
 
 
-def _context_options(trace: _Trace, block_size: int, max_context: int, most: int) -> list[tuple[int, ...]]:
-    """Context needs weighted by the tokens (prefill) or rows (decode) that attend over them, rounded up to
+def _context_boundaries(
+    needs: np.ndarray, weights: np.ndarray, step: int, max_context: int, most: int
+) -> list[tuple[int, ...]]:
+    needs = np.minimum(-(-_coarsen(needs) // step) * step, max_context)
+    return [tuple(b) for b in _optimal_boundaries(needs, weights, max_context, most)]
+
+
+def _prefill_context_options(
+    trace: _Trace, block_size: int, max_context: int, most: int
+) -> list[tuple[int, ...]]:
+    """Context sets for the chunks' ends, weighted by the chunks' tokens (each attends over the bucket), in
     whole blocks (context buckets are multiples of the block size)."""
-    prefill, decode = trace.prefill, trace.decode
+    prefill = trace.prefill
+    return _context_boundaries(prefill.end, prefill.length * prefill.count, block_size, max_context, most)
+
+
+def _decode_context_options(
+    trace: _Trace, page_tokens: int, max_context: int, most: int
+) -> list[tuple[int, ...]]:
+    """Decode context sets for the rows' average contexts, weighted by rows, in whole decode pages (a
+    bucket between two page counts reads as many pages as the one below it)."""
+    decode = trace.decode
     # A run of decode calls needs its rows' average context, which grows by one a call: spread its weight
     # over average, average + 1, ... with a difference array.
     average = np.minimum(-(-decode.context_sum // decode.rows), max_context)
     spread = np.zeros(max_context + 2)
     np.add.at(spread, average, decode.rows * decode.count)
     np.add.at(spread, np.minimum(average + decode.repeat, max_context + 1), -decode.rows * decode.count)
-    decode_weight = np.cumsum(spread)[: max_context + 1]
-    decode_needs = np.flatnonzero(decode_weight > 0.5)
-    needs = np.concatenate((prefill.end, decode_needs))
-    weights = np.concatenate((prefill.length * prefill.count, decode_weight[decode_needs]))
-    needs = np.minimum(-(-_coarsen(needs) // block_size) * block_size, max_context)
-    return [tuple(b) for b in _optimal_boundaries(needs, weights, max_context, most)]
+    weight = np.cumsum(spread)[: max_context + 1]
+    needs = np.flatnonzero(weight > 0.5)
+    return _context_boundaries(needs, weight[needs], page_tokens, max_context, most)
 
 
 # ---- the search --------------------------------------------------------------------------------------
 
 
-def _score(result: Mapping[str, float | int]) -> float:
-    """What auto_buckets maximises: token and batch efficiency of the two phases, plus attention efficiency
-    at CONTEXT_WEIGHT. Without the attention term one context bucket at max_model_len would always win (more
-    context buckets multiply graphs but change no token or batch padding), and every short request would
-    attend over max_model_len positions."""
-    attention = float(result["prefill_context"]) + float(result["decode_context"])
-    return float(result["prefill"]) + float(result["decode"]) + CONTEXT_WEIGHT * attention
-
-
 def _better(key: tuple[float, int], than: tuple[float, int]) -> bool:
-    """A clearly higher score wins; within SCORE_TIE, fewer graphs win."""
-    (score, graphs), (best_score, best_graphs) = key, than
-    if abs(score - best_score) <= SCORE_TIE:
-        return graphs < best_graphs or (graphs == best_graphs and score > best_score)
-    return score > best_score
+    """A clearly shorter time wins; within TIME_TIE of each other, fewer graphs win."""
+    (time, graphs), (best_time, best_graphs) = key, than
+    if abs(time - best_time) <= TIME_TIE * best_time:
+        return graphs < best_graphs or (graphs == best_graphs and time < best_time)
+    return time < best_time
+
+
+def _fastest_by_graphs(candidates: Iterable[tuple[float, int, Any]]) -> dict[int, tuple[float, Any]]:
+    """For each graph count, the fastest (time, choice) among (time, graphs, choice) candidates."""
+    fastest: dict[int, tuple[float, Any]] = {}
+    for time, graphs, choice in candidates:
+        if graphs not in fastest or time < fastest[graphs][0]:
+            fastest[graphs] = (time, choice)
+    return fastest
 
 
 def auto_buckets(
@@ -575,8 +621,10 @@ def auto_buckets(
     graph_budget: int = 24,
     seed: int = 0,
     mixed_calls: bool = False,
+    costs: CallCosts = CallCosts(),
 ) -> BucketConfig:
-    """The bucket set with the best simulated padding efficiency for `traffic` within `graph_budget` graphs.
+    """The bucket set with the least estimated time (by `costs`) for a simulated run of `traffic`, within
+    `graph_budget` graphs. Decode calls get context buckets of their own where theirs differ.
 
     The largest bucket of each dimension is the engine limit (min(max_num_batched_tokens, max_model_len)
     tokens, max_num_seqs rows, max_model_len rounded up to the block size), so no chunk or decode step is ever
@@ -607,22 +655,52 @@ def auto_buckets(
         )
     trace = _trace(traffic, **limits, num_requests=FIT_REQUESTS, seed=seed)
     most = graph_budget - 1  # buckets in one dimension: the other phase needs a graph too
-    options = itertools.product(
-        _prefill_options(trace, max_chunk, most),
-        _decode_options(trace, max_num_seqs, most),
-        _context_options(trace, block_size, max_context, most),
+
+    def prefill_candidates() -> Iterator[tuple[float, int, tuple[tuple[int, ...], tuple[int, ...]]]]:
+        for tokens, contexts in itertools.product(
+            _prefill_options(trace, max_chunk, most),
+            _prefill_context_options(trace, block_size, max_context, most),
+        ):
+            if len(tokens) >= graph_budget:  # each prefill bucket has >= 1 graph; decode needs one too
+                continue
+            half = BucketConfig(tokens, (max_num_seqs,), contexts, page_tokens)
+            graphs = len(half.prefill_shapes())
+            if graphs < graph_budget:
+                yield _prefill_figures(half, trace, costs)["prefill_ms"], graphs, (tokens, contexts)
+
+    def decode_candidates() -> Iterator[tuple[float, int, tuple[tuple[int, ...], tuple[int, ...]]]]:
+        for batch, contexts in itertools.product(
+            _decode_options(trace, max_num_seqs, most),
+            _decode_context_options(trace, page_tokens, max_context, most),
+        ):
+            if len(batch) * len(contexts) >= graph_budget:  # the contexts are distinct page counts
+                continue
+            half = BucketConfig(
+                (max_chunk,), batch, (max_context,), page_tokens, decode_context_tokens=contexts
+            )
+            graphs = len(half.decode_shapes())
+            if mixed_calls:
+                graphs += mixed_graphs(half, light_load_batches(batch, max_num_seqs))
+            if graphs < graph_budget:
+                yield _decode_figures(half, trace, costs)["decode_ms"], graphs, (batch, contexts)
+
+    prefill_halves, decode_halves = (
+        _fastest_by_graphs(prefill_candidates()),
+        _fastest_by_graphs(decode_candidates()),
     )
     best, best_key = minimal, None
-    for prefill, decode, context in options:
-        # A lower bound first: each prefill bucket has >= 1 graph, each decode bucket one per context bucket.
-        if len(prefill) + len(decode) * len(context) > graph_budget:
+    for (prefill_graphs, (prefill_ms, prefill)), (decode_graphs, (decode_ms, decode)) in itertools.product(
+        sorted(prefill_halves.items()), sorted(decode_halves.items())
+    ):
+        if prefill_graphs + decode_graphs > graph_budget:
             continue
-        candidate = BucketConfig(prefill, decode, context, page_tokens)
-        graphs = graphs_of(candidate)
-        if graphs > graph_budget:
-            continue
-        key = (_score(_evaluate(candidate, trace)), graphs)
+        key = (prefill_ms + decode_ms, prefill_graphs + decode_graphs)
         if best_key is None or _better(key, best_key):
-            best, best_key = candidate, key
+            (tokens, contexts), (batch, decode_contexts) = prefill, decode
+            # Decode contexts that read the same pages as the context buckets are no setting of their own.
+            own = BucketConfig(tokens, batch, contexts, page_tokens, decode_context_tokens=decode_contexts)
+            shared = replace(own, decode_context_tokens=())
+            best = shared if shared.decode_contexts() == own.decode_contexts() else own
+            best_key = key
     validate_buckets(best, **limits, block_size=block_size)
     return best
