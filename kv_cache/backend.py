@@ -17,16 +17,21 @@ from kv_cache import ops
 
 @dataclass
 class TableQueries:
-    """Rows of consecutive queries (a prefill chunk, or a lone decode row), each row over its own block table.
+    """Rows of consecutive queries (prefill chunks, or a lone decode row), each row over its own block table.
 
-    positions:   [rows, queries_per_row] absolute positions of the queries
-    block_table: [rows, context_blocks] block ids of each row's context window
+    positions:   [rows, queries_per_row] each query's own position in its row's context window: its absolute
+                 position, plus the offset of its request's segment where a row packs several requests
+    first_keys:  [rows, queries_per_row] the first context position each query may see: where its request's
+                 segment starts (0 unless packed)
+    block_table: [rows, context_blocks] block ids of each row's context window: the segments of its requests,
+                 each in whole blocks
     mask:        their causal mask (kv_cache.ops.context_mask), built by the first layer that attends and
                  reused by the others: every layer of a call gets this same object, and building the mask in
                  each layer cost a sixth of a prefill call over the 2048 context on CPU
     """
 
     positions: torch.Tensor
+    first_keys: torch.Tensor
     block_table: torch.Tensor
     mask: torch.Tensor | None = None
 
@@ -147,7 +152,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
             if table.mask is None:
                 context = table.block_table.shape[1] * kv_cache.shape[3]
                 group = self.num_heads // self.num_kv_heads
-                table.mask = ops.context_mask(table.positions, context, group, query.dtype)
+                table.mask = ops.context_mask(table.positions, context, group, query.dtype, table.first_keys)
             out = ops.paged_attention(
                 query[:first_paged].view(rows, queries_per_row, self.num_heads, self.head_size),
                 kv_cache,

@@ -57,14 +57,29 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torc
     return both[0], both[1]
 
 
-def context_mask(query_positions: torch.Tensor, context: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+def context_mask(
+    query_positions: torch.Tensor,
+    context: int,
+    group: int,
+    dtype: torch.dtype,
+    first_keys: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The additive causal mask of queries at query_positions [rows, q] over context positions 0 ..
     context-1, laid out as attention_over_context folds the query heads of a KV head: [1, rows, group * q,
-    context], 0 where a key is visible and -inf where it is not."""
+    context], 0 where a key is visible and -inf where it is not.
+
+    first_keys [rows, q]: the first context position each query may see (none: 0). Chunks of several
+    requests packed in one row each see only their own segment of the context: keys first .. position."""
     rows, num_queries = query_positions.shape
-    positions = query_positions.view(1, rows, 1, num_queries).expand(1, rows, group, num_queries)
-    key_positions = torch.arange(context, device=query_positions.device)
-    visible = key_positions.view(1, 1, 1, context) <= positions.reshape(1, rows, group * num_queries, 1)
+
+    def per_query(values: torch.Tensor) -> torch.Tensor:
+        folded = values.view(1, rows, 1, num_queries).expand(1, rows, group, num_queries)
+        return folded.reshape(1, rows, group * num_queries, 1)
+
+    key_positions = torch.arange(context, device=query_positions.device).view(1, 1, 1, context)
+    visible = key_positions <= per_query(query_positions)
+    if first_keys is not None:
+        visible = visible & (key_positions >= per_query(first_keys))
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
 
 

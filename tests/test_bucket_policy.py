@@ -12,6 +12,7 @@ import pytest
 from vllm_neuron import bucket_policy
 from vllm_neuron.bucket_policy import TrafficShape, auto_buckets, simulate
 from vllm_neuron.buckets import (
+    PACKED_CHUNKS,
     BucketConfig,
     BucketError,
     default_buckets,
@@ -87,9 +88,8 @@ def test_simulate_is_deterministic_and_efficiencies_are_fractions():
     for name in EFFICIENCIES:
         assert 0 < first[name] <= 1, name
         assert isinstance(first[name], float)
-    assert (
-        first["prefill_calls"] > 400 and first["decode_calls"] > 400
-    )  # every request prefilled once or more
+    # every request prefilled, in calls of up to PACKED_CHUNKS chunks; every output token decoded
+    assert first["prefill_calls"] >= 400 / PACKED_CHUNKS and first["decode_calls"] > 400
     assert first["graphs"] == buckets.num_graphs
 
 
@@ -143,8 +143,9 @@ def test_lighter_part_of_the_run_stops_replacing_requests():
 def test_every_size_a_bucket_gives_efficiency_one():
     # The sizes the run really produced, as buckets: nothing is padded.
     trace = bucket_policy._trace(TRAFFIC, **LIMITS, num_requests=400, seed=0)
+    calls = bucket_policy._prefill_calls(trace.prefill, 2048, 2048, BLOCK)
     observed = BucketConfig(
-        prefill_tokens=tuple(int(n) for n in np.unique(trace.prefill.length)),
+        prefill_tokens=tuple(int(n) for n in np.unique(calls.length)),
         decode_batch=tuple(int(n) for n in np.unique(trace.decode.rows)),
         context_tokens=(2048,),
     )
@@ -182,6 +183,7 @@ def reference_simulate(
     finished = 0
     total: Counter = Counter()
     largest_batch, largest_chunk = buckets.decode_batch[-1], buckets.prefill_tokens[-1]
+    largest_context, block = buckets.context_tokens[-1], limits.pop("block_size", 32)
     while finished < num_requests:
         scheduled = bucket_policy._schedule(
             running, waiting, computed, prompts, limits["max_num_seqs"], limits["max_num_batched_tokens"]
@@ -204,18 +206,40 @@ def reference_simulate(
                 decode_real=summed,
                 decode_padded=batch * capacity,
             )
+        # Prefill chunks: packed in order while they fit the largest buckets, each context in whole blocks;
+        # a chunk longer than the largest prefill bucket runs as sub-chunks, a call each.
+        packs: list[list[tuple[int, int]]] = [[]]  # (start, length) of each chunk of each call
         for request, count in scheduled:
-            for offset in range(0, count if count > 1 else 0, largest_chunk):
-                start, length = computed[request] + offset, min(largest_chunk, count - offset)
-                tokens = pick_bucket(buckets.prefill_tokens, length)
-                context = pick_bucket(buckets.context_tokens, start + length)
-                total.update(
-                    prefill_calls=1,
-                    prefill_tokens=length,
-                    prefill_slots=tokens,
-                    prefill_real=sum(p + 1 for p in range(start, start + length)),
-                    prefill_padded=tokens * context,
-                )
+            if count == 1:
+                continue
+            start = computed[request]
+            if count > largest_chunk:
+                packs[-1:-1] = [
+                    [(start + offset, min(largest_chunk, count - offset))]
+                    for offset in range(0, count, largest_chunk)
+                ]
+                continue
+            pack = packs[-1] + [(start, count)]
+            blocks = sum(-(-(s + n) // block) for s, n in pack) * block
+            if (
+                len(pack) > PACKED_CHUNKS
+                or sum(n for _, n in pack) > largest_chunk
+                or blocks > largest_context
+            ):
+                packs.append([(start, count)])
+            else:
+                packs[-1] = pack
+        for pack in filter(None, packs):
+            length = sum(n for _, n in pack)
+            tokens = pick_bucket(buckets.prefill_tokens, length)
+            context = pick_bucket(buckets.context_tokens, sum(-(-(s + n) // block) for s, n in pack) * block)
+            total.update(
+                prefill_calls=1,
+                prefill_tokens=length,
+                prefill_slots=tokens,
+                prefill_real=sum(p + 1 for s, n in pack for p in range(s, s + n)),
+                prefill_padded=tokens * context,
+            )
         for request, count in scheduled:
             computed[request] += count
             if computed[request] >= prompts[request]:
@@ -253,6 +277,12 @@ def reference_simulate(
             dict(max_model_len=300, max_num_seqs=4, max_num_batched_tokens=32),
             BucketConfig(prefill_tokens=(8, 32), decode_batch=(1, 4), context_tokens=(16, 128, 304)),
         ),
+        # many short prompts at once: packed prefill calls, cut by PACKED_CHUNKS, tokens and context
+        (
+            TrafficShape(prompt_len=(2, 40), output_len=(1, 10), concurrency=20),
+            dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128),
+            BucketConfig(prefill_tokens=(16, 64, 128), decode_batch=(1, 4, 16), context_tokens=(64, 256)),
+        ),
         # more in flight than may run: a waiting queue
         (
             TrafficShape(prompt_len=(30, 900), output_len=(5, 60), concurrency=20),
@@ -260,7 +290,7 @@ def reference_simulate(
             BucketConfig(prefill_tokens=(64, 256), decode_batch=(2, 6), context_tokens=(512, 1008)),
         ),
     ],
-    ids=["default", "split", "single", "queue"],
+    ids=["default", "split", "single", "packed", "queue"],
 )
 def test_simulate_equals_a_step_by_step_reference(traffic, limits, buckets):
     result = simulate(buckets, traffic, **limits, num_requests=60, seed=3)
@@ -331,7 +361,7 @@ def test_auto_buckets_fit_the_budget_and_the_engine(traffic, limits, budget):
     assert buckets.prefill_tokens[-1] == min(limits["max_num_batched_tokens"], max_model_len)
     assert buckets.decode_batch[-1] == limits["max_num_seqs"]
     assert buckets.context_tokens[-1] == -(-max_model_len // block_size) * block_size
-    result = simulate(buckets, traffic, **{k: v for k, v in limits.items() if k != "block_size"})
+    result = simulate(buckets, traffic, **limits)
     assert all(0 < result[name] <= 1 for name in EFFICIENCIES)
 
 
@@ -388,16 +418,17 @@ def test_auto_buckets_find_the_fastest_set_a_joint_search_finds():
     budget, block, page = 14, 32, 128
     chosen = auto_buckets(traffic, **limits, block_size=block, graph_budget=budget, mixed_calls=True)
     trace = bucket_policy._trace(traffic, **limits, num_requests=bucket_policy.FIT_REQUESTS, seed=0)
+    prefill_calls = bucket_policy._prefill_calls(trace.prefill, 256, 512, block)
     costs = bucket_policy.CallCosts()
 
     def estimated_ms(buckets: BucketConfig) -> float:
-        figures = bucket_policy._evaluate(buckets, trace, costs)
+        figures = bucket_policy._evaluate(buckets, trace, block, costs)
         return figures["prefill_ms"] + figures["decode_ms"]
 
     fastest = None
     for tokens, contexts, batch, decode_contexts in itertools.product(
-        bucket_policy._prefill_options(trace, 256, budget),
-        bucket_policy._prefill_context_options(trace, block, 512, budget),
+        bucket_policy._prefill_options(prefill_calls, 256, budget),
+        bucket_policy._prefill_context_options(prefill_calls, block, 512, budget),
         bucket_policy._decode_options(trace, 8, budget),
         bucket_policy._decode_context_options(trace, page, 512, budget),
     ):

@@ -6,7 +6,8 @@ context [128, 256], prefill share 64 (tests/conftest.py). vLLM's scheduler serve
 then waiting ones, within the 96-token budget. Under light load (at most 2 of 4 requests decoding, and a
 prompt waiting beside them, not a queue) our scheduler holds prefill to 64 tokens a step
 (vllm_neuron/scheduler.py), and a chunk of at most 64 tokens rides in the call of 1 or 2 decode rows (a
-mixed call, vllm_neuron/buckets.py), attending over the largest context bucket."""
+mixed call, vllm_neuron/buckets.py), attending over the largest context bucket. The other prefill chunks of
+a step are packed into calls that fit the largest prefill and context buckets."""
 
 import pytest
 from vllm.inputs import TokensPrompt
@@ -77,7 +78,9 @@ def test_a_short_chunk_beside_a_batch_without_mixed_calls_runs_once_on_its_own(l
     for index in range(3):
         prompt = random_prompt(5, seed=9100 + index)
         engine.add_request(f"busy-{index}", TokensPrompt(prompt_token_ids=prompt), greedy(6))
-    engine.step()  # their prompts
+    runner.step_calls = []
+    engine.step()  # their prompts, packed in one call: 3 chunks of one 32-token block each
+    assert runner.step_calls == ["prefill of 3 requests, 15 tokens: tokens 32 x context 128"]
     engine.add_request("short", TokensPrompt(prompt_token_ids=random_prompt(10, seed=9200)), greedy(2))
     runner.step_calls = []
     engine.step()

@@ -8,6 +8,7 @@ from kv_cache import ops
 from kv_cache.backend import NeuronAttentionImpl
 from kv_cache.layout import allocate
 from kv_cache.ops import decode_attention, paged_attention, write_kv
+from vllm_neuron.buckets import PACKED_CHUNKS
 from worker.step_inputs import Chunk, decode_inputs, mixed_inputs, prefill_inputs
 
 CPU = torch.device("cpu")
@@ -25,8 +26,9 @@ def expected_slot(row: np.ndarray, position: int) -> int:
     return int(row[position // BLOCK_SIZE]) * BLOCK_SIZE + position % BLOCK_SIZE
 
 
-def expected_table_row(row: np.ndarray, num_blocks: int) -> list[int]:
-    ids = [int(b) for b in row[:num_blocks]]
+def expected_table_row(row: np.ndarray, end: int, num_blocks: int) -> list[int]:
+    """The blocks of a context of `end` positions, then the null block up to the context bucket."""
+    ids = [int(b) for b in row[: -(-end // BLOCK_SIZE)]]
     return ids + [0] * (num_blocks - len(ids))
 
 
@@ -94,6 +96,7 @@ def test_a_lone_decode_row_attends_over_its_own_blocks():
     inputs = decode_inputs([chunk], 1, 3, PAGE_TOKENS, BLOCK_SIZE, CPU)
     meta = inputs.metadata
     assert meta.paged is None and meta.table.block_table.tolist() == [[8, 2, 7, 0, 0, 0]]
+    assert not meta.table.first_keys.any()
     assert inputs.input_ids.tolist() == [22] and meta.table.positions.tolist() == [[9]]
     assert meta.slot_mapping.tolist() == [expected_slot(chunk.block_row, 9)]
     assert inputs.logits_indices.tolist() == [0] and inputs.num_real_rows == 1
@@ -128,7 +131,7 @@ def test_prefill_inputs(start, count, token_bucket, context_bucket):
     tokens = np.arange(100, 100 + count, dtype=np.int32)
     num_blocks = context_bucket // BLOCK_SIZE
 
-    inputs = prefill_inputs(Chunk(tokens, start, row), token_bucket, context_bucket, BLOCK_SIZE, CPU)
+    inputs = prefill_inputs([Chunk(tokens, start, row)], token_bucket, context_bucket, BLOCK_SIZE, CPU)
     meta, table = inputs.metadata, inputs.metadata.table
 
     assert meta.paged is None
@@ -139,24 +142,95 @@ def test_prefill_inputs(start, count, token_bucket, context_bucket):
     assert table.block_table.shape == (1, num_blocks)
     assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *tensors_of(meta))
     assert inputs.num_real_rows == 1
-    assert inputs.logits_indices.tolist() == [count - 1]  # the last real token
-    assert torch.equal(table.positions[0], inputs.positions)
+    # The last real token; every prefill call keeps PACKED_CHUNKS rows, the padding ones at row 0.
+    assert inputs.logits_indices.tolist() == [count - 1] + [0] * (PACKED_CHUNKS - 1)
+    assert torch.equal(table.positions[0], inputs.positions) and not table.first_keys.any()
 
     positions = list(range(start, start + count))
     assert inputs.input_ids[:count].tolist() == tokens.tolist()
     assert inputs.positions[:count].tolist() == positions
     assert meta.slot_mapping[:count].tolist() == [expected_slot(row, p) for p in positions]
-    assert table.block_table[0].tolist() == expected_table_row(row, num_blocks)
+    assert table.block_table[0].tolist() == expected_table_row(row, start + count, num_blocks)
     assert not inputs.input_ids[count:].any()
     assert not inputs.positions[count:].any()
     assert ((meta.slot_mapping[count:] >= 0) & (meta.slot_mapping[count:] < BLOCK_SIZE)).all()
+
+
+PACKED = [
+    Chunk(np.arange(100, 105, dtype=np.int32), 0, block_row(9, 4)),  # a 5-token prompt: 2 blocks
+    Chunk(np.arange(200, 203, dtype=np.int32), 6, block_row(3, 12, 5)),  # after a cached prefix: 3 blocks
+    Chunk(np.arange(300, 302, dtype=np.int32), 0, block_row(7)),  # 1 block
+]
+
+
+def test_prefill_inputs_pack_chunks_each_over_its_own_segment():
+    inputs = prefill_inputs(PACKED, 16, 32, BLOCK_SIZE, CPU)
+    meta, table = inputs.metadata, inputs.metadata.table
+    assert inputs.input_ids[:10].tolist() == [*range(100, 105), *range(200, 203), 300, 301]
+    assert inputs.positions[:10].tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 0, 1]  # rotary: their own positions
+    # Context segments in whole blocks, in chunk order: [9, 4], [3, 12, 5], [7], then the null block.
+    assert table.block_table[0].tolist() == [9, 4, 3, 12, 5, 7, 0, 0]
+    assert table.first_keys[0, :10].tolist() == [0] * 5 + [8] * 3 + [20] * 2
+    assert table.positions[0, :10].tolist() == [0, 1, 2, 3, 4, 14, 15, 16, 20, 21]
+    slots = [
+        expected_slot(chunk.block_row, p)
+        for chunk in PACKED
+        for p in range(chunk.start, chunk.start + len(chunk.token_ids))
+    ]
+    assert meta.slot_mapping[:10].tolist() == slots
+    assert inputs.logits_indices.tolist() == [4, 7, 9] + [0] * (PACKED_CHUNKS - 3)
+    assert inputs.num_real_rows == 3
+    assert not inputs.input_ids[10:].any() and not table.first_keys[0, 10:].any()
+
+
+@pytest.mark.parametrize(
+    "token_bucket, context_bucket, message",
+    [(8, 32, "beside 8 tokens"), (16, 20, "do not fit a context bucket of 20")],
+)
+def test_prefill_inputs_refuse_a_pack_beyond_the_buckets(token_bucket, context_bucket, message):
+    with pytest.raises(ValueError, match=message):
+        prefill_inputs(PACKED, token_bucket, context_bucket, BLOCK_SIZE, CPU)
+    with pytest.raises(ValueError, match="keeps 8 logits rows"):
+        prefill_inputs(PACKED * 3, 64, 128, BLOCK_SIZE, CPU)
+
+
+def test_packed_chunks_attend_as_each_alone():
+    """Each packed chunk sees its own cached prefix and itself, causally, and nothing of the others:
+    outputs and cache writes equal those of the chunks run one call each."""
+    heads, kv_heads, head_size = 4, 2, 8
+    impl = NeuronAttentionImpl(heads, head_size, head_size**-0.5, num_kv_heads=kv_heads)
+    gen = torch.Generator().manual_seed(5)
+    kv_cache = allocate(16, BLOCK_SIZE, kv_heads, head_size, torch.float32, CPU)
+    kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen))  # the second chunk's prefix, and stale keys
+    packed = prefill_inputs(PACKED, 16, 32, BLOCK_SIZE, CPU)
+    query = torch.randn(16, heads, head_size, generator=gen)
+    key, value = torch.randn(2, 16, kv_heads, head_size, generator=gen)
+
+    def attend(cache, inputs, rows):
+        tokens = inputs.input_ids.shape[0]
+        padded = [torch.zeros(tokens, *t.shape[1:]) for t in (query, key, value)]
+        for tensor, source in zip(padded, (query, key, value), strict=True):
+            tensor[: len(range(*rows.indices(16)))] = source[rows]
+        output = torch.empty(tokens, heads, head_size)
+        impl.forward(None, *padded, cache, inputs.metadata, output)
+        return output[: len(range(*rows.indices(16)))]
+
+    separate_cache, separate, first = kv_cache.clone(), [], 0
+    for chunk in PACKED:
+        count = len(chunk.token_ids)
+        alone = prefill_inputs([chunk], 8, 16, BLOCK_SIZE, CPU)
+        separate.append(attend(separate_cache, alone, slice(first, first + count)))
+        first += count
+    together = attend(kv_cache, packed, slice(0, 10))
+    torch.testing.assert_close(together, torch.cat(separate))
+    torch.testing.assert_close(kv_cache, separate_cache)
 
 
 def test_mixed_inputs_put_the_chunk_first_then_the_decode_rows():
     chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
     inputs = mixed_inputs(chunk, 8, 16, DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)
     meta, table, paged = inputs.metadata, inputs.metadata.table, inputs.metadata.paged
-    alone_chunk = prefill_inputs(chunk, 8, 16, BLOCK_SIZE, CPU)
+    alone_chunk = prefill_inputs([chunk], 8, 16, BLOCK_SIZE, CPU)
     alone_decode = decode_inputs(DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)
 
     assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *tensors_of(meta))
@@ -180,7 +254,7 @@ def test_padded_inputs_give_finite_attention():
     kv_cache = allocate(16, BLOCK_SIZE, 2, 8, torch.float32, CPU)
     gen = torch.Generator().manual_seed(0)
     decode = decode_inputs(DECODE_CHUNKS, 8, 9, PAGE_TOKENS, BLOCK_SIZE, CPU)
-    prefill = prefill_inputs(Chunk(np.arange(1, 6), 6, block_row(9, 4, 13)), 8, 16, BLOCK_SIZE, CPU)
+    prefill = prefill_inputs([Chunk(np.arange(1, 6), 6, block_row(9, 4, 13))], 8, 16, BLOCK_SIZE, CPU)
     for inputs in (prefill, decode):
         meta = inputs.metadata
         tokens = meta.slot_mapping.shape[0]
@@ -209,7 +283,7 @@ def test_a_mixed_call_attends_like_its_parts_alone():
     kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen))
     chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
     parts = [
-        prefill_inputs(chunk, 8, 16, BLOCK_SIZE, CPU),
+        prefill_inputs([chunk], 8, 16, BLOCK_SIZE, CPU),
         decode_inputs(DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU),
     ]
     mixed = mixed_inputs(chunk, 8, 16, DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from vllm_neuron.buckets import (
+    PACKED_CHUNKS,
     BucketConfig,
     BucketError,
     decode_page_tokens,
@@ -125,12 +126,23 @@ class TrafficShape:
 
 
 @dataclass(frozen=True)
+class _PrefillChunks:
+    """Every prefill chunk as scheduled (more than one token; a 1-token chunk runs as a decode row), in step
+    order: the runner packs the chunks of one step into shared calls, as the bucket set allows."""
+
+    step: np.ndarray
+    length: np.ndarray  # tokens
+    start: np.ndarray  # tokens already in the cache
+
+
+@dataclass(frozen=True)
 class _PrefillCalls:
-    """Distinct prefill chunks (more than one token; a 1-token chunk runs as a decode row)."""
+    """Distinct prefill calls: one or more chunks packed in one row of queries."""
 
     length: np.ndarray  # tokens
-    end: np.ndarray  # start + length: the context the call needs
-    count: np.ndarray  # how many such chunks ran
+    context: np.ndarray  # KV positions the call attends over: its chunks' contexts, each in whole blocks
+    attention: np.ndarray  # causal attention work of its real tokens: a token at position p reads p + 1 keys
+    count: np.ndarray  # how many such calls ran
 
 
 @dataclass(frozen=True)
@@ -156,7 +168,7 @@ class _DecodeCalls:
 
 @dataclass(frozen=True)
 class _Trace:
-    prefill: _PrefillCalls
+    prefill: _PrefillChunks
     decode_steps: _DecodeSteps
     decode: _DecodeCalls  # decode_steps as calls of at most max_num_seqs rows, the usual case
 
@@ -201,12 +213,14 @@ def _trace(
     next_arrival = traffic.concurrency
     running: list[int] = []  # admission order stands in for the runner's batch order
     finished = 0
-    chunks: list[tuple[int, int]] = []  # (length, end) of every prefill call
+    chunks: list[tuple[int, int, int]] = []  # (step, length, start) of every prefill chunk
     contexts: list[int] = []
     sizes: list[int] = []
     repeats: list[int] = []
 
+    step_number = 0
     while finished < num_requests:
+        step_number += 1
         steps = _decode_only_steps(running, waiting, computed, prompts, generated, outputs, max_num_seqs)
         if steps and len(running) <= max_num_batched_tokens:
             # Nothing changes until the first running request finishes: take those steps in one go, or a
@@ -218,7 +232,7 @@ def _trace(
             scheduled = _schedule(running, waiting, computed, prompts, max_num_seqs, max_num_batched_tokens)
             # As the runner does: every 1-token request is a decode row, every other one its own prefill call.
             rows = [computed[r] + 1 for r, count in scheduled if count == 1]
-            chunks += [(count, computed[r] + count) for r, count in scheduled if count > 1]
+            chunks += [(step_number, count, computed[r]) for r, count in scheduled if count > 1]
         if rows:
             contexts += rows
             sizes.append(len(rows))
@@ -242,7 +256,9 @@ def _trace(
     decode_steps = _DecodeSteps(
         np.asarray(contexts, np.int64), np.asarray(sizes, np.int64), np.asarray(repeats, np.int64)
     )
-    return _Trace(_prefill_calls(chunks), decode_steps, _decode_calls(decode_steps, max_num_seqs))
+    step, length, start = np.asarray(chunks, np.int64).reshape(-1, 3).T
+    prefill = _PrefillChunks(step, length, start)
+    return _Trace(prefill, decode_steps, _decode_calls(decode_steps, max_num_seqs))
 
 
 def _load(concurrency: int, arrival: int, num_requests: int) -> int:
@@ -309,12 +325,53 @@ def _schedule(
     return scheduled
 
 
-def _prefill_calls(chunks: Sequence[tuple[int, int]]) -> _PrefillCalls:
-    if not chunks:
+def _causal_work(length: int, start: int) -> int:
+    """Keys read by the real tokens of a chunk: the token at position p reads p + 1."""
+    return length * start + length * (length + 1) // 2
+
+
+def _prefill_calls(
+    chunks: _PrefillChunks, largest_tokens: int, largest_context: int, block_size: int
+) -> _PrefillCalls:
+    """The calls the runner makes of these chunks (worker/model_runner.py, _run_prefill): each step's chunks
+    packed in order, at most PACKED_CHUNKS to a call, while their tokens fit the largest prefill bucket and
+    their contexts, each in whole blocks, the largest context bucket. A chunk longer than the largest prefill
+    bucket runs as sub-chunks, a call each."""
+    room = largest_context // block_size
+    calls: list[tuple[int, int, int]] = []  # (tokens, context, attention)
+    pack = [0, 0, 0, 0]  # chunks, tokens, blocks, attention
+    previous_step = -1
+
+    def flush() -> None:
+        if pack[0]:
+            calls.append((pack[1], pack[2] * block_size, pack[3]))
+        pack[:] = [0, 0, 0, 0]
+
+    for step, length, start in zip(
+        chunks.step.tolist(), chunks.length.tolist(), chunks.start.tolist(), strict=True
+    ):
+        if step != previous_step:
+            flush()
+            previous_step = step
+        if length > largest_tokens:
+            for offset in range(0, length, largest_tokens):
+                part = min(largest_tokens, length - offset)
+                end = start + offset + part
+                calls.append((part, -(-end // block_size) * block_size, _causal_work(part, start + offset)))
+            continue
+        blocks = -(-(start + length) // block_size)
+        if pack[0] == PACKED_CHUNKS or pack[1] + length > largest_tokens or pack[2] + blocks > room:
+            flush()
+        pack[0] += 1
+        pack[1] += length
+        pack[2] += blocks
+        pack[3] += _causal_work(length, start)
+    flush()
+    if not calls:
         empty = np.zeros(0, np.int64)
-        return _PrefillCalls(empty, empty, empty)
-    distinct, count = np.unique(np.asarray(chunks, np.int64), axis=0, return_counts=True)
-    return _PrefillCalls(distinct[:, 0], distinct[:, 1], count.astype(np.int64))
+        return _PrefillCalls(empty, empty, empty, empty)
+    distinct, count = np.unique(np.asarray(calls, np.int64), axis=0, return_counts=True)
+    return _PrefillCalls(distinct[:, 0], distinct[:, 1], distinct[:, 2], count.astype(np.int64))
 
 
 def _decode_calls(steps: _DecodeSteps, group: int) -> _DecodeCalls:
@@ -374,40 +431,21 @@ def _decode_context_sums(buckets: BucketConfig, batch: np.ndarray, calls: _Decod
     return in_bucket @ capacity * batch
 
 
-def _split_prefill(calls: _PrefillCalls, largest: int) -> _PrefillCalls:
-    """Chunks longer than the largest prefill bucket run as consecutive sub-chunks, as in the runner."""
-    if not len(calls.length) or calls.length.max() <= largest:
-        return calls
-    parts: list[tuple[int, int, int]] = []
-    for length, end, count in zip(
-        calls.length.tolist(), calls.end.tolist(), calls.count.tolist(), strict=True
-    ):
-        start = end - length
-        parts += [
-            (min(largest, length - offset), start + min(offset + largest, length), count)
-            for offset in range(0, length, largest)
-        ]
-    length, end, count = (np.asarray(column, np.int64) for column in zip(*parts, strict=True))
-    return _PrefillCalls(length, end, count)
-
-
 def _ratio(real: float, padded: float) -> float:
     return float(real / padded) if padded else 1.0  # a phase without calls wastes nothing
 
 
-def _prefill_figures(buckets: BucketConfig, trace: _Trace, costs: CallCosts) -> dict[str, float | int]:
-    prefill = _split_prefill(trace.prefill, buckets.prefill_tokens[-1])
-    tokens = _pick(buckets.prefill_tokens, prefill.length, "prefill chunk of")
-    context = _pick(buckets.context_tokens, prefill.end, "prefill context")
-    # Causal attention work of a real chunk: the token at position p reads p + 1 keys.
-    start = prefill.end - prefill.length
-    attention = prefill.length * start + prefill.length * (prefill.length + 1) // 2
+def _prefill_figures(
+    buckets: BucketConfig, prefill: _PrefillCalls, costs: CallCosts
+) -> dict[str, float | int]:
+    tokens = _pick(buckets.prefill_tokens, prefill.length, "prefill call of")
+    context = _pick(buckets.context_tokens, prefill.context, "prefill context")
     calls = int(prefill.count.sum())
     slots = (prefill.count * tokens).sum()
     pairs = (prefill.count * tokens * context).sum()
     return {
         "prefill": _ratio((prefill.count * prefill.length).sum(), slots),
-        "prefill_context": _ratio((prefill.count * attention).sum(), pairs),
+        "prefill_context": _ratio((prefill.count * prefill.attention).sum(), pairs),
         "prefill_calls": calls,
         "prefill_ms": float(costs.call * calls + costs.token * slots + costs.attention * pairs),
     }
@@ -431,9 +469,14 @@ def _decode_figures(buckets: BucketConfig, trace: _Trace, costs: CallCosts) -> d
     }
 
 
-def _evaluate(buckets: BucketConfig, trace: _Trace, costs: CallCosts) -> dict[str, float | int]:
+def _evaluate(
+    buckets: BucketConfig, trace: _Trace, block_size: int, costs: CallCosts
+) -> dict[str, float | int]:
+    prefill = _prefill_calls(
+        trace.prefill, buckets.prefill_tokens[-1], buckets.context_tokens[-1], block_size
+    )
     return {
-        **_prefill_figures(buckets, trace, costs),
+        **_prefill_figures(buckets, prefill, costs),
         **_decode_figures(buckets, trace, costs),
         "graphs": buckets.num_graphs,
     }
@@ -454,10 +497,12 @@ def simulate(
     max_num_batched_tokens: int,
     num_requests: int = 400,
     seed: int = 0,
+    block_size: int = 32,
     costs: CallCosts = CallCosts(),
 ) -> dict[str, float | int]:
     """Padding efficiency and estimated time of `buckets` under `traffic`, from a deterministic simulation of
     continuous batching (same arguments, same result) until `num_requests` requests have finished.
+    `block_size` is the KV block size (the plugin's default 32): packed prefill chunks take whole blocks.
 
     Returns
     - `prefill`: real prefill tokens / token-bucket slots computed;
@@ -472,8 +517,9 @@ def simulate(
     limits = dict(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
     )
-    _check_limits(**limits)
-    return _evaluate(buckets, _trace(traffic, **limits, num_requests=num_requests, seed=seed), costs)
+    _check_limits(**limits, block_size=block_size)
+    trace = _trace(traffic, **limits, num_requests=num_requests, seed=seed)
+    return _evaluate(buckets, trace, block_size, costs)
 
 
 # ---- optimal 1-D bucketing ---------------------------------------------------------------------------
@@ -540,8 +586,7 @@ def _align(boundaries: list[int], values: np.ndarray, weights: np.ndarray) -> tu
     return tuple(aligned)
 
 
-def _prefill_options(trace: _Trace, max_chunk: int, most: int) -> list[tuple[int, ...]]:
-    calls = trace.prefill
+def _prefill_options(calls: _PrefillCalls, max_chunk: int, most: int) -> list[tuple[int, ...]]:
     length = np.minimum(calls.length, max_chunk)
     candidates = np.minimum(_coarsen(length), max_chunk)
     return [
@@ -566,12 +611,11 @@ def _context_boundaries(
 
 
 def _prefill_context_options(
-    trace: _Trace, block_size: int, max_context: int, most: int
+    calls: _PrefillCalls, block_size: int, max_context: int, most: int
 ) -> list[tuple[int, ...]]:
-    """Context sets for the chunks' ends, weighted by the chunks' tokens (each attends over the bucket), in
+    """Context sets for the calls' contexts, weighted by their tokens (each attends over the bucket), in
     whole blocks (context buckets are multiples of the block size)."""
-    prefill = trace.prefill
-    return _context_boundaries(prefill.end, prefill.length * prefill.count, block_size, max_context, most)
+    return _context_boundaries(calls.context, calls.length * calls.count, block_size, max_context, most)
 
 
 def _decode_context_options(
@@ -654,19 +698,21 @@ def auto_buckets(
             f"raise graph_budget to at least {graphs_of(minimal)}"
         )
     trace = _trace(traffic, **limits, num_requests=FIT_REQUESTS, seed=seed)
+    # Every candidate's largest buckets are the engine limits, so the calls are the same for all of them.
+    prefill_calls = _prefill_calls(trace.prefill, max_chunk, max_context, block_size)
     most = graph_budget - 1  # buckets in one dimension: the other phase needs a graph too
 
     def prefill_candidates() -> Iterator[tuple[float, int, tuple[tuple[int, ...], tuple[int, ...]]]]:
         for tokens, contexts in itertools.product(
-            _prefill_options(trace, max_chunk, most),
-            _prefill_context_options(trace, block_size, max_context, most),
+            _prefill_options(prefill_calls, max_chunk, most),
+            _prefill_context_options(prefill_calls, block_size, max_context, most),
         ):
             if len(tokens) >= graph_budget:  # each prefill bucket has >= 1 graph; decode needs one too
                 continue
             half = BucketConfig(tokens, (max_num_seqs,), contexts, page_tokens)
             graphs = len(half.prefill_shapes())
             if graphs < graph_budget:
-                yield _prefill_figures(half, trace, costs)["prefill_ms"], graphs, (tokens, contexts)
+                yield _prefill_figures(half, prefill_calls, costs)["prefill_ms"], graphs, (tokens, contexts)
 
     def decode_candidates() -> Iterator[tuple[float, int, tuple[tuple[int, ...], tuple[int, ...]]]]:
         for batch, contexts in itertools.product(

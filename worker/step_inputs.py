@@ -13,6 +13,7 @@ import torch
 
 from kv_cache.backend import NeuronAttentionMetadata, PagedQueries, TableQueries
 from kv_cache.layout import NULL_BLOCK, slot_mapping
+from vllm_neuron.buckets import PACKED_CHUNKS
 
 # First position of a padding decode page: past any context (and within int32, for device index types).
 PADDING_PAGE_START = 2**30
@@ -56,29 +57,54 @@ def _context_blocks(block_row: np.ndarray, num_blocks: int) -> np.ndarray:
     return out
 
 
-def _table_part(chunk: Chunk, token_bucket: int, context_bucket: int, block_size: int) -> _HostPart:
-    """One request's chunk as one row of token_bucket queries over a block table of context_bucket
-    positions; keeps only the last real token's logits."""
-    count = len(chunk.token_ids)
-    if chunk.start + count > context_bucket:
-        raise ValueError(
-            f"{count} tokens at position {chunk.start} do not fit a context bucket of {context_bucket}"
-        )
+def _table_part(
+    chunks: list[Chunk], token_bucket: int, context_bucket: int, block_size: int, logits_rows: int
+) -> _HostPart:
+    """Chunks of one or more requests packed in one row of token_bucket queries over a block table of
+    context_bucket positions. Each chunk's context (its cached prefix and itself) is a segment of whole
+    blocks, in chunk order, and its queries see only that segment, causally. Keeps each chunk's last real
+    token's logits, in `logits_rows` rows (padding rows repeat row 0)."""
+    if len(chunks) > logits_rows:
+        raise ValueError(f"{len(chunks)} chunks in one call, which keeps {logits_rows} logits rows")
     num_blocks = context_bucket // block_size
     input_ids = np.zeros(token_bucket, dtype=np.int64)
-    input_ids[:count] = chunk.token_ids
     positions = np.zeros(token_bucket, dtype=np.int64)
-    positions[:count] = np.arange(chunk.start, chunk.start + count)
-    block_table = _context_blocks(chunk.block_row, num_blocks).reshape(1, num_blocks)
+    key_positions = np.zeros(token_bucket, dtype=np.int64)
+    first_keys = np.zeros(token_bucket, dtype=np.int64)
     slots = np.full(token_bucket, NULL_BLOCK * block_size, dtype=np.int64)
-    slots[:count] = slot_mapping(block_table[0], positions[:count], block_size)
+    block_table = np.full(num_blocks, NULL_BLOCK, dtype=np.int64)
+    logits_indices = np.zeros(logits_rows, dtype=np.int64)
+    tokens_used = blocks_used = 0
+    for index, chunk in enumerate(chunks):
+        count = len(chunk.token_ids)
+        end = chunk.start + count
+        blocks = -(-end // block_size)
+        if tokens_used + count > token_bucket or blocks_used + blocks > num_blocks:
+            raise ValueError(
+                f"{count} tokens at position {chunk.start} do not fit a context bucket of {context_bucket} "
+                f"and {token_bucket} tokens beside {tokens_used} tokens in {blocks_used} blocks"
+            )
+        tokens = slice(tokens_used, tokens_used + count)
+        segment = block_table[blocks_used : blocks_used + blocks]
+        segment[:] = _context_blocks(chunk.block_row, blocks)
+        input_ids[tokens] = chunk.token_ids
+        positions[tokens] = np.arange(chunk.start, end)
+        slots[tokens] = slot_mapping(segment, positions[tokens], block_size)
+        first_keys[tokens] = blocks_used * block_size
+        key_positions[tokens] = first_keys[tokens] + positions[tokens]
+        logits_indices[index] = tokens_used + count - 1
+        tokens_used, blocks_used = tokens_used + count, blocks_used + blocks
     return _HostPart(
         input_ids,
         positions,
         slots,
-        np.array([count - 1], dtype=np.int64),
-        1,
-        {"positions": positions.reshape(1, token_bucket), "block_table": block_table},
+        logits_indices,
+        len(chunks),
+        {
+            "positions": key_positions.reshape(1, token_bucket),
+            "first_keys": first_keys.reshape(1, token_bucket),
+            "block_table": block_table.reshape(1, num_blocks),
+        },
     )
 
 
@@ -138,15 +164,19 @@ def decode_inputs(
     block table, through the fused kernel the prefill path uses (fewer, larger ops for the same work)."""
     if batch_bucket == 1:
         (chunk,) = chunks
-        return _to_device(device, table=_table_part(chunk, 1, num_pages * page_tokens, block_size))
+        return _to_device(device, table=_table_part([chunk], 1, num_pages * page_tokens, block_size, 1))
     return _to_device(device, paged=_paged_part(chunks, batch_bucket, num_pages, page_tokens, block_size))
 
 
 def prefill_inputs(
-    chunk: Chunk, token_bucket: int, context_bucket: int, block_size: int, device: torch.device
+    chunks: list[Chunk], token_bucket: int, context_bucket: int, block_size: int, device: torch.device
 ) -> StepInputs:
-    """One request's chunk: one row of token_bucket queries; keeps only the last real token's logits."""
-    return _to_device(device, table=_table_part(chunk, token_bucket, context_bucket, block_size))
+    """The chunks of up to PACKED_CHUNKS requests packed in one row of token_bucket queries, each over its
+    own segment of the context bucket; keeps each chunk's last real token's logits. Every prefill call keeps
+    PACKED_CHUNKS logits rows, so packing changes no shape."""
+    return _to_device(
+        device, table=_table_part(chunks, token_bucket, context_bucket, block_size, PACKED_CHUNKS)
+    )
 
 
 def mixed_inputs(
@@ -165,7 +195,7 @@ def mixed_inputs(
     decode rows'."""
     return _to_device(
         device,
-        table=_table_part(chunk, token_bucket, context_bucket, block_size),
+        table=_table_part([chunk], token_bucket, context_bucket, block_size, 1),
         paged=_paged_part(decode_chunks, batch_bucket, num_pages, page_tokens, block_size),
     )
 
@@ -190,6 +220,6 @@ def _to_device(
             table=None if table is None else TableQueries(**{k: put(v) for k, v in table.tables.items()}),
             paged=None if paged is None else PagedQueries(**{k: put(v) for k, v in paged.tables.items()}),
         ),
-        # The table part has one real row, so the real rows of both parts come first.
+        # A mixed call's table part has one chunk, one logits row: the real rows of both parts come first.
         num_real_rows=sum(part.num_real_rows for part in parts),
     )
