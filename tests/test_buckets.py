@@ -7,11 +7,14 @@ import numpy as np
 import pytest
 
 from vllm_neuron.buckets import (
+    PACKED_CHUNKS,
     BucketConfig,
     BucketError,
+    PrefillCall,
     default_buckets,
     light_load_batches,
     mixed_graphs,
+    pack_prefill,
     pick_bucket,
     powers_of_two,
     validate_buckets,
@@ -219,6 +222,35 @@ def test_mixed_shapes_are_the_decode_shapes_of_the_mixed_batches():
 )
 def test_light_load_batches(decode_batch, max_num_seqs, expected):
     assert light_load_batches(decode_batch, max_num_seqs) == expected
+
+
+# ---- pack_prefill ---------------------------------------------------------------------------------
+
+
+def test_pack_prefill_packs_in_order_until_a_largest_bucket_is_full():
+    # (start, length) with blocks of 8: contexts of 1, 2, 3 and 1 blocks; largest buckets 32 tokens, 40
+    # positions (5 blocks). The third chunk would make 6 blocks: a new call.
+    calls = pack_prefill([(0, 5), (4, 9), (10, 7), (0, 3)], 32, 40, 8)
+    assert calls == [
+        PrefillCall(parts=((0, 0, 5), (1, 4, 9)), tokens=14, context=24),
+        PrefillCall(parts=((2, 10, 7), (3, 0, 3)), tokens=10, context=32),
+    ]
+    # Tokens: 20 + 20 would pass the largest prefill bucket.
+    assert [c.tokens for c in pack_prefill([(0, 20), (0, 20)], 32, 400, 8)] == [20, 20]
+    # At most PACKED_CHUNKS chunks a call.
+    calls = pack_prefill([(0, 2)] * (PACKED_CHUNKS + 1), 64, 400, 8)
+    assert [len(c.parts) for c in calls] == [PACKED_CHUNKS, 1]
+
+
+def test_pack_prefill_runs_a_long_chunk_as_sub_chunks_each_alone():
+    calls = pack_prefill([(0, 3), (16, 70), (0, 4)], 32, 128, 8)
+    assert [c.parts for c in calls] == [
+        ((1, 16, 32),),
+        ((1, 48, 32),),
+        ((1, 80, 6),),
+        ((0, 0, 3), (2, 0, 4)),  # the short chunks around it still share a call
+    ]
+    assert [c.context for c in calls] == [48, 80, 88, 16]
 
 
 # ---- validate_buckets ------------------------------------------------------------------------------

@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 
 from vllm_neuron.buckets import (
-    PACKED_CHUNKS,
     BucketConfig,
     BucketError,
     decode_page_tokens,
     light_load_batches,
     mixed_graphs,
+    pack_prefill,
     round_up,
     validate_buckets,
 )
@@ -230,7 +230,7 @@ def _trace(
         else:
             steps = 1
             scheduled = _schedule(running, waiting, computed, prompts, max_num_seqs, max_num_batched_tokens)
-            # As the runner does: every 1-token request is a decode row, every other one its own prefill call.
+            # As the runner does: every 1-token request is a decode row, the others' chunks prefill calls.
             rows = [computed[r] + 1 for r, count in scheduled if count == 1]
             chunks += [(step_number, count, computed[r]) for r, count in scheduled if count > 1]
         if rows:
@@ -333,40 +333,13 @@ def _causal_work(length: int, start: int) -> int:
 def _prefill_calls(
     chunks: _PrefillChunks, largest_tokens: int, largest_context: int, block_size: int
 ) -> _PrefillCalls:
-    """The calls the runner makes of these chunks (worker/model_runner.py, _run_prefill): each step's chunks
-    packed in order, at most PACKED_CHUNKS to a call, while their tokens fit the largest prefill bucket and
-    their contexts, each in whole blocks, the largest context bucket. A chunk longer than the largest prefill
-    bucket runs as sub-chunks, a call each."""
-    room = largest_context // block_size
+    """The calls the runner makes of these chunks: each step's chunks packed by `pack_prefill`."""
     calls: list[tuple[int, int, int]] = []  # (tokens, context, attention)
-    pack = [0, 0, 0, 0]  # chunks, tokens, blocks, attention
-    previous_step = -1
-
-    def flush() -> None:
-        if pack[0]:
-            calls.append((pack[1], pack[2] * block_size, pack[3]))
-        pack[:] = [0, 0, 0, 0]
-
-    for step, length, start in zip(
-        chunks.step.tolist(), chunks.length.tolist(), chunks.start.tolist(), strict=True
-    ):
-        if step != previous_step:
-            flush()
-            previous_step = step
-        if length > largest_tokens:
-            for offset in range(0, length, largest_tokens):
-                part = min(largest_tokens, length - offset)
-                end = start + offset + part
-                calls.append((part, -(-end // block_size) * block_size, _causal_work(part, start + offset)))
-            continue
-        blocks = -(-(start + length) // block_size)
-        if pack[0] == PACKED_CHUNKS or pack[1] + length > largest_tokens or pack[2] + blocks > room:
-            flush()
-        pack[0] += 1
-        pack[1] += length
-        pack[2] += blocks
-        pack[3] += _causal_work(length, start)
-    flush()
+    boundaries = np.flatnonzero(np.diff(chunks.step)) + 1
+    for step in np.split(np.stack((chunks.start, chunks.length), axis=1), boundaries):
+        for call in pack_prefill(step.tolist(), largest_tokens, largest_context, block_size):
+            attention = sum(_causal_work(length, start) for _, start, length in call.parts)
+            calls.append((call.tokens, call.context, attention))
     if not calls:
         empty = np.zeros(0, np.int64)
         return _PrefillCalls(empty, empty, empty, empty)

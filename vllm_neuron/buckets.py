@@ -149,6 +149,50 @@ class BucketConfig:
         )
 
 
+@dataclass(frozen=True)
+class PrefillCall:
+    """One prefill call of a step: `parts` are (chunk index, start, length) in call order."""
+
+    parts: tuple[tuple[int, int, int], ...]
+    tokens: int
+    context: int  # KV positions it attends over: each part's context (start + length) in whole blocks
+
+
+def pack_prefill(
+    chunks: Sequence[tuple[int, int]], largest_tokens: int, largest_context: int, block_size: int
+) -> list[PrefillCall]:
+    """The calls of one step's prefill chunks, given as (start, length) in batch order: packed in order, at
+    most PACKED_CHUNKS to a call, while their tokens fit `largest_tokens` and their contexts, each in whole
+    blocks, `largest_context`. A chunk longer than `largest_tokens` runs as consecutive sub-chunks, a call
+    each: attention reads the earlier ones back from the cache. The runner and the bucket policy's simulation
+    both call this, so the policy costs the calls the runner makes."""
+
+    def blocks(start: int, length: int) -> int:
+        return -(-(start + length) // block_size)
+
+    def call(parts: list[tuple[int, int, int]]) -> PrefillCall:
+        context = sum(blocks(start, length) for _, start, length in parts) * block_size
+        return PrefillCall(tuple(parts), sum(length for *_, length in parts), context)
+
+    calls: list[PrefillCall] = []
+    pack: list[tuple[int, int, int]] = []
+    room = largest_context // block_size
+    for index, (start, length) in enumerate(chunks):
+        if length > largest_tokens:
+            for offset in range(0, length, largest_tokens):
+                calls.append(call([(index, start + offset, min(largest_tokens, length - offset))]))
+            continue
+        tokens = sum(n for *_, n in pack) + length
+        needed = sum(blocks(s, n) for _, s, n in pack) + blocks(start, length)
+        if len(pack) == PACKED_CHUNKS or tokens > largest_tokens or needed > room:
+            calls.append(call(pack))
+            pack = []
+        pack.append((index, start, length))
+    if pack:
+        calls.append(call(pack))
+    return calls
+
+
 def light_load_batches(decode_batch: Sequence[int], max_num_seqs: int) -> tuple[int, ...]:
     """The decode batch buckets of steps the scheduler caps prefill in (vllm_neuron/scheduler.py: at most
     half of max_num_seqs requests decoding): those that get mixed calls by default. A mixed call also holds

@@ -22,7 +22,7 @@ from kv_cache import layout
 from vllm_neuron import compile as neuron_compile
 from vllm_neuron import compile_cache, envs, metrics
 from vllm_neuron import device as neuron_device
-from vllm_neuron.buckets import PACKED_CHUNKS, pick_bucket
+from vllm_neuron.buckets import pack_prefill, pick_bucket
 from vllm_neuron.config import NeuronConfig
 from worker import step_inputs, warmup
 from worker.input_batch import PersistentBatch
@@ -298,50 +298,34 @@ class NeuronModelRunner:
         logits[[r for r, _ in group]] = out[1:]
 
     def _run_prefill(self, rows: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
-        """The step's prefill chunks, packed in batch order into calls of at most PACKED_CHUNKS chunks that
-        fit the largest prefill and context buckets. A chunk longer than the largest prefill bucket runs as
-        consecutive sub-chunks, each a call of its own: attention reads the earlier ones back from the
-        cache."""
-        largest = self.buckets.prefill_tokens[-1]
-        room = self.buckets.context_tokens[-1] // self.block_size
-        pack: list[tuple[int, Chunk]] = []
-        for row, chunk in rows:
-            count = len(chunk.token_ids)
-            if count > largest:
-                for offset in range(0, count, largest):
-                    part = Chunk(
-                        chunk.token_ids[offset : offset + largest], chunk.start + offset, chunk.block_row
-                    )
-                    self._run_packed([(row, part)], logits)
-                continue
-            tokens = sum(len(c.token_ids) for _, c in pack) + count
-            blocks = sum(self._blocks(c) for _, c in pack) + self._blocks(chunk)
-            if len(pack) == PACKED_CHUNKS or tokens > largest or blocks > room:
-                self._run_packed(pack, logits)
-                pack = []
-            pack.append((row, chunk))
-        if pack:
-            self._run_packed(pack, logits)
-
-    def _blocks(self, chunk: Chunk) -> int:
-        """KV blocks of a chunk's context: its segment of a packed call's context."""
-        return -(-(chunk.start + len(chunk.token_ids)) // self.block_size)
-
-    def _run_packed(self, pack: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
-        chunks = [chunk for _, chunk in pack]
-        count = sum(len(chunk.token_ids) for chunk in chunks)
-        tokens = pick_bucket(self.buckets.prefill_tokens, count)
-        context = pick_bucket(self.buckets.context_tokens, sum(map(self._blocks, chunks)) * self.block_size)
-        shape = f"tokens {tokens} x context {context}"
-        if len(chunks) == 1:
-            self.recorder.current_call = f"prefill of {count} tokens at {chunks[0].start}: {shape}"
-        else:
-            self.recorder.current_call = f"prefill of {len(chunks)} requests, {count} tokens: {shape}"
-        self._tally("prefill", f"{tokens}x{context}", prefill=(count, tokens))
-        out = self._run(
-            step_inputs.prefill_inputs(chunks, tokens, context, self.block_size, self.device), "prefill"
+        """The step's prefill chunks, packed into calls by `buckets.pack_prefill`."""
+        calls = pack_prefill(
+            [(chunk.start, len(chunk.token_ids)) for _, chunk in rows],
+            self.buckets.prefill_tokens[-1],
+            self.buckets.context_tokens[-1],
+            self.block_size,
         )
-        logits[[row for row, _ in pack]] = out
+        for call in calls:
+            parts = []
+            for index, start, length in call.parts:
+                chunk = rows[index][1]
+                offset = start - chunk.start
+                parts.append(Chunk(chunk.token_ids[offset : offset + length], start, chunk.block_row))
+            tokens = pick_bucket(self.buckets.prefill_tokens, call.tokens)
+            context = pick_bucket(self.buckets.context_tokens, call.context)
+            shape = f"tokens {tokens} x context {context}"
+            if len(parts) == 1:
+                self.recorder.current_call = f"prefill of {call.tokens} tokens at {parts[0].start}: {shape}"
+            else:
+                self.recorder.current_call = (
+                    f"prefill of {len(parts)} requests, {call.tokens} tokens: {shape}"
+                )
+            self._tally("prefill", f"{tokens}x{context}", prefill=(call.tokens, tokens))
+            out = self._run(
+                step_inputs.prefill_inputs(parts, tokens, context, self.block_size, self.device), "prefill"
+            )
+            # A sub-chunk's row is overwritten by the next: the last part of a chunk gives its logits.
+            logits[[rows[index][0] for index, _, _ in call.parts]] = out
 
     def _tally(self, call: str, bucket: str, **tokens: tuple[int, int]) -> None:
         """Describe the call for step_calls and count it: `tokens` gives (real, slots) per token phase."""
