@@ -176,5 +176,5 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                 self.scale,
                 paged.masks,
             )
-            attended[first_paged:].copy_(out)
+            attended[first_paged : first_paged + out.shape[0]].copy_(out)
         return output

@@ -23,22 +23,25 @@ import torch.nn.functional as F
 _MASKED = -1e30
 
 
+def _flat_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Row indices, in the cache seen as a flat [2 * kv_heads * slots, head_size] table, of `slots` [n]: the
+    key rows then the value rows of each KV head, [2 * kv_heads * n]."""
+    _, kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    copy_offsets = torch.arange(2 * kv_heads, device=slots.device).view(-1, 1) * (num_blocks * block_size)
+    return (copy_offsets + slots.view(1, -1)).reshape(-1)
+
+
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store key/value [tokens, kv_heads, head_size] at flat slots (block * block_size + offset)."""
-    _, kv_heads, num_blocks, block_size, head_size = kv_cache.shape
-    slots = num_blocks * block_size
-    kv_cache[0].view(kv_heads, slots, head_size).index_copy_(1, slot_mapping, key.transpose(0, 1))
-    kv_cache[1].view(kv_heads, slots, head_size).index_copy_(1, slot_mapping, value.transpose(0, 1))
+    """Store key/value [tokens, kv_heads, head_size] at flat slots (block * block_size + offset).
 
-
-def _copyable(table: torch.Tensor) -> torch.Tensor:
-    """The same bytes as 4-byte elements where that is valid: CPU index_select copies 2-byte elements one by
-    one, about 3x slower than the same bytes as float32 (a pure reinterpretation, no conversion)."""
-    if table.device.type == "cpu" and table.element_size() == 2 and table.shape[-1] % 2 == 0:
-        return table.view(torch.float32)
-    return table
+    One row write along dim 0 of the cache seen as a flat table, so the traced graph updates the cache with a
+    single scatter of the step's new rows: the output a Neuron compile aliases to the cache parameter, with
+    no select_scatter or copy of a whole cache (docs/lowering.md)."""
+    head_size = kv_cache.shape[-1]
+    rows = torch.stack((key, value)).transpose(1, 2).reshape(-1, head_size)  # [2 * kv_heads * tokens, d]
+    kv_cache.view(-1, head_size).index_copy_(0, _flat_rows(kv_cache, slot_mapping), rows)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +55,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torc
     copy_offsets = torch.arange(2 * kv_heads, device=block_ids.device).view(-1, 1) * num_blocks
     flat_ids = (copy_offsets + block_ids.reshape(1, -1)).reshape(-1)
     table = kv_cache.view(2 * kv_heads * num_blocks, block_size * head_size)
-    gathered = _copyable(table).index_select(0, flat_ids).view(kv_cache.dtype)
-    both = gathered.view(2, kv_heads, rows, blocks * block_size, head_size)
+    both = table.index_select(0, flat_ids).view(2, kv_heads, rows, blocks * block_size, head_size)
     return both[0], both[1]
 
 

@@ -12,6 +12,7 @@ backend one graph per new input signature, so the recorder sees every compile, w
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,8 +67,17 @@ class CompileRecorder:
     current_call: str = ""
     on_unexpected: Callable[[Shapes], None] | None = None
 
+    dump_dir: Path | None = None
+
     def __post_init__(self) -> None:
-        self._inner = torch._dynamo.lookup_backend(self.backend_name)
+        if self.backend_name == "stablehlo":
+            from vllm_neuron.stablehlo import StableHLOBackend
+
+            self.lowering: StableHLOBackend | None = StableHLOBackend(self.dump_dir)
+            self._inner = self.lowering
+        else:
+            self.lowering = None
+            self._inner = torch._dynamo.lookup_backend(self.backend_name)
 
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         check_neuron_constraints(graph_module, example_inputs)
@@ -75,6 +85,8 @@ class CompileRecorder:
         if self.armed:
             self._unexpected(shapes)
         self.graphs.append(shapes)
+        if self.lowering is not None:
+            self.lowering.label = self.current_call or f"graph {len(self.graphs) - 1}"
         return self._inner(graph_module, example_inputs)
 
     def _unexpected(self, shapes: Shapes) -> None:
@@ -98,11 +110,18 @@ class CompileRecorder:
 
 
 def compile_static(
-    module: torch.nn.Module, backend_name: str, expected_graphs: int, *, strict: bool = False
+    module: torch.nn.Module,
+    backend_name: str,
+    expected_graphs: int,
+    *,
+    strict: bool = False,
+    dump_dir: Path | None = None,
 ) -> tuple[Callable, CompileRecorder]:
     """Compile `module` for static shapes: one graph per bucket shape, no graph breaks, default mode (the only
     mode TorchNeuron has). Backend "none" returns the module uncompiled (debugging); nothing is recorded."""
-    recorder = CompileRecorder("eager" if backend_name == "none" else backend_name, strict=strict)
+    recorder = CompileRecorder(
+        "eager" if backend_name == "none" else backend_name, strict=strict, dump_dir=dump_dir
+    )
     if backend_name == "none":
         return module, recorder
     # Each bucket is one more cache entry for the same code; past the limit (default 8) dynamo would

@@ -1,0 +1,158 @@
+"""Reads a StableHLO module's text (as `str(module)` prints it) and checks how it updates its aliased inputs.
+
+A Neuron compile can keep the KV cache in place only when the graph writes it the way TorchNeuron aliases it:
+the cache parameter flows through reshapes into one `stablehlo.scatter` of the step's new rows, and the
+result is the output aliased to the parameter, with no other op making a tensor the size of a cache (a
+select, concatenate, dynamic_update_slice or second scatter would be a whole-cache copy), and no read of the
+old cache after the write (which forces the compiler to keep both). Necessary, not sufficient: neuronx-cc may
+still copy, but this is what can be proven without it.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field
+
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)>")
+_DEFINITION = re.compile(r'^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*"?([\w.]+)"?(.*)$')
+_VALUE = re.compile(r"%[\w.$-]+")
+_ARGUMENT = re.compile(r"(%arg\d+): tensor<((?:\d+x)*)(\w+)>")
+_ALIAS = re.compile(r"parameter_number = (\d+) : i64\}, output_index = array<i64: (\d+)>")
+
+
+@dataclass
+class Op:
+    index: int
+    result: str
+    name: str
+    operands: list[str]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Module:
+    """The entry function of a StableHLO module: its arguments, ops in order, returned values, aliases."""
+
+    arguments: dict[str, tuple[int, ...]]
+    ops: list[Op]
+    returned: list[str]
+    aliases: dict[int, int]  # parameter number -> output index
+    by_result: dict[str, Op] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_result = {op.result: op for op in self.ops}
+
+    def users(self, value: str) -> list[Op]:
+        return [op for op in self.ops if value in op.operands]
+
+
+def _shape(dims: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in dims.split("x") if d)
+
+
+def parse(text: str) -> Module:
+    lines = text.splitlines()
+    header = next(line for line in lines if "func.func @" in line)
+    arguments = {name: _shape(dims) for name, dims, _ in _ARGUMENT.findall(header.split(") -> ")[0])}
+    aliases = {int(p): int(o) for p, o in _ALIAS.findall(text)}
+    ops: list[Op] = []
+    returned: list[str] = []
+    pending: tuple[str, str, list[str]] | None = None  # an op whose region is still open
+    depth = 0
+    for line in lines:
+        if pending is not None:
+            depth += line.count("({") - line.count("})")
+            if depth == 0:
+                ops.append(Op(len(ops), *pending, _result_shape(line)))
+                pending = None
+            continue
+        stripped = line.strip()
+        if stripped.startswith(("return ", "func.return ")):
+            returned = _VALUE.findall(stripped.split(":")[0])
+            continue
+        found = _DEFINITION.match(line)
+        if found is None:
+            continue
+        result, name, rest = found.groups()
+        operands = _VALUE.findall(rest.split("({")[0].split(" : ")[0])
+        if "({" in rest:
+            pending, depth = (result, name, operands), rest.count("({") - rest.count("})")
+            continue
+        ops.append(Op(len(ops), result, name, operands, _result_shape(line)))
+    return Module(arguments, ops, returned, aliases)
+
+
+def _result_shape(line: str) -> tuple[int, ...]:
+    signature = line.rsplit("->", 1)[-1] if "->" in line else line.rsplit(":", 1)[-1]
+    found = _TENSOR.findall(signature)
+    return _shape(found[-1][0]) if found else ()
+
+
+_VIEWS = {"stablehlo.reshape", "stablehlo.bitcast_convert"}
+
+
+@dataclass
+class CacheWrite:
+    """How one aliased parameter is updated: the scatters of its value chain and what else is wrong."""
+
+    parameter: int
+    shape: tuple[int, ...]
+    scatters: list[tuple[int, ...]]  # the updates' shape of each scatter into the cache
+    problems: list[str]
+
+
+def cache_writes(text: str) -> list[CacheWrite]:
+    """For each aliased parameter: follow it through reshapes and scatters to the aliased output, and name
+    what else touches it or copies a tensor of its size."""
+    module = parse(text)
+    chains = {parameter: _chain(module, f"%arg{parameter}") for parameter in sorted(module.aliases)}
+    buffers = set().union(*(old | new for old, new, _ in chains.values()))
+    writes = []
+    for parameter, (old, new, scatters) in chains.items():
+        shape = module.arguments[f"%arg{parameter}"]
+        half = math.prod(shape) / 2
+        problems = [
+            f"{op.name} ({op.result}) makes a tensor of {op.shape}, half a cache or more"
+            for op in module.ops
+            if op.numel >= half and op.result not in buffers
+        ]
+        if len(scatters) != 1:
+            problems.append(f"{len(scatters)} scatters into the cache (want one)")
+        else:
+            write = scatters[0]
+            problems += [
+                f"{op.name} ({op.result}) reads the cache after its write"
+                for op in module.ops
+                if op.index > write.index and old.intersection(op.operands)
+            ]
+            updates = _updates_shape(module, write)
+            if math.prod(updates) >= half:
+                problems.append(f"the scatter's updates {updates} are as large as the cache")
+        output = module.aliases[parameter]
+        if output >= len(module.returned) or module.returned[output] not in new:
+            problems.append(f"output {output} is not the written cache")
+        writes.append(CacheWrite(parameter, shape, [_updates_shape(module, op) for op in scatters], problems))
+    return writes
+
+
+def _chain(module: Module, argument: str) -> tuple[set[str], set[str], list[Op]]:
+    """Views of the parameter before its write, views of the written value, and the scatters between."""
+    old, new = {argument}, set()
+    scatters: list[Op] = []
+    for op in module.ops:
+        if op.name in _VIEWS and op.operands[0] in old:
+            old.add(op.result)
+        elif op.name in _VIEWS and op.operands[0] in new:
+            new.add(op.result)
+        elif op.name == "stablehlo.scatter" and op.operands[0] in old | new:
+            scatters.append(op)
+            new.add(op.result)
+    return old, new, scatters
+
+
+def _updates_shape(module: Module, scatter: Op) -> tuple[int, ...]:
+    updates = module.by_result.get(scatter.operands[2])
+    return updates.shape if updates is not None else module.arguments.get(scatter.operands[2], ())

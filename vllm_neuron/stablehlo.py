@@ -1,0 +1,378 @@
+"""The `stablehlo` compile backend: TorchNeuron's route up to StableHLO, on a CPU, then the graph runs here.
+
+TorchNeuron's `neuron` backend (torch_neuronx.neuron_dynamo_backend) takes a dynamo graph through AOTAutograd
+with input mutations kept and its own decomposition table, turns the trailing `copy_` of each mutated input
+into an extra output aliased to that input (`mhlo.input_output_alias`, must_alias: the runtime passes the
+input's buffer as the output, no copy-back), imports the graph with torch-mlir's FX importer down to StableHLO
+and hands that to neuronx-cc. This backend walks the same route with the public torch-mlir wheel and stops
+before neuronx-cc, so "every graph lowers" is a fact CPU mode can check. The lowered graph is not executed:
+the functional FX graph that was lowered runs on the CPU, and each aliased output is stored back into its
+input, as the runtime's aliasing would leave it.
+
+A graph that does not lower raises LoweringError naming the op and the source line that produced it.
+"""
+
+import collections
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._decomp import get_decompositions
+from torch._dynamo.backends.common import aot_autograd
+
+aten = torch.ops.aten
+
+# What TorchNeuron decomposes from PyTorch's own table (its decompositions.py), for ops that can reach an
+# inference graph; the rest of its list is backward ops.
+_TORCH_DECOMPOSED = [
+    aten.logsumexp,
+    aten.squeeze.dims,
+    aten.nansum,
+    aten.addr,
+    aten._unsafe_index,
+    aten._unsafe_index_put,
+    aten.split,
+    aten.split_with_sizes,
+    aten.unbind,
+    aten.embedding,
+    aten.clamp_min,
+    aten.clamp_max,
+    aten._fused_rms_norm,
+    aten.fill.Scalar,
+    aten.fill.Tensor,
+    aten.index_add,
+    aten.lerp,
+    aten.elu,
+    aten.silu,
+]
+
+
+def _index_copy(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """TorchNeuron's rule: index_copy is a scatter whose index is expanded to the source's shape."""
+    dim = dim % input.dim()
+    shape = [1] * source.dim()
+    shape[dim] = index.numel()
+    return torch.scatter(input, dim, index.view(shape).expand(source.shape), source)
+
+
+def _index_put(
+    input: torch.Tensor, indices: list[torch.Tensor | None], values: torch.Tensor, accumulate: bool = False
+) -> torch.Tensor:
+    """TorchNeuron's rule for integer index_put: one 1-D scatter into the flattened input, at the flat index
+    of every element the indices select (here for leading index tensors, the form the plugin writes)."""
+    if any(index is None or index.dtype == torch.bool for index in indices):
+        return NotImplemented
+    leading = torch.broadcast_shapes(*(index.shape for index in indices))
+    trailing = input.shape[len(indices) :]
+    flat = torch.zeros(leading, dtype=torch.int64, device=input.device)
+    for dim, index in enumerate(indices):
+        index = torch.where(index < 0, index + input.shape[dim], index)
+        flat = flat + index.expand(leading) * math.prod(input.shape[dim + 1 :])
+    inner = torch.arange(math.prod(trailing), device=input.device)
+    flat = (flat.reshape(-1, 1) + inner.view(1, -1)).reshape(-1)
+    source = values.to(input.dtype).expand(*leading, *trailing).reshape(-1)
+    scatter = torch.scatter_add if accumulate else torch.scatter
+    return scatter(input.reshape(-1), 0, flat, source).view(input.shape)
+
+
+def _sdpa_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention as TorchNeuron decomposes `_scaled_dot_product_fused_attention_overrideable` (the op a
+    `neuron` device dispatches to) when its NKI kernel does not apply (an attention mask is given): scores,
+    a max-subtracted softmax, and a matmul, in the inputs' dtype. Returns the output and the logsumexp."""
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    peak = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - peak)
+    total = weights.sum(-1, keepdim=True)
+    out = torch.matmul(weights / total, value)
+    return out, (peak + torch.log(total)).squeeze(-1).float()
+
+
+def _sdpa_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU dispatch of scaled_dot_product_attention, lowered as the Neuron dispatch is (see _sdpa_math):
+    the same model code must give the same graph on either device."""
+    if dropout_p or is_causal:
+        return NotImplemented
+    return _sdpa_math(query, key, value, attn_mask, scale)
+
+
+def decomposition_table() -> dict:
+    """TorchNeuron's decompositions, for the ops the plugin's graphs can contain."""
+    table = get_decompositions(_TORCH_DECOMPOSED)
+    table[aten.index_copy.default] = _index_copy
+    table[aten.index_put.default] = _index_put
+    table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _sdpa_cpu
+    return table
+
+
+class LoweringError(RuntimeError):
+    """A graph that TorchNeuron's route (torch-mlir to StableHLO) cannot lower."""
+
+
+@dataclass(frozen=True)
+class Alias:
+    """Output `output` of the lowered function is input `parameter`'s buffer, updated in place."""
+
+    parameter: int
+    output: int
+
+
+@dataclass
+class LoweredGraph:
+    """What a Neuron engineer asks of a graph: how long it took to lower, its size, its largest tensor."""
+
+    label: str
+    seconds: float
+    stablehlo: str
+    aliases: list[Alias]
+    largest_tensor: tuple[tuple[int, ...], str]  # shape and dtype of the largest intermediate
+    op_histogram: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def op_count(self) -> int:
+        return sum(self.op_histogram.values())
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        shape, dtype = self.largest_tensor
+        return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+    def summary(self) -> dict[str, object]:
+        shape, dtype = self.largest_tensor
+        return {
+            "call": self.label,
+            "lowering_seconds": round(self.seconds, 3),
+            "stablehlo_ops": self.op_count,
+            "largest_tensor": {"shape": list(shape), "dtype": dtype, "bytes": self.largest_tensor_bytes},
+            "aliased_inputs": [alias.parameter for alias in self.aliases],
+        }
+
+
+def alias_mutated_inputs(gm: torch.fx.GraphModule) -> list[Alias]:
+    """TorchNeuron's functionalize-copy pass: each trailing `aten.copy_(input, value)` that AOTAutograd left
+    for a mutated input is removed and `value` becomes an extra output aliased to that input. Returns the
+    aliases; the graph is then stateless (what torch-mlir's stateless importer requires)."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    output = next(node for node in gm.graph.nodes if node.op == "output")
+    results = list(output.args[0])
+    aliases: list[Alias] = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy_.default:
+            continue
+        target, value = node.args[0], node.args[1]
+        if target.op != "placeholder":
+            raise LoweringError(f"in-place copy into {target} (not a graph input): {_source_line(node)}")
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+        if tuple(target.meta["val"].shape) != tuple(value.meta["val"].shape):
+            continue  # TorchNeuron drops an alias whose shapes differ; the runtime copies instead
+        aliases.append(Alias(placeholders.index(target), len(results)))
+        results.append(value)
+    output.args = (tuple(results),)
+    gm.graph.lint()
+    gm.recompile()
+    return aliases
+
+
+_ALIAS_ENTRY = (
+    '{{alias = {{kind = "must_alias", parameter_index = array<i64>, parameter_number = {parameter} : i64}}, '
+    "output_index = array<i64: {output}>}}"
+)
+
+
+def alias_attribute(aliases: list[Alias]) -> str:
+    """The module attribute `mhlo.input_output_alias` as TorchNeuron writes it."""
+    entries = ", ".join(_ALIAS_ENTRY.format(parameter=a.parameter, output=a.output) for a in aliases)
+    return f"[{entries}]"
+
+
+def _source_line(node: torch.fx.Node) -> str:
+    """The innermost frame of model or plugin code that produced `node` ("file:line in function")."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return "(no source line recorded)"
+    path, line, function = frames[-1]
+    return f"{path}:{line} in {function}"
+
+
+_FAILED_OP = re.compile(r"(?:failed to legalize operation|unsupported.*?op(?:eration)?) '?([\w.]+)'?")
+
+
+def _failed_op(message: str) -> str | None:
+    found = _FAILED_OP.search(message)
+    return found.group(1) if found else None
+
+
+def _explain(error: Exception, gm: torch.fx.GraphModule, label: str) -> LoweringError:
+    """A lowering failure, with the op and the source line of the FX node that produced it."""
+    message = str(error).strip()
+    op = _failed_op(message)
+    node = None
+    if op is not None:
+        # torch-mlir names ops torch.aten.<name>[.<overload>]; FX names them aten.<name>.<overload>.
+        wanted = op.removeprefix("torch.").removeprefix("stablehlo.")
+        node = next(
+            (n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith(wanted)), None
+        )
+    where = _source_line(node) if node is not None else "(op not found in the FX graph)"
+    said = "\n".join(message.splitlines()[:12]) if message else type(error).__name__
+    return LoweringError(
+        f"{label}: does not lower to StableHLO: op {op or 'unknown'} from {where}. torch-mlir said:\n{said}"
+    )
+
+
+def _largest_tensor(gm: torch.fx.GraphModule) -> tuple[tuple[int, ...], str]:
+    best: tuple[int, tuple[int, ...], str] = (0, (), "float32")
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(value, torch.Tensor):
+            continue
+        size = value.numel() * value.element_size()
+        if size > best[0]:
+            best = (size, tuple(value.shape), str(value.dtype).removeprefix("torch."))
+    return best[1], best[2]
+
+
+_OP = re.compile(r"=\s+(?:\"?)((?:stablehlo|chlo|func|tensor|arith)\.[\w.]+)")
+
+
+def op_histogram(stablehlo: str) -> dict[str, int]:
+    counts = collections.Counter(_OP.findall(stablehlo))
+    return dict(counts.most_common())
+
+
+def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
+    """Strip the mutations into aliased outputs and import the graph to StableHLO with torch-mlir."""
+    from torch_mlir import fx as mlir_fx
+    from torch_mlir import ir
+
+    start = time.perf_counter()
+    aliases = alias_mutated_inputs(gm)
+    try:
+        module = mlir_fx.stateless_fx_import(gm, output_type="stablehlo", model_name="main")
+    except Exception as error:  # torch-mlir raises plain RuntimeError / MLIRError subclasses
+        raise _explain(error, gm, label) from error
+    if aliases:
+        with module.context:
+            module.operation.attributes["mhlo.input_output_alias"] = ir.Attribute.parse(
+                alias_attribute(aliases)
+            )
+    text = str(module)
+    return LoweredGraph(
+        label=label,
+        seconds=time.perf_counter() - start,
+        stablehlo=text,
+        aliases=aliases,
+        largest_tensor=_largest_tensor(gm),
+        op_histogram=op_histogram(text),
+    )
+
+
+_VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _write_in_place(gm: torch.fx.GraphModule, alias: Alias) -> bool:
+    """Make the one scatter that writes an aliased input write into the input's own buffer, as a must_alias
+    output does on the device: without it, CPU runs copy the whole cache twice per layer. Only where the
+    graph reads nothing of the input after the scatter (what the aliasing check demands anyway)."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    output = next(node for node in gm.graph.nodes if node.op == "output")
+    node = output.args[0][alias.output]
+    while node.op == "call_function" and node.target in _VIEW_OPS:
+        node = node.args[0]
+    if node.op != "call_function" or node.target is not aten.scatter.src:
+        return False
+    scatter, before = node, []
+    node = scatter.args[0]
+    while node.op == "call_function" and node.target in _VIEW_OPS:
+        before.append(node)
+        node = node.args[0]
+    if node is not placeholders[alias.parameter]:
+        return False
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    later_reads = [
+        user
+        for n in [node, *before]
+        for user in n.users
+        if user is not scatter and order[user] > order[scatter]
+    ]
+    if later_reads:
+        return False
+    scatter.target = aten.scatter_.src
+    gm.recompile()
+    return True
+
+
+def _run_with_aliases(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callable:
+    """The lowered graph's semantics on the CPU: the functional graph (its cache writes made in place where
+    that is safe), then each aliased output stored into its input's buffer (what must_alias means at run
+    time; a no-op where the write already went there)."""
+    for alias in aliases:
+        _write_in_place(gm, alias)
+    extra = len(aliases)
+
+    def run(args: list[Any]) -> list[Any]:
+        outputs = gm(*args)
+        for alias in aliases:
+            args[alias.parameter].copy_(outputs[alias.output])
+        return list(outputs[: len(outputs) - extra])
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+class StableHLOBackend:
+    """torch.compile backend: AOTAutograd (mutations kept, TorchNeuron's decompositions), then `lower`.
+
+    `label` names the next graph (the call being compiled); every lowered graph is kept in `graphs`, and
+    written to `dump_dir` (FX graph and StableHLO) when one is given."""
+
+    def __init__(self, dump_dir: Path | None = None) -> None:
+        self.dump_dir = dump_dir
+        self.label = ""
+        self.graphs: list[LoweredGraph] = []
+        self._decompositions = decomposition_table()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        label = self.label or f"graph {len(self.graphs)}"
+
+        def fw_compiler(aot_gm: torch.fx.GraphModule, aot_inputs: list[Any]) -> Callable:
+            fx_text = aot_gm.print_readable(print_output=False)
+            lowered = lower(aot_gm, label)
+            self.graphs.append(lowered)
+            if self.dump_dir is not None:
+                self._dump(len(self.graphs) - 1, lowered, fx_text)
+            return _run_with_aliases(aot_gm, lowered.aliases)
+
+        return aot_autograd(
+            fw_compiler=fw_compiler,
+            keep_inference_input_mutations=True,
+            decompositions=self._decompositions,
+        )(gm, example_inputs)
+
+    def _dump(self, index: int, lowered: LoweredGraph, fx_text: str) -> None:
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        stem = f"{index:03d}-" + re.sub(r"[^A-Za-z0-9]+", "-", lowered.label).strip("-")
+        (self.dump_dir / f"{stem}.fx.txt").write_text(fx_text)
+        (self.dump_dir / f"{stem}.stablehlo.mlir").write_text(lowered.stablehlo)
