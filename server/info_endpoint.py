@@ -24,7 +24,10 @@ class NeuronInfoEndpoint:
     def attach_router(self, app: FastAPI) -> None:
         @app.get("/v1/neuron/info")
         async def neuron_info(request: Request) -> JSONResponse:
-            return JSONResponse(request.app.state.neuron_info)
+            state = request.app.state
+            # The driver rank's graphs, as the stablehlo backend lowered them (none for other backends).
+            lowered = await state.engine_client.collective_rpc("lowered_graphs")
+            return JSONResponse({**state.neuron_info, "lowered_graphs": lowered[0] if lowered else []})
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         state.neuron_info = describe(engine_client.vllm_config)

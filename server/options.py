@@ -9,10 +9,8 @@ from vllm_neuron import envs
 # flag -> (variable, argparse keywords). Help texts come from vllm_neuron.envs, the one place they live.
 NEURON_OPTIONS: dict[str, tuple[str, dict]] = {
     "--device": ("VLLM_NEURON_DEVICE", {"choices": ["auto", "neuron", "cpu"]}),
-    "--compile-backend": (
-        "VLLM_NEURON_COMPILE_BACKEND",
-        {"choices": ["neuron", "eager", "inductor", "aot_eager", "none"]},
-    ),
+    "--compile-backend": ("VLLM_NEURON_COMPILE_BACKEND", {"metavar": "NAME"}),
+    "--dump-graphs": ("VLLM_NEURON_DUMP_GRAPHS", {"metavar": "DIR"}),
     "--strict-shapes": ("VLLM_NEURON_STRICT_SHAPES", {"action": "store_true"}),
     "--compile-cache-root": ("VLLM_NEURON_CACHE_ROOT", {"metavar": "PATH"}),
     "--prefill-buckets": ("VLLM_NEURON_PREFILL_BUCKETS", {"metavar": "N,N,..."}),

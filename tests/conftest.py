@@ -8,6 +8,9 @@ os.environ["VLLM_NEURON_DEVICE"] = "cpu"
 # Any compile after warm-up fails the test that caused it. (So no test may call torch._dynamo.reset(): it
 # would drop the graphs of the engine the session shares.)
 os.environ["VLLM_NEURON_STRICT_SHAPES"] = "1"
+# Every engine of the suite compiles through TorchNeuron's lowering route (to StableHLO, then run on the CPU):
+# each graph it compiles is proven to lower, with the KV cache aliased in place.
+os.environ["VLLM_NEURON_COMPILE_BACKEND"] = "stablehlo"
 os.environ.update(
     VLLM_ENABLE_V1_MULTIPROCESSING="0",
     VLLM_HOST_IP="127.0.0.1",

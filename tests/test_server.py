@@ -263,7 +263,7 @@ def test_neuron_info_endpoint(server):
     info = json.loads(body)
     buckets = ENGINE_KWARGS["additional_config"]
     assert status == 200
-    assert info["device_mode"] == "cpu" and info["compile_backend"] == "eager"
+    assert info["device_mode"] == "cpu" and info["compile_backend"] == "stablehlo"
     assert info["buckets"] == {
         "prefill_tokens": buckets["prefill_buckets"],
         "decode_batch": buckets["decode_batch_buckets"],
@@ -273,6 +273,12 @@ def test_neuron_info_endpoint(server):
     assert info["graphs"] == EXPECTED_GRAPHS and info["max_model_len"] == MAX_MODEL_LEN
     assert info["kv_cache"]["block_size"] == 32 and info["kv_cache"]["num_blocks"] > 0
     assert {"torch", "vllm-torchneuron"} <= set(info["versions"])
+    lowered = info["lowered_graphs"]
+    assert len(lowered) == EXPECTED_GRAPHS
+    for graph in lowered:
+        assert graph["lowering_seconds"] > 0 and graph["stablehlo_ops"] > 100, graph
+        assert graph["largest_tensor"]["bytes"] > 0 and len(graph["aliased_inputs"]) == 2, graph
+    assert lowered[0]["call"].startswith("prefill of")
 
 
 # ---- /metrics -------------------------------------------------------------------------------------------

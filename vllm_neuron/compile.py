@@ -56,7 +56,7 @@ def check_neuron_constraints(graph_module: torch.fx.GraphModule, example_inputs:
             raise NeuronCompileError(f"graph node {node.name} ({node.target}) computes in float64")
 
 
-@dataclass
+@dataclass(repr=False)
 class CompileRecorder:
     backend_name: str
     strict: bool = False
@@ -88,6 +88,9 @@ class CompileRecorder:
         if self.lowering is not None:
             self.lowering.label = self.current_call or f"graph {len(self.graphs) - 1}"
         return self._inner(graph_module, example_inputs)
+
+    def __repr__(self) -> str:  # dynamo names the backend by it in compile errors
+        return f"CompileRecorder({self.backend_name})"
 
     def _unexpected(self, shapes: Shapes) -> None:
         described = f"{self.current_call or 'a call'} (input shapes {list(shapes)[:4]}...)"

@@ -111,16 +111,31 @@ def pin_rank(local_rank: int, local_world_size: int) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
 
 
+# Ours, beside the names torch._dynamo lists: TorchNeuron's route to StableHLO on a CPU, and no compile.
+PLUGIN_BACKENDS = ("stablehlo", "none")
+
+
 def compile_backend() -> str:
     """The torch.compile backend for the model step ("none" means run uncompiled)."""
     chosen = envs.VLLM_NEURON_COMPILE_BACKEND
-    if chosen:
-        if chosen == "neuron" and mode() != "neuron":
-            raise ValueError(
-                "VLLM_NEURON_COMPILE_BACKEND=neuron needs a Neuron device; use eager or inductor"
-            )
-        return chosen
-    return "neuron" if mode() == "neuron" else "eager"
+    if not chosen:
+        return "neuron" if mode() == "neuron" else "eager"
+    if chosen == "neuron" and mode() != "neuron":
+        raise ValueError(
+            "VLLM_NEURON_COMPILE_BACKEND=neuron needs a Neuron device; use stablehlo (TorchNeuron's lowering "
+            "on a CPU), eager or inductor"
+        )
+    known = [*PLUGIN_BACKENDS, *torch._dynamo.list_backends(exclude_tags=())]
+    if chosen not in known:
+        raise ValueError(
+            f"VLLM_NEURON_COMPILE_BACKEND={chosen!r} is not a compile backend: use one of {known}"
+        )
+    if chosen == "stablehlo" and importlib.util.find_spec("torch_mlir") is None:
+        raise ValueError(
+            "VLLM_NEURON_COMPILE_BACKEND=stablehlo needs torch-mlir: pip install torch-mlir==20261001 (the "
+            "cpu extra installs it)"
+        )
+    return chosen
 
 
 def mixed_chunk_tokens() -> int:

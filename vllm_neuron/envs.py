@@ -60,7 +60,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "VLLM_NEURON_COMPILE_BACKEND": (
         _str("VLLM_NEURON_COMPILE_BACKEND", ""),
         "torch.compile backend of the model step: neuron (default on Trainium), eager (default on CPU), "
-        "inductor, or none (no torch.compile, for debugging).",
+        "stablehlo (TorchNeuron's lowering to StableHLO on a CPU: every graph must lower; docs/lowering.md), "
+        "inductor, any other registered torch.compile backend, or none (no torch.compile, for debugging).",
+    ),
+    "VLLM_NEURON_DUMP_GRAPHS": (
+        lambda: os.environ.get("VLLM_NEURON_DUMP_GRAPHS", ""),
+        "Folder where the stablehlo backend writes each graph's FX graph and StableHLO, named by call "
+        "(phase and bucket).",
     ),
     "VLLM_NEURON_STRICT_SHAPES": (
         _bool("VLLM_NEURON_STRICT_SHAPES"),

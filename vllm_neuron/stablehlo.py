@@ -26,6 +26,8 @@ from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
 
 aten = torch.ops.aten
+# Ops whose result is the same buffer as their first argument, reshaped.
+_VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 # What TorchNeuron decomposes from PyTorch's own table (its decompositions.py), for ops that can reach an
 # inference graph; the rest of its list is backward ops.
@@ -224,29 +226,35 @@ def _failed_op(message: str) -> str | None:
     return found.group(1) if found else None
 
 
-def _explain(error: Exception, gm: torch.fx.GraphModule, label: str) -> LoweringError:
+def _explain(message: str, gm: torch.fx.GraphModule, label: str) -> LoweringError:
     """A lowering failure, with the op and the source line of the FX node that produced it."""
-    message = str(error).strip()
     op = _failed_op(message)
     node = None
     if op is not None:
         # torch-mlir names ops torch.aten.<name>[.<overload>]; FX names them aten.<name>.<overload>.
-        wanted = op.removeprefix("torch.").removeprefix("stablehlo.")
+        wanted = op.removeprefix("torch.")
         node = next(
             (n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith(wanted)), None
         )
     where = _source_line(node) if node is not None else "(op not found in the FX graph)"
-    said = "\n".join(message.splitlines()[:12]) if message else type(error).__name__
+    said = "\n".join(message.strip().splitlines()[:12])
     return LoweringError(
         f"{label}: does not lower to StableHLO: op {op or 'unknown'} from {where}. torch-mlir said:\n{said}"
     )
 
 
-def _largest_tensor(gm: torch.fx.GraphModule) -> tuple[tuple[int, ...], str]:
+def _largest_tensor(gm: torch.fx.GraphModule, aliases: list[Alias]) -> tuple[tuple[int, ...], str]:
+    """Shape and dtype of the largest tensor the graph computes, leaving out the aliased inputs' own buffers
+    (their views and their in-place writes): what a compile must find room for beside the inputs."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    buffers = {placeholders[alias.parameter] for alias in aliases}
     best: tuple[int, tuple[int, ...], str] = (0, (), "float32")
     for node in gm.graph.nodes:
         value = node.meta.get("val")
         if node.op != "call_function" or not isinstance(value, torch.Tensor):
+            continue
+        if node.target in (*_VIEW_OPS, aten.scatter.src) and node.args[0] in buffers:
+            buffers.add(node)
             continue
         size = value.numel() * value.element_size()
         if size > best[0]:
@@ -266,13 +274,26 @@ def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
     """Strip the mutations into aliased outputs and import the graph to StableHLO with torch-mlir."""
     from torch_mlir import fx as mlir_fx
     from torch_mlir import ir
+    from torch_mlir.dialects import torch as torch_dialect
+    from torch_mlir.extras.fx_importer import FxImporter
 
     start = time.perf_counter()
     aliases = alias_mutated_inputs(gm)
+    context = ir.Context()
+    torch_dialect.register_dialect(context)
+    diagnostics: list[str] = []
+
+    def keep(diagnostic) -> bool:  # collected for the error, instead of printed to stderr
+        diagnostics.append(diagnostic.message)
+        return True
+
+    context.attach_diagnostic_handler(keep)
     try:
-        module = mlir_fx.stateless_fx_import(gm, output_type="stablehlo", model_name="main")
+        module = mlir_fx.stateless_fx_import(
+            gm, output_type="stablehlo", fx_importer=FxImporter(context=context), model_name="main"
+        )
     except Exception as error:  # torch-mlir raises plain RuntimeError / MLIRError subclasses
-        raise _explain(error, gm, label) from error
+        raise _explain("\n".join([*diagnostics, str(error)]), gm, label) from error
     if aliases:
         with module.context:
             module.operation.attributes["mhlo.input_output_alias"] = ir.Attribute.parse(
@@ -284,12 +305,9 @@ def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
         seconds=time.perf_counter() - start,
         stablehlo=text,
         aliases=aliases,
-        largest_tensor=_largest_tensor(gm),
+        largest_tensor=_largest_tensor(gm, aliases),
         op_histogram=op_histogram(text),
     )
-
-
-_VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _write_in_place(gm: torch.fx.GraphModule, alias: Alias) -> bool:

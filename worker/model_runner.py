@@ -3,6 +3,7 @@ run the compiled model, and sample on the host with vLLM's Sampler."""
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -94,11 +95,15 @@ class NeuronModelRunner:
         start = time.perf_counter()
         self.model = get_model(vllm_config=self.vllm_config)
         self.compile_cache = compile_cache.prepare(self.vllm_config, self.neuron_config, self.tp_rank)
+        dump_dir = envs.VLLM_NEURON_DUMP_GRAPHS
+        if dump_dir and self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            dump_dir = f"{dump_dir}/rank-{self.tp_rank}"
         self.compiled_step, self.recorder = neuron_compile.compile_static(
             ModelStep(self.model),
             neuron_device.compile_backend(),
             self.buckets.num_graphs,
             strict=envs.VLLM_NEURON_STRICT_SHAPES,
+            dump_dir=Path(dump_dir) if dump_dir else None,
         )
         logger.info("Model loaded on %s in %.1f s", self.device, time.perf_counter() - start)
 
@@ -151,6 +156,7 @@ class NeuronModelRunner:
             neuron_device.synchronize()
             seconds[item.phase] += time.perf_counter() - start
             graphs[item.phase] += self.recorder.num_graphs - before
+            self._log_lowered(before)
         self.recorder.armed = True
         self.recorder.on_unexpected = lambda shapes: metrics.UNEXPECTED_RECOMPILES.inc()
         self.serving = True
@@ -167,6 +173,25 @@ class NeuronModelRunner:
         )
         self._log_effective_configuration()
         return sum(seconds.values())
+
+    def _log_lowered(self, first: int) -> None:
+        """What a Neuron engineer asks of each graph the stablehlo backend lowered since graph `first`."""
+        for graph in self.lowered_graphs()[first:]:
+            largest = graph["largest_tensor"]
+            logger.info(
+                "Lowered %s to StableHLO in %.2f s: %d ops, largest intermediate %s %s (%.1f MiB)",
+                graph["call"],
+                graph["lowering_seconds"],
+                graph["stablehlo_ops"],
+                largest["dtype"],
+                largest["shape"],
+                largest["bytes"] / 2**20,
+            )
+
+    def lowered_graphs(self) -> list[dict[str, object]]:
+        """Each compiled graph's lowering figures (the stablehlo backend; empty for the others)."""
+        lowering = self.recorder.lowering if self.recorder is not None else None
+        return [graph.summary() for graph in lowering.graphs] if lowering is not None else []
 
     def _log_effective_configuration(self) -> None:
         blocks = self.kv_caches[0].shape[2] - 1 if self.kv_caches else 0

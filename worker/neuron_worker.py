@@ -99,6 +99,10 @@ class NeuronWorker(WorkerBase):
             "kv_cache_shape": list(caches[0].shape) if caches else [],
         }
 
+    def lowered_graphs(self) -> list[dict[str, object]]:
+        """This rank's graphs as the stablehlo backend lowered them (collective_rpc("lowered_graphs"))."""
+        return self.model_runner.lowered_graphs()
+
     def get_supported_tasks(self) -> tuple["SupportedTask", ...]:
         return ("generate",)
 

@@ -1,0 +1,148 @@
+"""TorchNeuron's lowering route on a CPU (vllm_neuron.stablehlo): the KV write as one aliased scatter, the
+decompositions, lowering failures that name their op, source line and call, and every warm-up graph of the
+test engine lowered (float32 here, through the shared engine; bfloat16 in test_vllm_parity)."""
+
+import inspect
+
+import pytest
+import torch
+
+from kv_cache.layout import allocate
+from kv_cache.ops import gather_blocks, write_kv
+from tests.conftest import EXPECTED_GRAPHS, model_runner
+from vllm_neuron import hlo_text
+from vllm_neuron.compile import CompileRecorder
+from vllm_neuron.stablehlo import StableHLOBackend, decomposition_table
+
+KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_SIZE, TOKENS = 2, 64, 4, 8, 6
+
+
+class WriteThenRead(torch.nn.Module):
+    """A layer's cache use in miniature: write the step's rows, then gather blocks that hold them."""
+
+    def __init__(self, write) -> None:
+        super().__init__()
+        self.write = write
+        self.register_buffer(
+            "kv_cache", allocate(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, torch.float32, "cpu")
+        )
+
+    def forward(self, key, value, slots, blocks):
+        self.write(self.kv_cache, key, value, slots)
+        keys, values = gather_blocks(self.kv_cache, blocks)
+        return keys.sum() + values.sum()
+
+
+def whole_cache_write(kv_cache, key, value, slots):
+    """The write the plugin had: index_copy_ into kv_cache[0] and [1], a select_scatter of the whole cache."""
+    _, kv_heads, num_blocks, block_size, head_size = kv_cache.shape
+    flat = num_blocks * block_size
+    kv_cache[0].view(kv_heads, flat, head_size).index_copy_(1, slots, key.transpose(0, 1))
+    kv_cache[1].view(kv_heads, flat, head_size).index_copy_(1, slots, value.transpose(0, 1))
+
+
+def step_inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn(TOKENS, KV_HEADS, HEAD_SIZE, generator=gen)
+    value = torch.randn(TOKENS, KV_HEADS, HEAD_SIZE, generator=gen)
+    slots = torch.randperm(BLOCKS * BLOCK_SIZE - BLOCK_SIZE, generator=gen)[:TOKENS] + BLOCK_SIZE
+    blocks = torch.arange(1, 16).view(3, 5)
+    return key, value, slots, blocks
+
+
+def lower_module(write) -> tuple[StableHLOBackend, WriteThenRead, torch.Tensor]:
+    backend = StableHLOBackend()
+    module = WriteThenRead(write)
+    out = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(*step_inputs())
+    return backend, module, out
+
+
+def test_kv_write_is_one_aliased_scatter_of_the_new_rows():
+    backend, module, out = lower_module(write_kv)
+    (graph,) = backend.graphs
+    assert 'mhlo.input_output_alias = [{alias = {kind = "must_alias"' in graph.stablehlo
+    (write,) = hlo_text.cache_writes(graph.stablehlo)
+    assert write.shape == (2, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_SIZE)
+    assert write.scatters == [(2 * KV_HEADS * TOKENS, HEAD_SIZE)]
+    assert write.problems == []
+    # The aliased output was stored into the cache, as the runtime's aliasing leaves it.
+    eager = WriteThenRead(write_kv)
+    expected = eager(*step_inputs())
+    torch.testing.assert_close(module.kv_cache, eager.kv_cache)
+    torch.testing.assert_close(out, expected)
+    # The largest intermediate is the gathered context, not the cache the graph writes in place.
+    assert graph.largest_tensor[0] == (2 * KV_HEADS * 3 * 5, BLOCK_SIZE * HEAD_SIZE)
+
+
+def test_a_whole_cache_write_is_named():
+    backend, module, _ = lower_module(whole_cache_write)
+    (write,) = hlo_text.cache_writes(backend.graphs[0].stablehlo)
+    assert len(write.scatters) == 2
+    assert any("half a cache or more" in problem for problem in write.problems), write.problems
+    eager = WriteThenRead(whole_cache_write)
+    eager(*step_inputs())
+    torch.testing.assert_close(module.kv_cache, eager.kv_cache)  # still right, only not in place
+
+
+@pytest.mark.parametrize(
+    ("op", "call"),
+    [
+        (torch.ops.aten.index_copy.default, lambda t, i, s: (t, 0, i, s)),
+        (torch.ops.aten.index_put.default, lambda t, i, s: (t, [i], s)),
+    ],
+)
+def test_scatter_decompositions_equal_torch(op, call):
+    table = decomposition_table()
+    target = torch.randn(10, 3, 4)
+    index = torch.tensor([7, 2, 5])
+    source = torch.randn(3, 3, 4)
+    torch.testing.assert_close(table[op](*call(target, index, source)), op(*call(target, index, source)))
+
+
+def test_sdpa_lowers_as_the_neuron_dispatch_decomposes_it():
+    table = decomposition_table()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
+    mask = torch.zeros(1, 1, 5, 5).masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf"))
+    out, _ = table[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default](
+        q, k, v, attn_mask=mask
+    )
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def widening_dtype_view(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.float32) + 1  # bfloat16 [4, 6] as float32 [4, 3]: StableHLO has no such bitcast
+
+
+def test_a_graph_that_does_not_lower_names_op_source_line_and_call():
+    recorder = CompileRecorder("stablehlo")
+    recorder.current_call = "prefill of 5 tokens at 0: tokens 32 x context 128"
+    compiled = torch.compile(widening_dtype_view, backend=recorder, fullgraph=True, dynamic=False)
+    with pytest.raises(Exception) as failure:
+        compiled(torch.ones(4, 6, dtype=torch.bfloat16))
+    message = str(failure.value)
+    line = inspect.getsourcelines(widening_dtype_view)[1] + 1
+    assert "does not lower to StableHLO" in message
+    assert "view.dtype" in message
+    assert f"test_lowering.py:{line} in widening_dtype_view" in message
+    assert "prefill of 5 tokens at 0: tokens 32 x context 128" in message
+
+
+@pytest.mark.slow
+def test_every_warm_up_graph_of_the_engine_lowers_with_the_cache_in_place(llm):
+    """The shared engine runs the stablehlo backend (conftest): its warm-up lowered each bucket's graph."""
+    runner = model_runner(llm)
+    graphs = runner.recorder.lowering.graphs
+    assert len(graphs) == EXPECTED_GRAPHS
+    calls = [graph.label for graph in graphs]
+    assert sum(call.startswith("prefill") for call in calls) == 4
+    assert sum("with prefill" in call for call in calls) == 4  # the mixed calls
+    layers, kv_heads = len(runner.kv_caches), runner.kv_caches[0].shape[1]
+    for graph in graphs:
+        writes = hlo_text.cache_writes(graph.stablehlo)
+        assert len(writes) == layers, graph.label
+        for write in writes:
+            assert write.problems == [], (graph.label, write.problems)
+            (updates,) = write.scatters
+            # Only the call's new rows: at most a 64-token chunk and two decode rows (a mixed call).
+            assert updates[0] <= 2 * kv_heads * (64 + 2), (graph.label, updates)
