@@ -16,6 +16,11 @@ from vllm_neuron import envs
 
 DeviceMode = Literal["neuron", "cpu"]
 
+# The torch device type of NeuronCore tensors: TorchNeuron renames PrivateUse1 to "neuron". A stand-in for
+# TorchNeuron may set "cpu" (tests/fake_neuron: Python alone cannot back a device with memory); the mode, and
+# every Neuron call below, stay those of Neuron mode.
+TENSOR_DEVICE_TYPE = "neuron"
+
 
 def torch_neuronx_installed() -> bool:
     return importlib.util.find_spec("torch_neuronx") is not None
@@ -26,7 +31,12 @@ def neuron_device_present() -> bool:
 
     Checks /dev/neuron* first so a host without the driver never imports torch_neuronx.
     """
-    if not torch_neuronx_installed() or not any(n.startswith("neuron") for n in _dev_entries()):
+    return any(n.startswith("neuron") for n in _dev_entries()) and torch_neuronx_sees_device()
+
+
+def torch_neuronx_sees_device() -> bool:
+    """True when TorchNeuron is installed and counts at least one NeuronCore (imports it)."""
+    if not torch_neuronx_installed():
         return False
     import torch_neuronx  # noqa: F401  (registers torch.neuron)
 
@@ -56,7 +66,8 @@ def requested_mode() -> DeviceMode | None:
 def mode() -> DeviceMode:
     """The active mode; only called once the plugin is active."""
     resolved = requested_mode()
-    if resolved == "neuron" and not neuron_device_present():
+    # Asked for explicitly, TorchNeuron itself says whether it sees a core (no /dev shortcut).
+    if resolved == "neuron" and not torch_neuronx_sees_device():
         raise RuntimeError(
             "VLLM_NEURON_DEVICE=neuron but no Neuron device is visible: install torch-neuronx 2.13.* on a "
             "Trainium host, check NEURON_RT_VISIBLE_CORES, or set VLLM_NEURON_DEVICE=cpu for CPU mode."
@@ -65,12 +76,12 @@ def mode() -> DeviceMode:
 
 
 def device_type() -> str:
-    return "neuron" if mode() == "neuron" else "cpu"
+    return TENSOR_DEVICE_TYPE if mode() == "neuron" else "cpu"
 
 
 def dispatch_key() -> str:
     # TorchNeuron registers the device through PrivateUse1.
-    return "PrivateUse1" if mode() == "neuron" else "CPU"
+    return "CPU" if device_type() == "cpu" else "PrivateUse1"
 
 
 def dist_backend() -> str:
@@ -134,7 +145,7 @@ def mixed_chunk_tokens() -> int:
 
 
 def torch_device(local_rank: int) -> torch.device:
-    return torch.device("neuron", local_rank) if mode() == "neuron" else torch.device("cpu")
+    return torch.device(TENSOR_DEVICE_TYPE, local_rank) if mode() == "neuron" else torch.device("cpu")
 
 
 def set_device(device: torch.device) -> None:
