@@ -110,9 +110,10 @@ def visible_core_count() -> int:
 def pin_rank(local_rank: int, local_world_size: int) -> None:
     """Neuron mode: give this rank's process only its own NeuronCore, before anything starts the runtime
     (the runtime reserves every visible core for the first process that starts it). TorchNeuron's process
-    group reads LOCAL_RANK / LOCAL_WORLD_SIZE and keeps a NEURON_RT_VISIBLE_CORES already set. CPU mode:
-    nothing to pin."""
-    if mode() != "neuron" or local_world_size <= 1:
+    group reads LOCAL_RANK / LOCAL_WORLD_SIZE, keeps a NEURON_RT_VISIBLE_CORES already set, and refuses more
+    than one visible core per process, with one rank too (a pod may be given more cores than it uses). CPU
+    mode: nothing to pin."""
+    if mode() != "neuron":
         return
     from vllm_neuron.parallel import rank_core
 
