@@ -12,6 +12,7 @@ import torch
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy
 from tests.test_vllm_parity import MAX_TOKENS, PROMPTS, run_engine
 from vllm_neuron import compile_cache, device
+from vllm_neuron.platform import NeuronPlatform
 
 FAKE_NEURON = Path(__file__).with_name("fake_neuron")
 CORE_MEMORY = 256 * 1024**2  # small, so that the KV cache it sizes stays small in host memory
@@ -47,6 +48,13 @@ def test_one_rank_is_pinned_to_one_core_too(neuron_mode, monkeypatch):
     device.pin_rank(0, 1)
     assert os.environ["NEURON_RT_VISIBLE_CORES"] == "4"
     assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("0", "1")
+
+
+def test_engine_config_does_not_start_the_runtime(neuron_mode):
+    """vLLM asks the platform for device memory while it builds the engine config, before any worker."""
+    with pytest.raises(NotImplementedError):
+        NeuronPlatform.get_device_total_memory()
+    assert neuron_mode.calls == []
 
 
 @pytest.mark.slow
