@@ -150,8 +150,9 @@ def _register() -> None:
     register_backend(_neuron_backend, name="neuron")
     # Tensors are host tensors, so the group serves the cpu device (gloo underneath).
     dist.Backend.register_backend("neuron", _process_group, devices=["cpu"])
-    torch.utils.rename_privateuse1_backend("neuron")
-    torch._register_device_module("neuron", neuron)
+    # TorchNeuron also renames PrivateUse1 to "neuron"; without its C++ hooks that would make torch (and
+    # dynamo) expect an accelerator it cannot reach, so only the module is registered.
+    torch.neuron = neuron
     # TorchNeuron is torch's accelerator; vLLM calls torch.accelerator, which raises with none.
     torch.accelerator.synchronize = neuron.synchronize
     torch.accelerator.empty_cache = neuron.empty_cache
