@@ -20,8 +20,8 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from kv_cache import layout
 from vllm_neuron import compile as neuron_compile
-from vllm_neuron import compile_cache, envs, metrics
 from vllm_neuron import device as neuron_device
+from vllm_neuron import envs, metrics
 from vllm_neuron.buckets import pack_prefill, pick_bucket
 from vllm_neuron.config import NeuronConfig
 from worker import step_inputs, warmup
@@ -93,7 +93,6 @@ class NeuronModelRunner:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model = get_model(vllm_config=self.vllm_config)
-        self.compile_cache = compile_cache.prepare(self.vllm_config, self.neuron_config, self.tp_rank)
         self.compiled_step, self.recorder = neuron_compile.compile_static(
             ModelStep(self.model),
             neuron_device.compile_backend(),

@@ -9,8 +9,9 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from vllm_neuron import compile_cache, envs
 from vllm_neuron import device as neuron_device
-from vllm_neuron import envs
+from vllm_neuron.config import NeuronConfig
 from worker.model_runner import NeuronModelRunner
 
 if TYPE_CHECKING:
@@ -27,9 +28,15 @@ class NeuronWorker(WorkerBase):
     model_runner: NeuronModelRunner
 
     def init_device(self) -> None:
-        # Order matters on Trainium: pin this rank to its core, then create the process groups (TorchNeuron's
+        # Order matters on Trainium: pin this rank to its core and point the compilers at the compile cache
+        # (the runtime reads both once, when it starts), then create the process groups (TorchNeuron's
         # `neuron` group starts the runtime and refuses a runtime started before it), then bind the device.
         neuron_device.pin_rank(self.local_rank, self.parallel_config.local_world_size)
+        # vLLM numbers ranks with tensor parallelism innermost.
+        tp_rank = self.rank % self.parallel_config.tensor_parallel_size
+        self.compile_cache = compile_cache.prepare(
+            self.vllm_config, NeuronConfig.from_vllm_config(self.vllm_config), tp_rank
+        )
         self.device = neuron_device.torch_device(self.local_rank)
         init_worker_distributed_environment(
             self.vllm_config,
