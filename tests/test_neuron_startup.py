@@ -57,6 +57,12 @@ def test_engine_config_does_not_start_the_runtime(neuron_mode):
     assert neuron_mode.calls == []
 
 
+def test_fallback_to_host_execution_is_disabled(neuron_mode, monkeypatch):
+    monkeypatch.delenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", raising=False)
+    device.disable_fallback_execution()
+    assert os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
+
+
 @pytest.mark.slow
 def test_neuron_mode_starts_in_the_order_the_runtime_needs(tiny_model_dir, hf_model, tmp_path):
     record, cache_root = tmp_path / "fake_neuron.json", tmp_path / "compile-cache"

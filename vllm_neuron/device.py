@@ -123,6 +123,13 @@ def pin_rank(local_rank: int, local_world_size: int) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
 
 
+def disable_fallback_execution() -> None:
+    """Neuron mode: a graph whose NEFF fails to compile or run raises, instead of running on the host
+    (TorchNeuron's default, silent and slow). Set before anything compiles."""
+    if mode() == "neuron":
+        os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] = "1"
+
+
 def compile_backend() -> str:
     """The torch.compile backend for the model step ("none" means run uncompiled)."""
     chosen = envs.VLLM_NEURON_COMPILE_BACKEND

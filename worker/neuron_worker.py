@@ -37,6 +37,7 @@ class NeuronWorker(WorkerBase):
         self.compile_cache = compile_cache.prepare(
             self.vllm_config, NeuronConfig.from_vllm_config(self.vllm_config), tp_rank
         )
+        neuron_device.disable_fallback_execution()
         self.device = neuron_device.torch_device(self.local_rank)
         init_worker_distributed_environment(
             self.vllm_config,
