@@ -99,3 +99,16 @@ def test_restart_reuses_compiled_graphs(tiny_model_dir, tmp_path):
     assert warm["tokens"] == cold["tokens"]
     (folder,) = tmp_path.iterdir()  # one configuration, one folder
     assert any((folder / "inductor").rglob("*"))  # and the artefacts are in it
+
+
+def test_warm_only_with_compiled_artefacts(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path))
+    for variable in compile_cache.CACHE_VARIABLES.values():
+        monkeypatch.delenv(variable, raising=False)  # restored after the test
+    folder = compile_cache.prepare(*configs(tiny_model_dir))
+    compile_cache.prepare(*configs(tiny_model_dir))  # a restart before anything compiled
+    assert (folder / "key.json").exists() and not compile_cache.is_warm(folder)
+    neff = folder / "neff" / "ab" / "cd" / "abcd.neff"
+    neff.parent.mkdir(parents=True)
+    neff.write_bytes(b"NEFF")
+    assert compile_cache.is_warm(folder)

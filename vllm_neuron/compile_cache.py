@@ -88,7 +88,6 @@ def prepare(vllm_config: "VllmConfig", neuron_config: "NeuronConfig", tp_rank: i
     (unless the user already chose their own folders). Returns the folder."""
     fields = key_fields(vllm_config, neuron_config, tp_rank)
     folder = cache_root() / cache_key(fields)
-    warm = folder.is_dir() and any(folder.iterdir())
     folder.mkdir(parents=True, exist_ok=True)
     description = folder / "key.json"
     if not description.exists():
@@ -99,5 +98,10 @@ def prepare(vllm_config: "VllmConfig", neuron_config: "NeuronConfig", tp_rank: i
     for name, variable in CACHE_VARIABLES.items():
         if not _chosen_by_user(variable):
             os.environ[variable] = str(folder / name)
-    logger.info("Compile cache %s (%s)", folder, "warm" if warm else "cold")
+    logger.info("Compile cache %s (%s)", folder, "warm" if is_warm(folder) else "cold")
     return folder
+
+
+def is_warm(folder: Path) -> bool:
+    """Whether a configuration's folder holds compiled artefacts (NEFFs, inductor's), not only key.json."""
+    return any(path.is_file() for name in CACHE_VARIABLES for path in (folder / name).rglob("*"))
