@@ -112,3 +112,23 @@ def test_warm_only_with_compiled_artefacts(tiny_model_dir, tmp_path, monkeypatch
     neff.parent.mkdir(parents=True)
     neff.write_bytes(b"NEFF")
     assert compile_cache.is_warm(folder)
+
+
+def test_key_follows_the_neuron_compiler_and_its_flags(tiny_model_dir, monkeypatch):
+    from importlib import metadata
+
+    base = key_of(tiny_model_dir)
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--optlevel 1")
+    assert key_of(tiny_model_dir) != base
+    monkeypatch.delenv("NEURON_CC_FLAGS")
+    installed = metadata.version
+
+    def with_compiler(dist: str, compiler: str) -> str:
+        return compiler if dist == "neuronx-cc" else installed(dist)
+
+    keys = set()
+    for compiler in ("2.21.0", "2.22.0"):
+        monkeypatch.setattr(metadata, "version", lambda dist, c=compiler: with_compiler(dist, c))
+        assert compile_cache.key_fields(*configs(tiny_model_dir))["versions"]["neuronx-cc"] == compiler
+        keys.add(key_of(tiny_model_dir))
+    assert len(keys) == 2 and base not in keys

