@@ -5,6 +5,7 @@ start-up through warm-up to greedy tokens; and unit tests of each rule the plugi
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,23 +14,42 @@ from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy
 from tests.test_vllm_parity import MAX_TOKENS, PROMPTS, run_engine
 from vllm_neuron import compile_cache, device
 from vllm_neuron.platform import NeuronPlatform
+from worker.neuron_worker import NeuronWorker
 
 FAKE_NEURON = Path(__file__).with_name("fake_neuron")
 CORE_MEMORY = 256 * 1024**2  # small, so that the KV cache it sizes stays small in host memory
 KV_CACHE_FRACTION = 0.3  # the default
+# KV bytes of one block of the tiny model: K and V x 2 layers x 2 KV heads x 32 dims x 32 tokens x float32
+KV_BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 4
 
 
 class NeuronStub:
-    """torch.neuron as device.py sees it: a fixed total memory, and a log of the calls (each of which would
-    start the Neuron runtime)."""
+    """torch.neuron as device.py sees it: a fixed total memory, memory in use that changes from one call to
+    the next, and a log of the calls (each of which would start the Neuron runtime)."""
 
     def __init__(self, total_memory: int) -> None:
         self.total_memory = total_memory
         self.calls: list[str] = []
 
-    def get_device_properties(self, device_id: int) -> object:
+    def get_device_properties(self, device_id: int) -> SimpleNamespace:
         self.calls.append("get_device_properties")
-        return type("Properties", (), {"total_memory": self.total_memory})()
+        return SimpleNamespace(total_memory=self.total_memory)
+
+    def _in_use(self, name: str) -> int:
+        self.calls.append(name)
+        return len(self.calls) * 1024**2
+
+    def memory_allocated(self, device_id: int) -> int:
+        return self._in_use("memory_allocated")
+
+    def memory_reserved(self, device_id: int) -> int:
+        return self._in_use("memory_reserved")
+
+    def mem_get_info(self, device_id: int) -> tuple[int, int]:
+        return self.total_memory - self._in_use("mem_get_info"), self.total_memory
+
+    def synchronize(self) -> None:
+        self.calls.append("synchronize")
 
 
 @pytest.fixture
@@ -63,6 +83,44 @@ def test_fallback_to_host_execution_is_disabled(neuron_mode, monkeypatch):
     assert os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
 
 
+def kv_cache_bytes(weights: int = 1024**2, utilization: float = 0.9) -> int:
+    """NeuronWorker.determine_available_memory of a worker whose model has `weights` bytes (meta tensors)."""
+    model = torch.nn.Linear(weights // 4, 1, bias=False, device="meta")
+    worker = SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=utilization),
+        local_rank=0,
+        model_runner=SimpleNamespace(model=model),
+    )
+    return NeuronWorker.determine_available_memory(worker)
+
+
+def test_kv_cache_is_a_fixed_share_of_the_core(neuron_mode, monkeypatch):
+    """Not what happens to be free: pods sharing a compile cache must compile the same KV shapes."""
+    sizes = {kv_cache_bytes() for _ in range(3)}
+    assert sizes == {int(neuron_mode.total_memory * KV_CACHE_FRACTION)}
+    monkeypatch.setenv("VLLM_NEURON_KV_CACHE_FRACTION", "0.1")
+    assert kv_cache_bytes() == int(neuron_mode.total_memory * 0.1)
+    for bad in ("0", "1.5", "lots"):
+        monkeypatch.setenv("VLLM_NEURON_KV_CACHE_FRACTION", bad)
+        with pytest.raises(ValueError, match="VLLM_NEURON_KV_CACHE_FRACTION"):
+            kv_cache_bytes()
+
+
+def test_zero_device_memory_fails_at_start_up(neuron_mode):
+    neuron_mode.total_memory = 0
+    with pytest.raises(RuntimeError, match="reports 0 bytes of device memory"):
+        kv_cache_bytes()
+
+
+def test_weights_and_kv_cache_that_do_not_fit_fail_at_start_up(neuron_mode):
+    weights = 16 * 1024**3  # 8B parameters in bf16 on one 24 GiB core
+    with pytest.raises(
+        RuntimeError, match="weights 16.0 GiB \\+ KV cache 7.2 GiB .* larger --tensor-parallel"
+    ):
+        kv_cache_bytes(weights)
+    kv_cache_bytes(weights // 4)
+
+
 @pytest.mark.slow
 def test_neuron_mode_starts_in_the_order_the_runtime_needs(tiny_model_dir, hf_model, tmp_path):
     record, cache_root = tmp_path / "fake_neuron.json", tmp_path / "compile-cache"
@@ -93,3 +151,4 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(tiny_model_dir, hf_mo
     assert compile_cache.is_warm(folder)  # the NEFFs are in this configuration's folder
     (stats,) = result["compile_stats"]
     assert stats["graphs"] == EXPECTED_GRAPHS and stats["unexpected_recompiles"] == 0
+    assert stats["kv_cache_shape"][2] == int(CORE_MEMORY * KV_CACHE_FRACTION) // KV_BLOCK_BYTES

@@ -238,16 +238,6 @@ def memory_in_use(device_id: int = 0) -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def free_memory(device_id: int = 0) -> int:
-    if mode() == "neuron":
-        if hasattr(torch.neuron, "mem_get_info"):
-            return int(torch.neuron.mem_get_info(device_id)[0])
-        return total_memory(device_id) - memory_in_use(device_id)
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
 def versions() -> dict[str, str]:
     """Versions of the software stack, for logs, the info endpoint and compile-cache keys (neuronx-cc, the
     compiler that writes NEFFs, is absent in CPU mode)."""
