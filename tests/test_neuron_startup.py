@@ -83,6 +83,12 @@ def test_fallback_to_host_execution_is_disabled(neuron_mode, monkeypatch):
     assert os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
 
 
+def test_memory_in_use_is_what_the_allocator_holds(neuron_mode, monkeypatch):
+    monkeypatch.setattr(neuron_mode, "memory_reserved", lambda device_id: 0)  # as TorchNeuron answers
+    monkeypatch.setattr(neuron_mode, "memory_allocated", lambda device_id: 5 * 1024**2)
+    assert device.memory_in_use() == 5 * 1024**2
+
+
 def kv_cache_bytes(weights: int = 1024**2, utilization: float = 0.9) -> int:
     """NeuronWorker.determine_available_memory of a worker whose model has `weights` bytes (meta tensors)."""
     model = torch.nn.Linear(weights // 4, 1, bias=False, device="meta")

@@ -232,7 +232,8 @@ def memory_in_use(device_id: int = 0) -> int:
     """Bytes the allocator holds on the device (CPU mode: this process's resident memory)."""
     if mode() == "neuron":
         torch.neuron.synchronize()  # the Neuron allocator is asynchronous
-        return int(torch.neuron.memory_reserved(device_id))
+        # Not memory_reserved: TorchNeuron's allocator caches nothing, so that answers 0.
+        return int(torch.neuron.memory_allocated(device_id))
     import psutil
 
     return int(psutil.Process().memory_info().rss)
