@@ -23,7 +23,9 @@ CHIP_BF16_FLOPS = 667e12
 PHYSICAL_CORES_PER_CHIP = 8
 LNC = 2
 RANKS_PER_CHIP = PHYSICAL_CORES_PER_CHIP // LNC
-# The plugin's KV sizing (README, Neuron mode): (free memory after weights) * utilization - graph reserve.
+# The plugin's KV sizing (README, Neuron mode): a fixed share of the core's memory, if the weights, that and
+# the graph reserve fit in utilization x memory.
+KV_CACHE_FRACTION = 0.3  # VLLM_NEURON_KV_CACHE_FRACTION default
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 GRAPH_RESERVE_BYTES = 4 * GIB  # VLLM_NEURON_GRAPH_RESERVE_BYTES default
 MAX_NUM_SEQS = 32  # vllm-neuron serve's default
@@ -71,10 +73,13 @@ def rank_memory(tp: int) -> tuple[float, float]:
 
 
 def kv_tokens(model: Llama, tp: int) -> int:
+    """KV tokens one rank holds; 0 where start-up would refuse the configuration (it does not fit)."""
     memory, _ = rank_memory(tp)
     weights = model.parameters * BF16 / tp
-    kv_bytes = (memory - weights) * GPU_MEMORY_UTILIZATION - GRAPH_RESERVE_BYTES
-    return max(0, int(kv_bytes // model.kv_bytes_per_token(tp)))
+    kv_bytes = memory * KV_CACHE_FRACTION
+    if weights + kv_bytes + GRAPH_RESERVE_BYTES > memory * GPU_MEMORY_UTILIZATION:
+        return 0
+    return int(kv_bytes // model.kv_bytes_per_token(tp))
 
 
 def step_seconds(model: Llama, tp: int, batch_bucket: int, context_bucket: int) -> float:

@@ -17,6 +17,7 @@ NEURON_OPTIONS: dict[str, tuple[str, dict]] = {
     "--decode-batch-buckets": ("VLLM_NEURON_DECODE_BATCH_BUCKETS", {"metavar": "N,N,..."}),
     "--context-buckets": ("VLLM_NEURON_CONTEXT_BUCKETS", {"metavar": "N,N,..."}),
     "--decode-context-buckets": ("VLLM_NEURON_DECODE_CONTEXT_BUCKETS", {"metavar": "N,N,..."}),
+    "--kv-cache-fraction": ("VLLM_NEURON_KV_CACHE_FRACTION", {"metavar": "FRACTION", "type": float}),
     "--max-request-bytes": ("VLLM_NEURON_MAX_REQUEST_BYTES", {"metavar": "BYTES", "type": int}),
 }
 

@@ -99,3 +99,36 @@ def test_restart_reuses_compiled_graphs(tiny_model_dir, tmp_path):
     assert warm["tokens"] == cold["tokens"]
     (folder,) = tmp_path.iterdir()  # one configuration, one folder
     assert any((folder / "inductor").rglob("*"))  # and the artefacts are in it
+
+
+def test_warm_only_with_compiled_artefacts(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path))
+    for variable in compile_cache.CACHE_VARIABLES.values():
+        monkeypatch.delenv(variable, raising=False)  # restored after the test
+    folder = compile_cache.prepare(*configs(tiny_model_dir))
+    compile_cache.prepare(*configs(tiny_model_dir))  # a restart before anything compiled
+    assert (folder / "key.json").exists() and not compile_cache.is_warm(folder)
+    neff = folder / "neff" / "ab" / "cd" / "abcd.neff"
+    neff.parent.mkdir(parents=True)
+    neff.write_bytes(b"NEFF")
+    assert compile_cache.is_warm(folder)
+
+
+def test_key_follows_the_neuron_compiler_and_its_flags(tiny_model_dir, monkeypatch):
+    from importlib import metadata
+
+    base = key_of(tiny_model_dir)
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--optlevel 1")
+    assert key_of(tiny_model_dir) != base
+    monkeypatch.delenv("NEURON_CC_FLAGS")
+    installed = metadata.version
+
+    def with_compiler(dist: str, compiler: str) -> str:
+        return compiler if dist == "neuronx-cc" else installed(dist)
+
+    keys = set()
+    for compiler in ("2.21.0", "2.22.0"):
+        monkeypatch.setattr(metadata, "version", lambda dist, c=compiler: with_compiler(dist, c))
+        assert compile_cache.key_fields(*configs(tiny_model_dir))["versions"]["neuronx-cc"] == compiler
+        keys.add(key_of(tiny_model_dir))
+    assert len(keys) == 2 and base not in keys

@@ -2,9 +2,10 @@
 
 TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR) and, in CPU mode, inductor's cache
 (TORCHINDUCTOR_CACHE_DIR) live in <root>/<key>/. The key hashes everything a compiled artefact depends on
-(model and its config, dtype, buckets, block size, parallelism, software versions, backend), so a change of
-any of them starts a fresh folder instead of reusing a wrong artefact. Both caches write atomically, so
-several pods may share the root on a ReadWriteMany volume (see docs/compile-cache.md).
+(model and its config, dtype, buckets, block size, parallelism, software and compiler versions, compiler
+flags, backend), so a change of any of them starts a fresh folder instead of reusing a wrong artefact. Both
+caches write atomically, so several pods may share the root on a ReadWriteMany volume (see
+docs/compile-cache.md).
 """
 
 import hashlib
@@ -73,6 +74,8 @@ def key_fields(
         "tensor_parallel_rank": tp_rank,
         # Logical NeuronCore size (1 or 2 physical cores per logical core on trn2): NEFFs are built for one.
         "logical_nc_config": os.environ.get("NEURON_LOGICAL_NC_CONFIG", ""),
+        # neuronx-cc's own options (optimisation level, target, ...) change the NEFFs it writes.
+        "neuron_cc_flags": os.environ.get("NEURON_CC_FLAGS", ""),
         "device_mode": device.mode(),
         "compile_backend": device.compile_backend(),
         "versions": device.versions(),
@@ -88,7 +91,6 @@ def prepare(vllm_config: "VllmConfig", neuron_config: "NeuronConfig", tp_rank: i
     (unless the user already chose their own folders). Returns the folder."""
     fields = key_fields(vllm_config, neuron_config, tp_rank)
     folder = cache_root() / cache_key(fields)
-    warm = folder.is_dir() and any(folder.iterdir())
     folder.mkdir(parents=True, exist_ok=True)
     description = folder / "key.json"
     if not description.exists():
@@ -99,5 +101,10 @@ def prepare(vllm_config: "VllmConfig", neuron_config: "NeuronConfig", tp_rank: i
     for name, variable in CACHE_VARIABLES.items():
         if not _chosen_by_user(variable):
             os.environ[variable] = str(folder / name)
-    logger.info("Compile cache %s (%s)", folder, "warm" if warm else "cold")
+    logger.info("Compile cache %s (%s)", folder, "warm" if is_warm(folder) else "cold")
     return folder
+
+
+def is_warm(folder: Path) -> bool:
+    """Whether a configuration's folder holds compiled artefacts (NEFFs, inductor's), not only key.json."""
+    return any(path.is_file() for name in CACHE_VARIABLES for path in (folder / name).rglob("*"))

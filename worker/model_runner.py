@@ -21,8 +21,8 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from kv_cache import layout
 from vllm_neuron import compile as neuron_compile
-from vllm_neuron import compile_cache, envs, metrics
 from vllm_neuron import device as neuron_device
+from vllm_neuron import envs, metrics
 from vllm_neuron.buckets import pack_prefill, pick_bucket
 from vllm_neuron.config import NeuronConfig
 from worker import step_inputs, warmup
@@ -94,7 +94,6 @@ class NeuronModelRunner:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model = get_model(vllm_config=self.vllm_config)
-        self.compile_cache = compile_cache.prepare(self.vllm_config, self.neuron_config, self.tp_rank)
         dump_dir = envs.VLLM_NEURON_DUMP_GRAPHS
         if dump_dir and self.vllm_config.parallel_config.tensor_parallel_size > 1:
             dump_dir = f"{dump_dir}/rank-{self.tp_rank}"

@@ -9,8 +9,9 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from vllm_neuron import compile_cache, envs
 from vllm_neuron import device as neuron_device
-from vllm_neuron import envs
+from vllm_neuron.config import NeuronConfig
 from worker.model_runner import NeuronModelRunner
 
 if TYPE_CHECKING:
@@ -27,9 +28,16 @@ class NeuronWorker(WorkerBase):
     model_runner: NeuronModelRunner
 
     def init_device(self) -> None:
-        # Order matters on Trainium: pin this rank to its core, then create the process groups (TorchNeuron's
+        # Order matters on Trainium: pin this rank to its core and point the compilers at the compile cache
+        # (the runtime reads both once, when it starts), then create the process groups (TorchNeuron's
         # `neuron` group starts the runtime and refuses a runtime started before it), then bind the device.
         neuron_device.pin_rank(self.local_rank, self.parallel_config.local_world_size)
+        # vLLM numbers ranks with tensor parallelism innermost.
+        tp_rank = self.rank % self.parallel_config.tensor_parallel_size
+        self.compile_cache = compile_cache.prepare(
+            self.vllm_config, NeuronConfig.from_vllm_config(self.vllm_config), tp_rank
+        )
+        neuron_device.disable_fallback_execution()
         self.device = neuron_device.torch_device(self.local_rank)
         init_worker_distributed_environment(
             self.vllm_config,
@@ -59,24 +67,21 @@ class NeuronWorker(WorkerBase):
     def determine_available_memory(self) -> int:
         """Bytes for the KV cache.
 
-        Neuron: free device memory with the weights resident, minus a reserve for the compiled graphs that
-        warm-up loads later. CPU: a fixed budget, never "all host memory".
+        Neuron: a fixed share of the core's memory (VLLM_NEURON_KV_CACHE_FRACTION), checked against what the
+        weights and compiled graphs need. A compiled graph's KV tensors have the size it was compiled for, so
+        the size must not follow momentary free memory: pods sharing a compile cache then compile identical
+        graphs. CPU: a fixed budget, never "all host memory".
         """
         requested = self.cache_config.kv_cache_memory_bytes
         if requested:
             return int(requested)
         if neuron_device.mode() == "cpu":
             return envs.VLLM_NEURON_CPU_KV_CACHE_BYTES
-        free = neuron_device.free_memory(self.local_rank)
-        reserve = envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
-        available = int(free * self.cache_config.gpu_memory_utilization) - reserve
-        if available <= 0:
-            raise RuntimeError(
-                f"No device memory left for the KV cache: {free / 2**30:.1f} GiB free after loading the "
-                f"weights, {reserve / 2**30:.1f} GiB reserved for compiled graphs. Use a larger "
-                "--tensor-parallel-size, a smaller model, or lower VLLM_NEURON_GRAPH_RESERVE_BYTES."
-            )
-        return available
+        return neuron_kv_cache_bytes(
+            neuron_device.total_memory(self.local_rank),
+            weight_bytes(self.model_runner.model),
+            self.cache_config.gpu_memory_utilization,
+        )
 
     def initialize_from_config(self, kv_cache_config: "KVCacheConfig") -> None:
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
@@ -146,3 +151,31 @@ class NeuronWorker(WorkerBase):
 
     def shutdown(self) -> None:
         return None
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Device bytes of the model's weights and buffers (this rank's shard)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def neuron_kv_cache_bytes(total: int, weights: int, utilization: float) -> int:
+    """The KV cache of one NeuronCore: VLLM_NEURON_KV_CACHE_FRACTION of its memory, if the weights, that and
+    VLLM_NEURON_GRAPH_RESERVE_BYTES fit in --gpu-memory-utilization of it."""
+    if total <= 0:
+        raise RuntimeError(
+            f"TorchNeuron reports {total} bytes of device memory for this NeuronCore, so the KV cache cannot "
+            "be sized: check the Neuron driver and runtime (neuron-ls), or give --kv-cache-memory-bytes."
+        )
+    fraction, reserve = envs.VLLM_NEURON_KV_CACHE_FRACTION, envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
+    kv_bytes, budget = int(total * fraction), int(total * utilization)
+    if weights + kv_bytes + reserve > budget:
+        gib = 1024**3
+        raise RuntimeError(
+            f"The NeuronCore's memory does not fit: weights {weights / gib:.1f} GiB + KV cache "
+            f"{kv_bytes / gib:.1f} GiB (VLLM_NEURON_KV_CACHE_FRACTION={fraction} of {total / gib:.1f} GiB) + "
+            f"{reserve / gib:.1f} GiB for compiled graphs (VLLM_NEURON_GRAPH_RESERVE_BYTES) exceed "
+            f"{budget / gib:.1f} GiB (--gpu-memory-utilization {utilization}). Use a larger "
+            "--tensor-parallel-size, a smaller model, or a lower VLLM_NEURON_KV_CACHE_FRACTION."
+        )
+    return kv_bytes

@@ -1,0 +1,165 @@
+"""A stand-in for TorchNeuron (`torch_neuronx`, `torch.neuron`) that enforces the Neuron runtime's start-up
+rules, so that an engine started with VLLM_NEURON_DEVICE=neuron on a host without Trainium fails where the
+plugin would break them on Trainium.
+
+Use: put tests/fake_neuron on the PYTHONPATH of an engine process (tests/test_neuron_startup.py does).
+
+The seam: tensors stay on the host. Python alone cannot give a torch device memory, so on import this module
+sets `vllm_neuron.device.TENSOR_DEVICE_TYPE = "cpu"` (documented there); everything else runs the plugin's
+Neuron mode: the `neuron` compile backend and process group, NeuronCore pinning, memory answers from
+`torch.neuron`. The plugin asks for `torch_neuronx` only where a Neuron device is requested or present.
+
+The runtime starts at the first device use. Here that is: creating the `neuron` process group (TorchNeuron's
+group starts it itself), a memory query, a synchronize, or a compile. The rules, each raising
+FakeNeuronRuleError:
+(a) TORCH_NEURONX_NEFF_CACHE_DIR is read once, when the runtime starts: a compile that finds another value
+    fails (TorchNeuron would keep writing NEFFs to the folder it read first);
+(b) the `neuron` process group must be created before the runtime starts;
+(c) in a process group each process sees one NeuronCore: NEURON_RT_VISIBLE_CORES names one core when the
+    runtime starts (set to LOCAL_RANK where unset, as TorchNeuron does);
+(d) memory statistics may be 0: memory_reserved and memory_allocated answer 0, total memory is
+    FAKE_NEURON_TOTAL_MEMORY bytes (default 24 GiB, one trn2 logical core; 0 models a runtime that answers 0),
+    and there is no mem_get_info (TorchNeuron has none).
+
+Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the fake saw is written as JSON
+to FAKE_NEURON_RECORD (when set) after every event: what started the runtime, the NEFF cache folder and the
+visible cores it read then, whether the process group came first, and per compile whether fallback to eager
+execution was disabled (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1). The `neuron` compile backend writes one
+.neff file per graph into the cache folder, then runs the graph eagerly.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+NEFF_CACHE_VARIABLE = "TORCH_NEURONX_NEFF_CACHE_DIR"
+DEFAULT_NEFF_CACHE = "/tmp/neff_cache"
+FALLBACK_VARIABLE = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
+
+
+class FakeNeuronRuleError(RuntimeError):
+    """The plugin did something the Neuron runtime refuses or silently ignores."""
+
+
+def _cores(spec: str) -> list[int]:
+    cores: list[int] = []
+    for part in spec.split(","):
+        low, _, high = part.strip().partition("-")
+        cores.extend(range(int(low), int(high or low) + 1))
+    return cores
+
+
+class Runtime:
+    """The state of this process's (fake) Neuron runtime."""
+
+    def __init__(self) -> None:
+        self.started_by: str | None = None
+        self.facts: dict[str, Any] = {"compiles": [], "process_group_before_runtime": False}
+
+    def start(self, trigger: str) -> None:
+        """The first device use starts the runtime, which reads its settings once."""
+        if self.started_by is not None:
+            return
+        self.started_by = trigger
+        visible = os.environ.get("NEURON_RT_VISIBLE_CORES")
+        self.facts.update(
+            runtime_started_by=trigger,
+            neff_cache_dir_at_start=os.environ.get(NEFF_CACHE_VARIABLE, DEFAULT_NEFF_CACHE),
+            visible_cores_at_start=visible,
+        )
+        self.record()
+
+    def create_process_group(self, rank: int) -> None:
+        """TorchNeuron's first `neuron` process group pins the process to one core and starts the runtime."""
+        if self.started_by is not None:
+            raise FakeNeuronRuleError(
+                f"the neuron process group was created after the Neuron runtime started ({self.started_by}): "
+                "TorchNeuron refuses a runtime started before init_process_group"
+            )
+        if not os.environ.get("NEURON_RT_VISIBLE_CORES"):
+            os.environ["NEURON_RT_VISIBLE_CORES"] = os.environ.get("LOCAL_RANK", str(rank))
+        visible = os.environ["NEURON_RT_VISIBLE_CORES"]
+        if len(_cores(visible)) != 1:
+            raise FakeNeuronRuleError(
+                f"NEURON_RT_VISIBLE_CORES={visible} when the neuron process group started the runtime: in a "
+                "process group each process may see one NeuronCore"
+            )
+        self.facts["process_group_before_runtime"] = True
+        self.facts["local_rank"] = int(os.environ.get("LOCAL_RANK", rank))
+        self.start("process group")
+
+    def check_neff_cache_dir(self) -> str:
+        """Rule (a): the folder read at start-up is the one NEFFs go to; a later change has no effect."""
+        read = self.facts["neff_cache_dir_at_start"]
+        now = os.environ.get(NEFF_CACHE_VARIABLE, DEFAULT_NEFF_CACHE)
+        if now != read:
+            raise FakeNeuronRuleError(
+                f"{NEFF_CACHE_VARIABLE}={now} at compile time, but the Neuron runtime read {read} when it "
+                f"started ({self.started_by}): NEFFs would go to {read}. Set it before any device use."
+            )
+        return read
+
+    def compile(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.start("compile")
+        folder = Path(self.check_neff_cache_dir())
+        shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
+        digest = hashlib.sha256(f"{graph.code}{shapes}".encode()).hexdigest()
+        neff = folder / digest[:2] / digest[2:4] / f"{digest}.neff"
+        neff.parent.mkdir(parents=True, exist_ok=True)
+        neff.write_bytes(b"fake NEFF")
+        self.facts["compiles"].append({"fallback_disabled": os.environ.get(FALLBACK_VARIABLE) == "1"})
+        self.record()
+        return graph.forward
+
+    def record(self) -> None:
+        path = os.environ.get("FAKE_NEURON_RECORD")
+        if path:
+            Path(path).write_text(json.dumps(self.facts))
+
+
+runtime = Runtime()
+
+
+def device_count() -> int:
+    if runtime.facts["process_group_before_runtime"]:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    visible = os.environ.get("NEURON_RT_VISIBLE_CORES")
+    return len(_cores(visible)) if visible else int(os.environ.get("FAKE_NEURON_CORES", 2))
+
+
+def _process_group(store: dist.Store, rank: int, size: int, timeout: Any) -> dist.ProcessGroup:
+    if not runtime.facts["process_group_before_runtime"]:
+        runtime.create_process_group(rank)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _neuron_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    return runtime.compile(graph, example_inputs)
+
+
+def _register() -> None:
+    from torch._dynamo import register_backend
+
+    from torch_neuronx import neuron
+
+    register_backend(_neuron_backend, name="neuron")
+    # Tensors are host tensors, so the group serves the cpu device (gloo underneath).
+    dist.Backend.register_backend("neuron", _process_group, devices=["cpu"])
+    # TorchNeuron also renames PrivateUse1 to "neuron"; without its C++ hooks that would make torch (and
+    # dynamo) expect an accelerator it cannot reach, so only the module is registered.
+    torch.neuron = neuron
+    # TorchNeuron is torch's accelerator; vLLM calls torch.accelerator, which raises with none.
+    torch.accelerator.synchronize = neuron.synchronize
+    torch.accelerator.empty_cache = neuron.empty_cache
+    torch.accelerator.empty_host_cache = neuron.empty_cache
+    import vllm_neuron.device
+
+    vllm_neuron.device.TENSOR_DEVICE_TYPE = "cpu"  # the seam: see the module docstring
+
+
+_register()

@@ -1,0 +1,160 @@
+"""Neuron-mode start-up without Trainium: an engine with VLLM_NEURON_DEVICE=neuron on tests/fake_neuron, a
+stand-in for TorchNeuron that enforces the Neuron runtime's start-up rules (see its docstring), from
+start-up through warm-up to greedy tokens; and unit tests of each rule the plugin follows."""
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy
+from tests.test_vllm_parity import MAX_TOKENS, PROMPTS, run_engine
+from vllm_neuron import compile_cache, device
+from vllm_neuron.platform import NeuronPlatform
+from worker.neuron_worker import NeuronWorker
+
+FAKE_NEURON = Path(__file__).with_name("fake_neuron")
+CORE_MEMORY = 256 * 1024**2  # small, so that the KV cache it sizes stays small in host memory
+KV_CACHE_FRACTION = 0.3  # the default
+# KV bytes of one block of the tiny model: K and V x 2 layers x 2 KV heads x 32 dims x 32 tokens x float32
+KV_BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 4
+
+
+class NeuronStub:
+    """torch.neuron as device.py sees it: a fixed total memory, memory in use that changes from one call to
+    the next, and a log of the calls (each of which would start the Neuron runtime)."""
+
+    def __init__(self, total_memory: int) -> None:
+        self.total_memory = total_memory
+        self.calls: list[str] = []
+
+    def get_device_properties(self, device_id: int) -> SimpleNamespace:
+        self.calls.append("get_device_properties")
+        return SimpleNamespace(total_memory=self.total_memory)
+
+    def _in_use(self, name: str) -> int:
+        self.calls.append(name)
+        return len(self.calls) * 1024**2
+
+    def memory_allocated(self, device_id: int) -> int:
+        return self._in_use("memory_allocated")
+
+    def memory_reserved(self, device_id: int) -> int:
+        return self._in_use("memory_reserved")
+
+    def mem_get_info(self, device_id: int) -> tuple[int, int]:
+        return self.total_memory - self._in_use("mem_get_info"), self.total_memory
+
+    def synchronize(self) -> None:
+        self.calls.append("synchronize")
+
+
+@pytest.fixture
+def neuron_mode(monkeypatch) -> NeuronStub:
+    """Neuron mode in this (CPU-mode) test process, with torch.neuron stubbed."""
+    stub = NeuronStub(total_memory=24 * 1024**3)
+    monkeypatch.setattr(device, "mode", lambda: "neuron")
+    monkeypatch.setattr(torch, "neuron", stub, raising=False)
+    return stub
+
+
+def test_one_rank_is_pinned_to_one_core_too(neuron_mode, monkeypatch):
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4-5")  # the pod's cores
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    device.pin_rank(0, 1)
+    assert os.environ["NEURON_RT_VISIBLE_CORES"] == "4"
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("0", "1")
+
+
+def test_engine_config_does_not_start_the_runtime(neuron_mode):
+    """vLLM asks the platform for device memory while it builds the engine config, before any worker."""
+    with pytest.raises(NotImplementedError):
+        NeuronPlatform.get_device_total_memory()
+    assert neuron_mode.calls == []
+
+
+def test_fallback_to_host_execution_is_disabled(neuron_mode, monkeypatch):
+    monkeypatch.delenv("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", raising=False)
+    device.disable_fallback_execution()
+    assert os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
+
+
+def test_memory_in_use_is_what_the_allocator_holds(neuron_mode, monkeypatch):
+    monkeypatch.setattr(neuron_mode, "memory_reserved", lambda device_id: 0)  # as TorchNeuron answers
+    monkeypatch.setattr(neuron_mode, "memory_allocated", lambda device_id: 5 * 1024**2)
+    assert device.memory_in_use() == 5 * 1024**2
+
+
+def kv_cache_bytes(weights: int = 1024**2, utilization: float = 0.9) -> int:
+    """NeuronWorker.determine_available_memory of a worker whose model has `weights` bytes (meta tensors)."""
+    model = torch.nn.Linear(weights // 4, 1, bias=False, device="meta")
+    worker = SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=utilization),
+        local_rank=0,
+        model_runner=SimpleNamespace(model=model),
+    )
+    return NeuronWorker.determine_available_memory(worker)
+
+
+def test_kv_cache_is_a_fixed_share_of_the_core(neuron_mode, monkeypatch):
+    """Not what happens to be free: pods sharing a compile cache must compile the same KV shapes."""
+    sizes = {kv_cache_bytes() for _ in range(3)}
+    assert sizes == {int(neuron_mode.total_memory * KV_CACHE_FRACTION)}
+    monkeypatch.setenv("VLLM_NEURON_KV_CACHE_FRACTION", "0.1")
+    assert kv_cache_bytes() == int(neuron_mode.total_memory * 0.1)
+    for bad in ("0", "1.5", "lots"):
+        monkeypatch.setenv("VLLM_NEURON_KV_CACHE_FRACTION", bad)
+        with pytest.raises(ValueError, match="VLLM_NEURON_KV_CACHE_FRACTION"):
+            kv_cache_bytes()
+
+
+def test_zero_device_memory_fails_at_start_up(neuron_mode):
+    neuron_mode.total_memory = 0
+    with pytest.raises(RuntimeError, match="reports 0 bytes of device memory"):
+        kv_cache_bytes()
+
+
+def test_weights_and_kv_cache_that_do_not_fit_fail_at_start_up(neuron_mode):
+    weights = 16 * 1024**3  # 8B parameters in bf16 on one 24 GiB core
+    with pytest.raises(
+        RuntimeError, match="weights 16.0 GiB \\+ KV cache 7.2 GiB .* larger --tensor-parallel"
+    ):
+        kv_cache_bytes(weights)
+    kv_cache_bytes(weights // 4)
+
+
+@pytest.mark.slow
+def test_neuron_mode_starts_in_the_order_the_runtime_needs(tiny_model_dir, hf_model, tmp_path):
+    record, cache_root = tmp_path / "fake_neuron.json", tmp_path / "compile-cache"
+    env = {
+        "VLLM_NEURON_DEVICE": "neuron",
+        "PYTHONPATH": os.pathsep.join([str(FAKE_NEURON), os.environ.get("PYTHONPATH", "")]),
+        "FAKE_NEURON_RECORD": str(record),
+        "FAKE_NEURON_TOTAL_MEMORY": str(CORE_MEMORY),
+        "VLLM_NEURON_GRAPH_RESERVE_BYTES": str(16 * 1024**2),
+        "VLLM_NEURON_CACHE_ROOT": str(cache_root),
+        # The Kubernetes device plugin gave this pod two cores; it serves with one rank.
+        "NEURON_RT_VISIBLE_CORES": "0-1",
+        "TORCH_NEURONX_NEFF_CACHE_DIR": None,
+        "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": None,
+    }
+    result = run_engine(tiny_model_dir, ENGINE_KWARGS, env)
+
+    assert result["platform"] == "NeuronPlatform"
+    assert result["tokens"] == [hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
+    facts = json.loads(record.read_text())
+    (folder,) = cache_root.iterdir()
+    assert facts["runtime_started_by"] == "process group"
+    assert facts["process_group_before_runtime"]
+    assert facts["neff_cache_dir_at_start"] == str(folder / "neff")
+    assert facts["visible_cores_at_start"] == "0"
+    assert len(facts["compiles"]) == EXPECTED_GRAPHS
+    assert all(graph["fallback_disabled"] for graph in facts["compiles"])
+    assert compile_cache.is_warm(folder)  # the NEFFs are in this configuration's folder
+    (stats,) = result["compile_stats"]
+    assert stats["graphs"] == EXPECTED_GRAPHS and stats["unexpected_recompiles"] == 0
+    assert stats["kv_cache_shape"][2] == int(CORE_MEMORY * KV_CACHE_FRACTION) // KV_BLOCK_BYTES
