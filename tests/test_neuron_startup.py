@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy, model_runner
 from tests.test_vllm_parity import MAX_TOKENS, PROMPTS, run_engine
 from vllm_neuron import compile_cache, device
 from vllm_neuron.platform import NeuronPlatform
@@ -127,14 +127,20 @@ def test_weights_and_kv_cache_that_do_not_fit_fail_at_start_up(neuron_mode):
     kv_cache_bytes(weights // 4)
 
 
+# A core whose KV share is CPU mode's KV budget (512 MiB, 16384 blocks): the same cache shape in both modes,
+# so that each bucket's StableHLO can be compared whole.
+ENGINE_CORE_MEMORY = 1_789_569_707  # x 0.3 = 536,870,912.1 bytes
+
+
 @pytest.mark.slow
-def test_neuron_mode_starts_in_the_order_the_runtime_needs(tiny_model_dir, hf_model, tmp_path):
+def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, hf_model, tmp_path):
     record, cache_root = tmp_path / "fake_neuron.json", tmp_path / "compile-cache"
     env = {
         "VLLM_NEURON_DEVICE": "neuron",
+        "VLLM_NEURON_COMPILE_BACKEND": None,  # Neuron mode's own: `neuron`
         "PYTHONPATH": os.pathsep.join([str(FAKE_NEURON), os.environ.get("PYTHONPATH", "")]),
         "FAKE_NEURON_RECORD": str(record),
-        "FAKE_NEURON_TOTAL_MEMORY": str(CORE_MEMORY),
+        "FAKE_NEURON_TOTAL_MEMORY": str(ENGINE_CORE_MEMORY),
         "VLLM_NEURON_GRAPH_RESERVE_BYTES": str(16 * 1024**2),
         "VLLM_NEURON_CACHE_ROOT": str(cache_root),
         # The Kubernetes device plugin gave this pod two cores; it serves with one rank.
@@ -157,4 +163,11 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(tiny_model_dir, hf_mo
     assert compile_cache.is_warm(folder)  # the NEFFs are in this configuration's folder
     (stats,) = result["compile_stats"]
     assert stats["graphs"] == EXPECTED_GRAPHS and stats["unexpected_recompiles"] == 0
-    assert stats["kv_cache_shape"][2] == int(CORE_MEMORY * KV_CACHE_FRACTION) // KV_BLOCK_BYTES
+    assert stats["kv_cache_shape"][2] == int(ENGINE_CORE_MEMORY * KV_CACHE_FRACTION) // KV_BLOCK_BYTES
+    # One graph for both modes: each bucket's StableHLO (the fake NEFF holds what neuronx-cc would get) is
+    # the StableHLO of the same bucket in CPU mode, the shared engine's.
+    neuron_mode = [Path(graph["neff"]).read_text() for graph in facts["compiles"]]
+    cpu_mode = [graph.stablehlo for graph in model_runner(llm).recorder.lowering.graphs]
+    assert len(cpu_mode) == EXPECTED_GRAPHS
+    for index, (neuron_text, cpu_text) in enumerate(zip(neuron_mode, cpu_mode, strict=True)):
+        assert neuron_text == cpu_text, f"graph {index} differs between Neuron mode and CPU mode"

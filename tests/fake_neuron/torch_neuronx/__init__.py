@@ -24,8 +24,9 @@ FakeNeuronRuleError:
 Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the fake saw is written as JSON
 to FAKE_NEURON_RECORD (when set) after every event: what started the runtime, the NEFF cache folder and the
 visible cores it read then, whether the process group came first, and per compile whether fallback to eager
-execution was disabled (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1). The `neuron` compile backend writes one
-.neff file per graph into the cache folder, then runs the graph eagerly.
+execution was disabled (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1) and its NEFF. The `neuron` compile backend
+lowers each graph as TorchNeuron does up to StableHLO (vllm_neuron.stablehlo), writes that StableHLO as the
+graph's .neff file into the cache folder, and runs the graph on the host.
 """
 
 import hashlib
@@ -105,16 +106,24 @@ class Runtime:
         return read
 
     def compile(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        """TorchNeuron's route up to StableHLO is the plugin's stablehlo backend (the same passes); the fake
+        NEFF holds the StableHLO neuronx-cc would compile, and the graph runs on the host."""
+        from vllm_neuron.stablehlo import StableHLOBackend
+
         self.start("compile")
         folder = Path(self.check_neff_cache_dir())
-        shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
-        digest = hashlib.sha256(f"{graph.code}{shapes}".encode()).hexdigest()
+        backend = StableHLOBackend()
+        compiled = backend(graph, example_inputs)
+        (lowered,) = backend.graphs
+        digest = hashlib.sha256(lowered.stablehlo.encode()).hexdigest()
         neff = folder / digest[:2] / digest[2:4] / f"{digest}.neff"
         neff.parent.mkdir(parents=True, exist_ok=True)
-        neff.write_bytes(b"fake NEFF")
-        self.facts["compiles"].append({"fallback_disabled": os.environ.get(FALLBACK_VARIABLE) == "1"})
+        neff.write_text(lowered.stablehlo)
+        self.facts["compiles"].append(
+            {"fallback_disabled": os.environ.get(FALLBACK_VARIABLE) == "1", "neff": str(neff)}
+        )
         self.record()
-        return graph.forward
+        return compiled
 
     def record(self) -> None:
         path = os.environ.get("FAKE_NEURON_RECORD")
