@@ -465,6 +465,27 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def run_ours(model: str, requests: list[int], workdir: Path) -> dict:
+    print("(a) vllm-neuron serve, CPU mode ...", flush=True)
+    os.environ.pop("VLLM_NEURON_DEVICE", None)  # the CLI chooses CPU mode by itself where no device exists
+    ours = Config("ours", model, ["--dtype", "bfloat16"], MAX_MODEL_LEN)
+    wait_quiet()
+    server = Server(ours, str(workdir / "compile-cache"), workdir / "ours.log")
+    doc = serve_and_load(server, requests, workdir / "ours.json")
+    if not doc["target"]["ours"]:
+        raise RuntimeError("(a) does not answer /v1/neuron/info: not our plugin")
+    return doc
+
+
+def ours_table(doc: dict) -> str:
+    levels = {lv["concurrency"]: lv for lv in doc["levels"]}
+    return (
+        "| (a) output tok/s | c=1 | c=8 | c=32 |\n|---|---|---|---|\n| vllm-torchneuron, CPU mode | "
+        + " | ".join(f"{levels[k]['output_tokens_per_s']:.1f}" for k in CONCURRENCY)
+        + " |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -472,6 +493,9 @@ def main() -> None:
     parser.add_argument("--requests", default="4,16,64", help="measured requests at concurrency 1,8,32")
     parser.add_argument("--hf-sequential", type=int, default=4, help="prompts HF runs one at a time")
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument(
+        "--only-ours", action="store_true", help="run (a) alone and print its figures (before/after a change)"
+    )
     parser.add_argument("--workdir", type=Path, help="server logs and load reports (default: a temp dir)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -503,6 +527,12 @@ def main() -> None:
     print(json.dumps(result["machine"]), flush=True)
 
     foreign: dict[str, float] = {}
+    if args.only_ours:
+        result["ours"] = run_ours(model, requests, workdir)
+        print(ours_table(result["ours"]))
+        if args.json_out:
+            args.json_out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        return
     print("(c) HF transformers and the roofline ...", flush=True)
     wait_quiet()
     monitor = ForeignCpu()
@@ -514,17 +544,10 @@ def main() -> None:
         flush=True,
     )
 
-    print("(a) vllm-neuron serve, CPU mode ...", flush=True)
-    os.environ.pop("VLLM_NEURON_DEVICE", None)  # the CLI chooses CPU mode by itself where no device exists
-    ours = Config("ours", model, ["--dtype", "bfloat16"], MAX_MODEL_LEN)
-    wait_quiet()
     monitor = ForeignCpu()
-    server = Server(ours, str(workdir / "compile-cache"), workdir / "ours.log")
-    result["ours"] = serve_and_load(server, requests, workdir / "ours.json")
+    result["ours"] = run_ours(model, requests, workdir)
     foreign["ours"] = monitor.cores()
     monitor.close()
-    if not result["ours"]["target"]["ours"]:
-        raise RuntimeError("(a) does not answer /v1/neuron/info: not our plugin")
 
     print("(b) vLLM's CPU platform, plugin off ...", flush=True)
     # Two OpenMP threads for its worker, like (a): by default vLLM on x86 binds its worker to one core and

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ENGINE_KWARGS, hf_greedy
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy
 from tests.test_engine import generate_ids, greedy, random_prompt
+from vllm_neuron import hlo_text
 
 pytestmark = pytest.mark.slow
 
@@ -60,9 +61,18 @@ def test_same_tokens_as_vllm_own_cpu_platform(llm, hf_model, tiny_model_dir):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_runs_and_tracks_float32(llm, tiny_model_dir, dtype):
-    result = run_engine(tiny_model_dir, {**ENGINE_KWARGS, "dtype": dtype}, {"VLLM_NEURON_DEVICE": "cpu"})
+def test_half_precision_runs_and_tracks_float32(llm, tiny_model_dir, dtype, tmp_path):
+    env = {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_DUMP_GRAPHS": str(tmp_path)}
+    result = run_engine(tiny_model_dir, {**ENGINE_KWARGS, "dtype": dtype}, env)
     assert result["platform"] == "NeuronPlatform"
+    # Every warm-up graph lowered in this dtype too (the suite's engines use the stablehlo backend), each
+    # KV cache written in place; --dump-graphs wrote them, named by call.
+    dumped = sorted(tmp_path.glob("*.stablehlo.mlir"))
+    assert len(dumped) == len(list(tmp_path.glob("*.fx.txt"))) == EXPECTED_GRAPHS
+    assert dumped[0].name.startswith("000-prefill-of-")
+    for path in dumped:
+        writes = hlo_text.cache_writes(path.read_text())
+        assert len(writes) == 2 and all(write.problems == [] for write in writes), (path.name, writes)
     float32 = generate_ids(llm, PROMPTS, greedy(MAX_TOKENS))
     for half, full in zip(result["tokens"], float32, strict=True):
         assert len(half) == MAX_TOKENS
