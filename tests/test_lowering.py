@@ -12,7 +12,8 @@ from kv_cache.ops import gather_blocks, write_kv
 from tests.conftest import EXPECTED_GRAPHS, model_runner
 from vllm_neuron import hlo_text
 from vllm_neuron.compile import CompileRecorder
-from vllm_neuron.stablehlo import StableHLOBackend, decomposition_table
+from vllm_neuron.decompositions import decomposition_table
+from vllm_neuron.stablehlo import StableHLOBackend
 
 KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_SIZE, TOKENS = 2, 64, 4, 8, 6
 

@@ -22,110 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
+
+from vllm_neuron.decompositions import decomposition_table
 
 aten = torch.ops.aten
 # Ops whose result is the same buffer as their first argument, reshaped.
 _VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-
-# What TorchNeuron decomposes from PyTorch's own table (its decompositions.py), for ops that can reach an
-# inference graph; the rest of its list is backward ops.
-_TORCH_DECOMPOSED = [
-    aten.logsumexp,
-    aten.squeeze.dims,
-    aten.nansum,
-    aten.addr,
-    aten._unsafe_index,
-    aten._unsafe_index_put,
-    aten.split,
-    aten.split_with_sizes,
-    aten.unbind,
-    aten.embedding,
-    aten.clamp_min,
-    aten.clamp_max,
-    aten._fused_rms_norm,
-    aten.fill.Scalar,
-    aten.fill.Tensor,
-    aten.index_add,
-    aten.lerp,
-    aten.elu,
-    aten.silu,
-]
-
-
-def _index_copy(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """TorchNeuron's rule: index_copy is a scatter whose index is expanded to the source's shape."""
-    dim = dim % input.dim()
-    shape = [1] * source.dim()
-    shape[dim] = index.numel()
-    return torch.scatter(input, dim, index.view(shape).expand(source.shape), source)
-
-
-def _index_put(
-    input: torch.Tensor, indices: list[torch.Tensor | None], values: torch.Tensor, accumulate: bool = False
-) -> torch.Tensor:
-    """TorchNeuron's rule for integer index_put: one 1-D scatter into the flattened input, at the flat index
-    of every element the indices select (here for leading index tensors, the form the plugin writes)."""
-    if any(index is None or index.dtype == torch.bool for index in indices):
-        return NotImplemented
-    leading = torch.broadcast_shapes(*(index.shape for index in indices))
-    trailing = input.shape[len(indices) :]
-    flat = torch.zeros(leading, dtype=torch.int64, device=input.device)
-    for dim, index in enumerate(indices):
-        index = torch.where(index < 0, index + input.shape[dim], index)
-        flat = flat + index.expand(leading) * math.prod(input.shape[dim + 1 :])
-    inner = torch.arange(math.prod(trailing), device=input.device)
-    flat = (flat.reshape(-1, 1) + inner.view(1, -1)).reshape(-1)
-    source = values.to(input.dtype).expand(*leading, *trailing).reshape(-1)
-    scatter = torch.scatter_add if accumulate else torch.scatter
-    return scatter(input.reshape(-1), 0, flat, source).view(input.shape)
-
-
-def _sdpa_math(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention as TorchNeuron decomposes `_scaled_dot_product_fused_attention_overrideable` (the op a
-    `neuron` device dispatches to) when its NKI kernel does not apply (an attention mask is given): scores,
-    a max-subtracted softmax, and a matmul, in the inputs' dtype. Returns the output and the logsumexp."""
-    scale = scale if scale is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
-    if attn_mask is not None:
-        scores = scores + attn_mask
-    peak = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - peak)
-    total = weights.sum(-1, keepdim=True)
-    out = torch.matmul(weights / total, value)
-    return out, (peak + torch.log(total)).squeeze(-1).float()
-
-
-def _sdpa_cpu(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU dispatch of scaled_dot_product_attention, lowered as the Neuron dispatch is (see _sdpa_math):
-    the same model code must give the same graph on either device."""
-    if dropout_p or is_causal:
-        return NotImplemented
-    return _sdpa_math(query, key, value, attn_mask, scale)
-
-
-def decomposition_table() -> dict:
-    """TorchNeuron's decompositions, for the ops the plugin's graphs can contain."""
-    table = get_decompositions(_TORCH_DECOMPOSED)
-    table[aten.index_copy.default] = _index_copy
-    table[aten.index_put.default] = _index_put
-    table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _sdpa_cpu
-    return table
 
 
 class LoweringError(RuntimeError):
