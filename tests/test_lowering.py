@@ -79,7 +79,9 @@ def test_a_whole_cache_write_is_named():
     backend, module, _ = lower_module(whole_cache_write)
     (write,) = hlo_text.cache_writes(backend.graphs[0].stablehlo)
     assert len(write.scatters) == 2
-    assert any("half a cache or more" in problem for problem in write.problems), write.problems
+    assert any("a copy of a whole cache or half of one" in problem for problem in write.problems), (
+        write.problems
+    )
     eager = WriteThenRead(whole_cache_write)
     eager(*step_inputs())
     torch.testing.assert_close(module.kv_cache, eager.kv_cache)  # still right, only not in place
@@ -98,6 +100,16 @@ def test_scatter_decompositions_equal_torch(op, call):
     index = torch.tensor([7, 2, 5])
     source = torch.randn(3, 3, 4)
     torch.testing.assert_close(table[op](*call(target, index, source)), op(*call(target, index, source)))
+
+
+def test_as_strided_is_an_index_select_equal_to_torch():
+    table = decomposition_table()
+    source = torch.randn(6, 10)
+    for size, stride, offset in [([6, 4], [10, 1], 0), ([6, 2, 3], [10, 3, 1], 4), ([3, 5], [20, 2], 1)]:
+        expected = torch.as_strided(source, size, stride, offset)
+        torch.testing.assert_close(
+            table[torch.ops.aten.as_strided.default](source, size, stride, offset), expected
+        )
 
 
 def test_sdpa_lowers_as_the_neuron_dispatch_decomposes_it():

@@ -99,9 +99,26 @@ def _sdpa_cpu(
     return _sdpa_math(query, key, value, attn_mask, scale)
 
 
+def _as_strided(
+    input: torch.Tensor, size: list[int], stride: list[int], storage_offset: int = 0
+) -> torch.Tensor:
+    """TorchNeuron's rule: as_strided (what PyTorch's split decompositions produce) is an index_select of the
+    flattened input at the indices the strides address, computed in the graph. Without it torch-mlir
+    materialises those indices as constants: 118 MB of int64 literals in one SmolLM2 graph."""
+    if not input.is_contiguous():
+        return NotImplemented
+    index = torch.full(size, storage_offset - input.storage_offset(), dtype=torch.int64, device=input.device)
+    for dim, (length, step) in enumerate(zip(size, stride, strict=True)):
+        shape = [1] * len(size)
+        shape[dim] = length
+        index = index + torch.arange(length, device=input.device).view(shape) * step
+    return input.reshape(-1).index_select(0, index.reshape(-1)).view(size)
+
+
 def decomposition_table() -> dict:
     """TorchNeuron's decompositions, for the ops the plugin's graphs can contain."""
     table = get_decompositions(_TORCH_DECOMPOSED)
+    table[aten.as_strided.default] = _as_strided
     table[aten.index_copy.default] = _index_copy
     table[aten.index_put.default] = _index_put
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _sdpa_cpu

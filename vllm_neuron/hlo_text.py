@@ -2,10 +2,10 @@
 
 A Neuron compile can keep the KV cache in place only when the graph writes it the way TorchNeuron aliases it:
 the cache parameter flows through reshapes into one `stablehlo.scatter` of the step's new rows, and the
-result is the output aliased to the parameter, with no other op making a tensor the size of a cache (a
-select, concatenate, dynamic_update_slice or second scatter would be a whole-cache copy), and no read of the
-old cache after the write (which forces the compiler to keep both). Necessary, not sufficient: neuronx-cc may
-still copy, but this is what can be proven without it.
+result is the output aliased to the parameter, with no other op making a tensor the size of a cache or of
+half of one (a select, concatenate, dynamic_update_slice or second scatter would be such a copy), and no read
+of the old cache after the write (which forces the compiler to keep both). Necessary, not sufficient:
+neuronx-cc may still copy, but this is what can be proven without it.
 """
 
 import math
@@ -113,11 +113,11 @@ def cache_writes(text: str) -> list[CacheWrite]:
     writes = []
     for parameter, (old, new, scatters) in chains.items():
         shape = module.arguments[f"%arg{parameter}"]
-        half = math.prod(shape) / 2
+        numel = math.prod(shape)
         problems = [
-            f"{op.name} ({op.result}) makes a tensor of {op.shape}, half a cache or more"
+            f"{op.name} ({op.result}) makes a tensor of {op.shape}: a copy of a whole cache or half of one"
             for op in module.ops
-            if op.numel >= half and op.result not in buffers
+            if op.numel in (numel, numel // 2) and op.result not in buffers
         ]
         if len(scatters) != 1:
             problems.append(f"{len(scatters)} scatters into the cache (want one)")
@@ -129,7 +129,7 @@ def cache_writes(text: str) -> list[CacheWrite]:
                 if op.index > write.index and old.intersection(op.operands)
             ]
             updates = _updates_shape(module, write)
-            if math.prod(updates) >= half:
+            if math.prod(updates) * 2 >= numel:
                 problems.append(f"the scatter's updates {updates} are as large as the cache")
         output = module.aliases[parameter]
         if output >= len(module.returned) or module.returned[output] not in new:
