@@ -27,6 +27,10 @@ def assert_every_rank_warm(result: dict, kv_heads_per_rank: int) -> None:
         assert rank["unexpected_recompiles"] == 0, rank
         # [K/V, kv_heads, blocks, block_size, head_size]: the cache is sharded (or replicated) by KV head.
         assert rank["kv_cache_shape"][1] == kv_heads_per_rank, rank
+        # Each rank's graphs lowered (stablehlo backend), each with its collectives: two all-reduces per
+        # layer (2 layers) and the gather of the logits.
+        assert rank["lowered_graphs"] == EXPECTED_GRAPHS, rank
+        assert all(count >= 2 * 2 for count in rank["collectives_per_graph"]), rank
 
 
 def test_tp2_equals_tp1_with_kv_heads_split_and_churn_compiles_nothing(llm, hf_model, tiny_model_dir):

@@ -53,6 +53,7 @@ class LoweredGraph:
     aliases: list[Alias]
     largest_tensor: tuple[tuple[int, ...], str]  # shape and dtype of the largest intermediate
     op_histogram: dict[str, int] = field(default_factory=dict)
+    collectives: list[str] = field(default_factory=list)  # lowered by TorchNeuron's own pipeline
 
     @property
     def op_count(self) -> int:
@@ -71,6 +72,7 @@ class LoweredGraph:
             "stablehlo_ops": self.op_count,
             "largest_tensor": {"shape": list(shape), "dtype": dtype, "bytes": self.largest_tensor_bytes},
             "aliased_inputs": [alias.parameter for alias in self.aliases],
+            "collectives": len(self.collectives),
         }
 
 
@@ -173,6 +175,55 @@ def op_histogram(stablehlo: str) -> dict[str, int]:
     return dict(counts.most_common())
 
 
+_c10d = torch.ops._c10d_functional
+
+
+def _stand_in_collectives(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str]]:
+    """The graph to lower, with tensor-parallel collectives replaced by local ops of the same shape.
+
+    TorchNeuron lowers `_c10d_functional` collectives with its own MLIR pipeline (after giving each its
+    replica groups), which the public torch-mlir lacks; torch-mlir alone refuses them. So the rest of the
+    graph is proven here, and the collectives are listed by kind (LoweredGraph.collectives). `gm` itself,
+    which runs, keeps them."""
+    kinds = [
+        str(node.target)
+        for node in gm.graph.nodes
+        if node.op == "call_function" and node.target in _STAND_INS
+    ]
+    if not kinds:
+        return gm, []
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in list(graph.nodes):
+        stand_in = _STAND_INS.get(node.target) if node.op == "call_function" else None
+        if stand_in is None:
+            continue
+        with graph.inserting_before(node):
+            replacement = stand_in(graph, node)
+        if replacement is not node.args[0]:
+            replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+    return torch.fx.GraphModule(gm, graph), [kind for kind in kinds if "wait_tensor" not in kind]
+
+
+def _gathered(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    return graph.call_function(aten.cat.default, ([node.args[0]] * node.args[1], 0))
+
+
+def _scattered(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    value = node.meta["val"]
+    return graph.call_function(aten.slice.Tensor, (node.args[0], 0, 0, value.shape[0]))
+
+
+_STAND_INS = {
+    _c10d.all_reduce.default: lambda graph, node: node.args[0],
+    _c10d.wait_tensor.default: lambda graph, node: node.args[0],
+    _c10d.all_gather_into_tensor.default: _gathered,
+    _c10d.reduce_scatter_tensor.default: _scattered,
+}
+
+
 def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
     """Strip the mutations into aliased outputs and import the graph to StableHLO with torch-mlir."""
     from torch_mlir import fx as mlir_fx
@@ -182,6 +233,7 @@ def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
 
     start = time.perf_counter()
     aliases = alias_mutated_inputs(gm)
+    lowered_gm, collectives = _stand_in_collectives(gm)
     context = ir.Context()
     torch_dialect.register_dialect(context)
     diagnostics: list[str] = []
@@ -193,7 +245,7 @@ def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
     context.attach_diagnostic_handler(keep)
     try:
         module = mlir_fx.stateless_fx_import(
-            gm, output_type="stablehlo", fx_importer=FxImporter(context=context), model_name="main"
+            lowered_gm, output_type="stablehlo", fx_importer=FxImporter(context=context), model_name="main"
         )
     except Exception as error:  # torch-mlir raises plain RuntimeError / MLIRError subclasses
         raise _explain("\n".join([*diagnostics, str(error)]), gm, label) from error
@@ -210,6 +262,7 @@ def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
         aliases=aliases,
         largest_tensor=_largest_tensor(gm, aliases),
         op_histogram=op_histogram(text),
+        collectives=collectives,
     )
 
 

@@ -102,6 +102,8 @@ class NeuronWorker(WorkerBase):
             "graphs": recorder.num_graphs,
             "unexpected_recompiles": len(recorder.unexpected),
             "kv_cache_shape": list(caches[0].shape) if caches else [],
+            "lowered_graphs": len(self.model_runner.lowered_graphs()),
+            "collectives_per_graph": [graph["collectives"] for graph in self.model_runner.lowered_graphs()],
         }
 
     def lowered_graphs(self) -> list[dict[str, object]]:
