@@ -5,37 +5,34 @@ Read lazily (``envs.VLLM_NEURON_DEVICE``) so a test or the CLI can set a variabl
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def _str(name: str, default: str) -> Callable[[], str]:
     return lambda: os.environ.get(name, default).strip().lower() or default
 
 
-def _int(name: str, default: int) -> Callable[[], int]:
-    def read() -> int:
-        raw = os.environ.get(name, "").strip()
-        if not raw:
-            return default
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"{name}={raw!r} is not an integer") from None
+def _parsed(name: str, default: T, parse: Callable[[str], T], what: str) -> T:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return parse(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not {what}") from None
 
-    return read
+
+def _int(name: str, default: int) -> Callable[[], int]:
+    return lambda: _parsed(name, default, int, "an integer")
 
 
 def _fraction(name: str, default: float) -> Callable[[], float]:
     def read() -> float:
-        raw = os.environ.get(name, "").strip()
-        if not raw:
-            return default
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"{name}={raw!r} is not a number") from None
+        value = _parsed(name, default, float, "a number")
         if not 0 < value < 1:
-            raise ValueError(f"{name}={raw!r} must be above 0 and below 1")
+            raise ValueError(f"{name}={value!r} must be above 0 and below 1")
         return value
 
     return read
