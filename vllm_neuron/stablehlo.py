@@ -92,8 +92,6 @@ def alias_mutated_inputs(gm: torch.fx.GraphModule) -> list[Alias]:
             raise LoweringError(f"in-place copy into {target} (not a graph input): {_source_line(node)}")
         node.replace_all_uses_with(value)
         gm.graph.erase_node(node)
-        if tuple(target.meta["val"].shape) != tuple(value.meta["val"].shape):
-            continue  # TorchNeuron drops an alias whose shapes differ; the runtime copies instead
         aliases.append(Alias(placeholders.index(target), len(results)))
         results.append(value)
     output.args = (tuple(results),)
