@@ -276,7 +276,7 @@ def attention_worker(model_dir: str) -> dict:
 
         def step(caches=caches, table=table, positions=positions, query=query) -> None:
             for cache in caches:
-                ops.paged_attention(query, cache, table, positions, head_size**-0.5)
+                ops.table_attention(query, cache, table, positions, head_size**-0.5)
 
         with torch.inference_mode():
             step()

@@ -37,8 +37,8 @@ class TableQueries:
 
 
 @dataclass
-class PagedQueries:
-    """Decode rows, one query each, over KV pages the rows share (kv_cache.ops.decode_attention).
+class PageQueries:
+    """Decode rows, one query each, over KV pages the rows share (kv_cache.ops.page_attention).
 
     positions:   [rows] absolute position of each row's query
     page_blocks: [pages, blocks_per_page] block ids of each KV page (padding: null block)
@@ -67,7 +67,7 @@ class NeuronAttentionMetadata:
 
     slot_mapping: torch.Tensor
     table: TableQueries | None = None
-    paged: PagedQueries | None = None
+    paged: PageQueries | None = None
 
 
 class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMetadata]):
@@ -153,7 +153,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                 context = table.block_table.shape[1] * kv_cache.shape[3]
                 group = self.num_heads // self.num_kv_heads
                 table.mask = ops.context_mask(table.positions, context, group, query.dtype, table.first_keys)
-            out = ops.paged_attention(
+            out = ops.table_attention(
                 query[:first_paged].view(rows, queries_per_row, self.num_heads, self.head_size),
                 kv_cache,
                 table.block_table,
@@ -166,7 +166,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
             if paged.masks is None:
                 page_tokens = paged.page_blocks.shape[1] * kv_cache.shape[3]
                 paged.masks = ops.page_masks(paged.page_rows, paged.page_starts, paged.positions, page_tokens)
-            out = ops.decode_attention(
+            out = ops.page_attention(
                 query[first_paged:],
                 kv_cache,
                 paged.page_blocks,

@@ -13,10 +13,6 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
     return (2, num_kv_heads, num_blocks, block_size, head_size)
 
 
-def kv_bytes_per_block(block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
-    return 2 * block_size * num_kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
-
-
 def allocate(
     num_blocks: int,
     block_size: int,

@@ -5,12 +5,12 @@ No vLLM imports: these are the kernels, and NKI kernels can later sit behind the
 Layout (see kv_cache/layout.py): one tensor per layer, [2, num_kv_heads, num_blocks, block_size, head_size],
 index 0 holding keys and 1 values. Block 0 is vLLM's null block: padded rows write there and read from it.
 
-paged_attention: queries come as [rows, queries_per_row, num_heads, head_size] (a prefill chunk is one row of
+table_attention: queries come as [rows, queries_per_row, num_heads, head_size] (a prefill chunk is one row of
 chunk tokens). Each row has a block table over its context window and each query its absolute position; a
 query attends to every key position <= its own. The chunk's own keys are written to the cache before
 attention, so one gather reads the cached prefix and the chunk alike.
 
-decode_attention: one query per row, over pages of KV blocks that the rows share (each row as many as its
+page_attention: one query per row, over pages of KV blocks that the rows share (each row as many as its
 context needs), so a decode step reads about the rows' real contexts instead of rows x the longest one.
 """
 
@@ -85,7 +85,7 @@ def context_mask(
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
 
 
-def paged_attention(
+def table_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -127,7 +127,7 @@ def attention_over_context(
 
 @dataclass
 class PageMasks:
-    """What decode_attention derives from the pages alone, the same in every layer of a call.
+    """What page_attention derives from the pages alone, the same in every layer of a call.
 
     hidden:    [1, pages, 1, page_tokens] keys of each page past its row's position
     owner:     [rows, pages] whether a page belongs to a row
@@ -149,7 +149,7 @@ def page_masks(
     return PageMasks(hidden.view(1, pages, 1, page_tokens), owner, owner.to(torch.float32))
 
 
-def decode_attention(
+def page_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     page_blocks: torch.Tensor,

@@ -15,10 +15,10 @@ from vllm_neuron.buckets import (
     PACKED_CHUNKS,
     BucketConfig,
     BucketError,
+    ceil_div,
     default_buckets,
     light_load_batches,
     mixed_graphs,
-    pages_for,
     pick_bucket,
     validate_buckets,
 )
@@ -195,9 +195,9 @@ def reference_simulate(
             summed = sum(start + 1 for start in group)
             # The rows share batch x pages(context) pages: the bucket holds their average context.
             capacity = next(
-                pages_for(c, buckets.page_tokens) * buckets.page_tokens
+                ceil_div(c, buckets.page_tokens) * buckets.page_tokens
                 for c in buckets.decode_contexts()
-                if pages_for(c, buckets.page_tokens) * buckets.page_tokens * batch >= summed
+                if ceil_div(c, buckets.page_tokens) * buckets.page_tokens * batch >= summed
             )
             total.update(
                 decode_calls=1,

@@ -79,15 +79,16 @@ def test_off_bucket_call_is_refused_in_strict_mode(llm):
     """The guard itself, on the real model: a shape outside every bucket is refused and compiles nothing."""
     import numpy as np
 
-    from worker import step_inputs
+    from vllm_neuron.calls import Call
+    from worker import call_inputs
 
     runner = model_runner(llm)
-    chunk = step_inputs.Chunk(np.zeros(1, np.int64), 0, np.zeros(8, np.int64))
+    chunk = call_inputs.Chunk(np.zeros(1, np.int64), 0, np.zeros(8, np.int64))
     odd_batch = 3  # decode buckets are 1, 2, 4
     pages, page_tokens = runner.buckets.decode_pages(odd_batch, 128), runner.buckets.page_tokens
-    inputs = step_inputs.decode_inputs(
+    inputs = call_inputs.decode_inputs(
         [chunk], odd_batch, pages, page_tokens, runner.block_size, runner.device
     )
-    with pytest.raises(Exception, match="decode_batch_buckets"):
-        runner._run(inputs, "decode")
+    with pytest.raises(Exception, match="decode of 1 requests: batch 3 x context 128.*decode_batch_buckets"):
+        runner._run(inputs, Call.decode(rows=1, batch=odd_batch, context=128))
     assert runner.recorder.num_graphs == EXPECTED_GRAPHS

@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 
+from vllm_neuron.calls import Call
 from vllm_neuron.compile import (
     CompileRecorder,
     NeuronCompileError,
@@ -33,7 +34,7 @@ def test_new_shape_after_warm_up_is_counted_and_logged(caplog):
     compiled, recorder = compile_static(Scale(), "eager", expected_graphs=1)
     compiled(torch.ones(4))
     recorder.armed = True
-    recorder.current_call = "decode batch 8 x context 256"
+    recorder.current_call = Call.decode(rows=5, batch=8, context=256)
     seen = []
     recorder.on_unexpected = seen.append
     compiled(torch.ones(4))
@@ -41,14 +42,14 @@ def test_new_shape_after_warm_up_is_counted_and_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="vllm.vllm_neuron.compile"):
         compiled(torch.ones(5))
     assert recorder.unexpected == [((5,),)] == seen
-    assert "decode batch 8 x context 256" in caplog.text and "(5,)" in caplog.text
+    assert "decode of 5 requests: batch 8 x context 256" in caplog.text and "(5,)" in caplog.text
 
 
 def test_strict_mode_refuses_a_new_shape_and_names_the_setting():
     compiled, recorder = compile_static(Scale(), "eager", expected_graphs=1, strict=True)
     compiled(torch.ones(4))
     recorder.armed = True
-    recorder.current_call = "prefill of 70 tokens: tokens 128 x context 256"
+    recorder.current_call = Call.prefill(tokens=70, token_bucket=128, context=256)
     with pytest.raises(Exception, match="prefill_buckets") as error:
         compiled(torch.ones(5))
     assert isinstance(error.value, UnexpectedRecompileError) or "UnexpectedRecompileError" in str(error.value)

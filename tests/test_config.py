@@ -5,17 +5,10 @@ import ctypes
 
 import pytest
 import torch
-from vllm.engine.arg_utils import EngineArgs
 
 import vllm_neuron
+from tests.helpers import engine_config
 from vllm_neuron import device
-
-
-def engine_config(model_dir, **overrides):
-    """vLLM wraps errors raised by the platform hook in a pydantic ValidationError (a ValueError)."""
-    kwargs = dict(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=4)
-    kwargs.update(overrides)
-    return EngineArgs(**kwargs).create_engine_config()
 
 
 @pytest.fixture

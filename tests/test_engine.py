@@ -1,29 +1,15 @@
 """The plugin inside a real vLLM engine on the tiny model: greedy tokens equal HF transformers, batches of
 mixed lengths, continuous batching, sampling parameters, and no compile after warm-up."""
 
-import random
-
 import pytest
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tests.conftest import EXPECTED_GRAPHS, MAX_MODEL_LEN, hf_greedy, model_runner
+from tests.helpers import generate_ids, greedy, random_prompt
+from vllm_neuron.calls import Call
 
 pytestmark = pytest.mark.slow
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 400) for _ in range(length)]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def generate_ids(llm, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def test_platform_is_the_plugin_in_cpu_mode(llm):
@@ -94,12 +80,12 @@ def test_a_long_row_shares_the_pages_of_short_ones_and_matches_hf(llm, hf_model)
     for req_id, prompt in prompts.items():
         engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt), greedy(10))
     finished: dict[str, list[int]] = {}
-    calls: list[str] = []
+    calls: list[Call] = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
         calls += runner.step_calls
         finished |= {out.request_id: list(out.outputs[0].token_ids) for out in outputs if out.finished}
-    assert "decode of 3 requests: batch 4 x context 128" in calls
+    assert Call.decode(rows=3, batch=4, context=128) in calls
     for req_id, prompt in prompts.items():
         assert finished[req_id] == hf_greedy(hf_model, prompt, 10), req_id
 

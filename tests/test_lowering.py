@@ -11,6 +11,7 @@ from kv_cache.layout import allocate
 from kv_cache.ops import gather_blocks, write_kv
 from tests.conftest import EXPECTED_GRAPHS, model_runner
 from vllm_neuron import hlo_text
+from vllm_neuron.calls import Call
 from vllm_neuron.compile import CompileRecorder
 from vllm_neuron.decompositions import decomposition_table
 from vllm_neuron.stablehlo import StableHLOBackend
@@ -42,7 +43,7 @@ def whole_cache_write(kv_cache, key, value, slots):
     kv_cache[1].view(kv_heads, flat, head_size).index_copy_(1, slots, value.transpose(0, 1))
 
 
-def step_inputs(seed: int = 0):
+def write_inputs(seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     key = torch.randn(TOKENS, KV_HEADS, HEAD_SIZE, generator=gen)
     value = torch.randn(TOKENS, KV_HEADS, HEAD_SIZE, generator=gen)
@@ -54,7 +55,7 @@ def step_inputs(seed: int = 0):
 def lower_module(write) -> tuple[StableHLOBackend, WriteThenRead, torch.Tensor]:
     backend = StableHLOBackend()
     module = WriteThenRead(write)
-    out = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(*step_inputs())
+    out = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(*write_inputs())
     return backend, module, out
 
 
@@ -68,7 +69,7 @@ def test_kv_write_is_one_aliased_scatter_of_the_new_rows():
     assert write.problems == []
     # The aliased output was stored into the cache, as the runtime's aliasing leaves it.
     eager = WriteThenRead(write_kv)
-    expected = eager(*step_inputs())
+    expected = eager(*write_inputs())
     torch.testing.assert_close(module.kv_cache, eager.kv_cache)
     torch.testing.assert_close(out, expected)
     # The largest intermediate is the gathered context, not the cache the graph writes in place.
@@ -83,7 +84,7 @@ def test_a_whole_cache_write_is_named():
         write.problems
     )
     eager = WriteThenRead(whole_cache_write)
-    eager(*step_inputs())
+    eager(*write_inputs())
     torch.testing.assert_close(module.kv_cache, eager.kv_cache)  # still right, only not in place
 
 
@@ -129,7 +130,7 @@ def widening_dtype_view(x: torch.Tensor) -> torch.Tensor:
 
 def test_a_graph_that_does_not_lower_names_op_source_line_and_call():
     recorder = CompileRecorder("stablehlo")
-    recorder.current_call = "prefill of 5 tokens at 0: tokens 32 x context 128"
+    recorder.current_call = Call.prefill(tokens=5, token_bucket=32, context=128)
     compiled = torch.compile(widening_dtype_view, backend=recorder, fullgraph=True, dynamic=False)
     with pytest.raises(Exception) as failure:
         compiled(torch.ones(4, 6, dtype=torch.bfloat16))

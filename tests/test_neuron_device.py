@@ -3,7 +3,7 @@
 import pytest
 
 from tests.conftest import ENGINE_KWARGS, hf_greedy
-from tests.test_vllm_parity import MAX_TOKENS, PROMPTS, run_engine
+from tests.helpers import MAX_TOKENS, PROMPTS, run_engine
 
 pytestmark = [pytest.mark.neuron, pytest.mark.slow]
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kv_cache.layout import NULL_BLOCK, allocate, kv_cache_shape
-from kv_cache.ops import decode_attention, paged_attention, reference_attention, write_kv
+from kv_cache.ops import page_attention, reference_attention, table_attention, write_kv
+from vllm_neuron.buckets import ceil_div
 
 HEAD_SIZE = 8
 SCALE = HEAD_SIZE**-0.5
@@ -37,7 +38,7 @@ def make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype) -> lis
     pool = torch.randperm(num_blocks - 1, generator=gen) + 1
     sequences, used = [], 0
     for length in lengths:
-        count = -(-length // block_size)
+        count = ceil_div(length, block_size)
         blocks = pool[used : used + count]
         used += count
         keys = randn(gen, length, kv_heads, HEAD_SIZE, dtype=dtype)
@@ -159,7 +160,7 @@ class DecodeCase:
     def attend(self, **changes) -> torch.Tensor:
         fields = {name: getattr(self, name) for name in ("page_blocks", "page_rows", "page_starts")}
         fields |= {"positions": self.positions} | changes
-        return decode_attention(
+        return page_attention(
             self.query,
             self.kv_cache,
             fields["page_blocks"],
@@ -197,7 +198,7 @@ def decode_case(heads, kv_heads, block_size, dtype, seed=2, num_padded_rows=2) -
     lengths[0] = 1  # a sequence of a single token
     lengths[1] = 3 * block_size  # exactly full blocks, an odd number of them: a half-empty last page
     lengths[2] = 4 * block_size + 1  # one position into a new page
-    num_blocks = 1 + sum(-(-n // block_size) for n in lengths) + 3
+    num_blocks = 1 + sum(ceil_div(n, block_size) for n in lengths) + 3
     kv_cache = allocate(num_blocks, block_size, kv_heads, HEAD_SIZE, dtype, torch.device("cpu"))
     sequences = make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype)
     for seq in sequences:
@@ -231,12 +232,12 @@ def test_decode_matches_contiguous_reference(heads, kv_heads, block_size, dtype)
 
 
 def test_decode_pages_equal_the_block_table_path():
-    """Decode over pages and paged_attention over padded block tables (the prefill path) agree."""
+    """Decode over pages and table_attention over padded block tables (the prefill path) agree."""
     case = decode_case(8, 2, 4, torch.float32, num_padded_rows=0)
     width = max(seq.blocks.numel() for seq in case.sequences) + 1
     table = torch.stack([padded_table(seq.blocks, width) for seq in case.sequences])
     query, positions = case.query.unsqueeze(1), case.positions.view(-1, 1)
-    expected = paged_attention(query, case.kv_cache, table, positions, SCALE)
+    expected = table_attention(query, case.kv_cache, table, positions, SCALE)
     torch.testing.assert_close(case.attend(), expected[:, 0])
 
 
@@ -275,8 +276,8 @@ def prefill_case(
     length = start + count
     others = torch.randint(1, 3 * block_size, (3,), generator=gen).tolist()
     lengths = [length, *others]
-    width = width or -(-length // block_size) + 2
-    num_blocks = num_blocks or 1 + sum(-(-n // block_size) for n in lengths) + 2
+    width = width or ceil_div(length, block_size) + 2
+    num_blocks = num_blocks or 1 + sum(ceil_div(n, block_size) for n in lengths) + 2
     kv_cache = allocate(num_blocks, block_size, kv_heads, HEAD_SIZE, dtype, torch.device("cpu"))
     seq, *rest = make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype)
     for other in rest:
@@ -298,7 +299,7 @@ def prefill_case(
 
 def write_then_attend(kv_cache, key, value, slots, query, block_table, positions):
     write_kv(kv_cache, key, value, slots)
-    return paged_attention(query, kv_cache, block_table, positions, SCALE)
+    return table_attention(query, kv_cache, block_table, positions, SCALE)
 
 
 @pytest.mark.parametrize(
@@ -323,7 +324,7 @@ def test_prefill_reads_the_chunk_written_in_the_same_call():
     """Without the chunk's own write, attention at the chunk positions would differ (keys are read back)."""
     seq, inputs = prefill_case(4, 2, 4, torch.float32, start=5, count=6)
     kv_cache, _, _, _, query, block_table, positions = inputs
-    stale = paged_attention(query, kv_cache.clone(), block_table, positions, SCALE)
+    stale = table_attention(query, kv_cache.clone(), block_table, positions, SCALE)
     out = write_then_attend(*inputs)
     assert not torch.allclose(stale[0, :6], out[0, :6])
 
@@ -335,7 +336,7 @@ def test_prefill_depends_on_block_order():
     out = write_then_attend(*inputs)
     swapped = block_table.clone()
     swapped[0, [0, 1]] = swapped[0, [1, 0]]
-    altered = paged_attention(query, kv_cache, swapped, positions, SCALE)
+    altered = table_attention(query, kv_cache, swapped, positions, SCALE)
     assert not torch.allclose(altered[0, :8], out[0, :8])
     torch.testing.assert_close(altered[0, 8:12], out[0, 8:12])  # queries that see both blocks agree
 
@@ -349,7 +350,7 @@ def clone_inputs(inputs):
 
 def write_then_decode(kv_cache, key, value, slots, query, blocks, rows, starts, positions):
     write_kv(kv_cache, key, value, slots)
-    return decode_attention(query, kv_cache, blocks, rows, starts, positions, SCALE)
+    return page_attention(query, kv_cache, blocks, rows, starts, positions, SCALE)
 
 
 @pytest.mark.parametrize("case", ["decode", "prefill"])

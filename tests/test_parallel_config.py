@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.test_config import engine_config
+from tests.helpers import engine_config
 from vllm_neuron import device
 from vllm_neuron.parallel import (
     TensorParallelError,

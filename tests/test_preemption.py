@@ -4,8 +4,7 @@ still completes with exactly the tokens it produces alone."""
 import pytest
 
 from tests.conftest import ENGINE_KWARGS, hf_greedy
-from tests.test_engine import random_prompt
-from tests.test_vllm_parity import run_engine
+from tests.helpers import random_prompt, run_engine
 
 pytestmark = pytest.mark.slow
 

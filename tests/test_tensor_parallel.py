@@ -8,9 +8,8 @@ import json
 import pytest
 
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy
+from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, run_engine
 from tests.serving import ServerProcess, http
-from tests.test_engine import generate_ids, greedy
-from tests.test_vllm_parity import MAX_TOKENS, PROMPTS, run_engine
 from tests.tiny_model import build_tiny_llama
 
 pytestmark = pytest.mark.slow

@@ -1,51 +1,13 @@
 """Our plugin against vLLM's own CPU platform (plugin off) and in half precision, each engine in its own
 process because a process picks its vLLM platform once."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy
-from tests.test_engine import generate_ids, greedy, random_prompt
+from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, run_engine
 from vllm_neuron import hlo_text
 
 pytestmark = pytest.mark.slow
-
-PROMPTS = [random_prompt(n, seed=100 + n) for n in (3, 40, 120)]
-MAX_TOKENS = 12
-
-
-def run_engine(
-    model_dir: Path,
-    engine: dict,
-    env: dict[str, str | None],
-    prompts: list[list[int]] = PROMPTS,
-    max_tokens: int = MAX_TOKENS,
-    extra: dict | None = None,
-) -> dict:
-    request = {"model": str(model_dir), "engine": engine, "prompts": prompts, "max_tokens": max_tokens}
-    request |= extra or {}
-    child_env = dict(os.environ)
-    for name, value in env.items():
-        if value is None:
-            child_env.pop(name, None)
-        else:
-            child_env[name] = value
-    script = Path(__file__).with_name("generate_in_subprocess.py")
-    done = subprocess.run(
-        [sys.executable, str(script), json.dumps(request)],
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def test_same_tokens_as_vllm_own_cpu_platform(llm, hf_model, tiny_model_dir):

@@ -53,8 +53,14 @@ def powers_of_two(start: int, stop: int) -> list[int]:
     return values
 
 
+def ceil_div(value: int, divisor: int) -> int:
+    """`value` / `divisor` rounded up: the blocks that hold a number of tokens, the pages that hold a context
+    (ints, or numpy arrays element-wise)."""
+    return -(-value // divisor)
+
+
 def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+    return ceil_div(value, multiple) * multiple
 
 
 # KV positions per decode attention page: large enough that a page is a good matmul tile (128 is also the
@@ -65,10 +71,6 @@ PAGE_TARGET_TOKENS = 128
 def decode_page_tokens(block_size: int) -> int:
     """Decode pages hold whole KV blocks: PAGE_TARGET_TOKENS rounded up to the block size."""
     return round_up(PAGE_TARGET_TOKENS, block_size)
-
-
-def pages_for(context: int, page_tokens: int) -> int:
-    return -(-context // page_tokens)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class BucketConfig:
         smallest of those with the same number of pages."""
         contexts: list[int] = []
         for ctx in self.decode_context_tokens or self.context_tokens:
-            if not contexts or pages_for(ctx, self.page_tokens) > pages_for(contexts[-1], self.page_tokens):
+            if not contexts or ceil_div(ctx, self.page_tokens) > ceil_div(contexts[-1], self.page_tokens):
                 contexts.append(ctx)
         return contexts
 
@@ -107,11 +109,11 @@ class BucketConfig:
 
     def decode_pages(self, batch: int, context: int) -> int:
         """KV pages a decode call of this shape attends over, shared among its rows."""
-        return batch * pages_for(context, self.page_tokens)
+        return batch * ceil_div(context, self.page_tokens)
 
     def pick_decode_context(self, batch: int, row_contexts: Sequence[int]) -> int:
         """The smallest context bucket whose pages hold every row's context, each rounded up to pages."""
-        needed = sum(pages_for(ctx, self.page_tokens) for ctx in row_contexts)
+        needed = sum(ceil_div(ctx, self.page_tokens) for ctx in row_contexts)
         for ctx in self.decode_contexts():
             if self.decode_pages(batch, ctx) >= needed:
                 return ctx
@@ -168,7 +170,7 @@ def pack_prefill(
     both call this, so the policy costs the calls the runner makes."""
 
     def blocks(start: int, length: int) -> int:
-        return -(-(start + length) // block_size)
+        return ceil_div(start + length, block_size)
 
     def call(parts: list[tuple[int, int, int]]) -> PrefillCall:
         context = sum(blocks(start, length) for _, start, length in parts) * block_size
@@ -247,7 +249,7 @@ def _check_contexts(
             f"the largest {name} bucket {values[-1]} is below max_model_len={max_model_len}: "
             f"add a {name} bucket >= {round_up(max_model_len, block_size)} or lower --max-model-len"
         )
-    if pages_for(values[-1], page_tokens) > pages_for(max_model_len, page_tokens):
+    if ceil_div(values[-1], page_tokens) > ceil_div(max_model_len, page_tokens):
         raise BucketError(
             f"the largest {name} bucket {values[-1]} reaches past max_model_len={max_model_len} by more "
             f"than a decode page ({page_tokens} tokens): use {round_up(max_model_len, block_size)} or raise "

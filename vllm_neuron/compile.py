@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from vllm_neuron.calls import Call
+
 logger = logging.getLogger("vllm.vllm_neuron.compile")
 
 Shapes = tuple[tuple[int, ...], ...]
@@ -63,8 +65,8 @@ class CompileRecorder:
     graphs: list[Shapes] = field(default_factory=list)
     unexpected: list[Shapes] = field(default_factory=list)
     armed: bool = False
-    # What the runner is about to call (e.g. "decode batch 4 x context 256"), for recompile messages.
-    current_call: str = ""
+    # What the runner is about to call, for recompile messages and lowered graphs' labels.
+    current_call: Call | None = None
     on_unexpected: Callable[[Shapes], None] | None = None
 
     dump_dir: Path | None = None
@@ -86,7 +88,7 @@ class CompileRecorder:
             self._unexpected(shapes)
         self.graphs.append(shapes)
         if self.lowering is not None:
-            self.lowering.label = self.current_call or f"graph {len(self.graphs) - 1}"
+            self.lowering.label = str(self.current_call or f"graph {len(self.graphs) - 1}")
         return self._inner(graph_module, example_inputs)
 
     def __repr__(self) -> str:  # dynamo names the backend by it in compile errors

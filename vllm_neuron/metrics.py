@@ -8,6 +8,8 @@ rate(vllm_neuron:padding_real_tokens_total[5m]) / rate(vllm_neuron:padding_slots
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from vllm_neuron.calls import Call
+
 COMPILED_GRAPHS = Gauge(
     "vllm_neuron:compiled_graphs",
     "Graphs compiled for the model step (one per bucket shape after warm-up).",
@@ -77,20 +79,11 @@ class CallStats:
     def __init__(self) -> None:
         self.real_tokens = {"prefill": 0, "decode": 0}
         self.slots = {"prefill": 0, "decode": 0}
-        self.bucket_calls: dict[tuple[str, str], int] = {}
 
-    def record(self, call: str, bucket: str, tokens: dict[str, tuple[int, int]]) -> None:
-        """One call of kind `call` (prefill, decode or mixed) and bucket; `tokens` maps each token phase it
-        computed (a mixed call: both) to (real tokens, slots)."""
-        key = (call, bucket)
-        self.bucket_calls[key] = self.bucket_calls.get(key, 0) + 1
-        BUCKET_CALLS.labels(phase=call, bucket=bucket).inc()
-        for phase, (real, slots) in tokens.items():
+    def record(self, call: Call) -> None:
+        BUCKET_CALLS.labels(phase=call.phase, bucket=call.bucket).inc()
+        for phase, (real, slots) in call.padding().items():
             self.real_tokens[phase] += real
             self.slots[phase] += slots
             PADDING_REAL_TOKENS.labels(phase=phase).inc(real)
             PADDING_SLOTS.labels(phase=phase).inc(slots)
-
-    def efficiency(self, phase: str) -> float | None:
-        """Real tokens / computed token slots of a phase, None before its first call."""
-        return self.real_tokens[phase] / self.slots[phase] if self.slots[phase] else None

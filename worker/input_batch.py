@@ -12,6 +12,8 @@ from vllm.sampling_params import SamplingType
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from vllm_neuron.buckets import ceil_div
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -33,7 +35,7 @@ class PersistentBatch:
             device=host,
             vocab_size=model_config.get_vocab_size(),
             block_sizes=[block_size],
-            max_num_blocks_per_req=[-(-self.max_model_len // block_size)],
+            max_num_blocks_per_req=[ceil_div(self.max_model_len, block_size)],
             logitsprocs=build_logitsprocs(vllm_config, host, False, False, custom_logitsprocs),
             logitsprocs_need_output_token_ids=bool(custom_logitsprocs),
         )

@@ -23,11 +23,11 @@ from kv_cache import layout
 from vllm_neuron import compile as neuron_compile
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, metrics
-from vllm_neuron.buckets import pack_prefill, pick_bucket
+from vllm_neuron.calls import Call, plan_step
 from vllm_neuron.config import NeuronConfig
-from worker import step_inputs, warmup
+from worker import call_inputs, warmup
+from worker.call_inputs import CallInputs, Chunk
 from worker.input_batch import PersistentBatch
-from worker.step_inputs import Chunk, StepInputs
 from worker.step_trace import StepTrace
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.vllm_neuron.model_runner")
 
 
-class ModelStep(torch.nn.Module):
+class ForwardWithLogits(torch.nn.Module):
     """What gets compiled: the model forward and the logits of the rows we keep."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -77,7 +77,7 @@ class NeuronModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.attention_layers: list[str] = []
         self.stats = metrics.CallStats()
-        self.step_calls: list[str] = []  # the calls of the latest step, described (tests, debugging)
+        self.step_calls: list[Call] = []  # the calls of the latest step (tests, debugging, the step trace)
         self.serving = False  # warm-up calls are not traffic: tally calls only once it is over
         # Every rank runs every call; only the driver rank (TP rank 0) records traffic series, so that
         # Prometheus counters count steps once, not once per rank.
@@ -98,7 +98,7 @@ class NeuronModelRunner:
         if dump_dir and self.vllm_config.parallel_config.tensor_parallel_size > 1:
             dump_dir = f"{dump_dir}/rank-{self.tp_rank}"
         self.compiled_step, self.recorder = neuron_compile.compile_static(
-            ModelStep(self.model),
+            ForwardWithLogits(self.model),
             neuron_device.compile_backend(),
             self.buckets.num_graphs,
             strict=envs.VLLM_NEURON_STRICT_SHAPES,
@@ -231,11 +231,7 @@ class NeuronModelRunner:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
         logits = torch.empty(batch.num_reqs, self.model_config.get_vocab_size(), dtype=torch.float32)
-        # The first prefill chunk small enough rides along with the decode rows, in the same call.
-        rider = next((item for item in prefill if len(item[1].token_ids) <= self.buckets.mixed_tokens), None)
-        if decode and self._run_decode(decode, logits, rider):
-            prefill = [item for item in prefill if item is not rider]
-        self._run_prefill(prefill, logits)
+        self._run_calls(decode, prefill, logits)
         prepare = time.perf_counter() - step_start - self._forward_seconds
         self._pending = _PendingStep(
             scheduler_output, logits, partial, step_start, prepare, self._forward_seconds
@@ -255,111 +251,59 @@ class NeuronModelRunner:
             self._memory_sampled_at = now
             metrics.DEVICE_MEMORY_USED.set(neuron_device.memory_in_use())
 
-    def _run_decode(
-        self,
-        rows: list[tuple[int, Chunk]],
-        logits: torch.Tensor,
-        rider: tuple[int, Chunk] | None = None,
-    ) -> bool:
-        """Decode calls of at most the largest batch bucket; the first whose batch bucket has mixed calls
-        takes the prefill chunk `rider` along. Returns whether one did."""
-        largest, taken = self.buckets.decode_batch[-1], False
-        for first in range(0, len(rows), largest):
-            group = rows[first : first + largest]
-            chunks = [chunk for _, chunk in group]
-            batch_bucket = pick_bucket(self.buckets.decode_batch, len(chunks))
-            context = self.buckets.pick_decode_context(batch_bucket, [c.start + 1 for c in chunks])
-            num_pages = self.buckets.decode_pages(batch_bucket, context)
-            decode_call = f"decode of {len(chunks)} requests: batch {batch_bucket} x context {context}"
-            if (
-                not taken
-                and rider is not None
-                and self.buckets.has_mixed(batch_bucket, len(rider[1].token_ids))
-            ):
-                self._run_mixed(group, batch_bucket, context, num_pages, rider, decode_call, logits)
-                taken = True
-                continue
-            inputs = step_inputs.decode_inputs(
-                chunks, batch_bucket, num_pages, self.buckets.page_tokens, self.block_size, self.device
-            )
-            self.recorder.current_call = decode_call
-            self._tally("decode", f"{batch_bucket}x{context}", decode=(len(chunks), batch_bucket))
-            logits[[row for row, _ in group]] = self._run(inputs, "decode")
-        return taken
-
-    def _run_mixed(
-        self,
-        group: list[tuple[int, Chunk]],
-        batch_bucket: int,
-        context: int,
-        num_pages: int,
-        rider: tuple[int, Chunk],
-        decode_call: str,
-        logits: torch.Tensor,
+    def _run_calls(
+        self, decode: list[tuple[int, Chunk]], prefill: list[tuple[int, Chunk]], logits: torch.Tensor
     ) -> None:
-        row, chunk = rider
-        count, tokens = len(chunk.token_ids), self.buckets.mixed_tokens
-        chunk_context = self.buckets.context_tokens[-1]
-        inputs = step_inputs.mixed_inputs(
+        """Run the step's calls as `calls.plan_step` plans them; each fills the logits rows of its requests
+        (a sub-chunk's row is overwritten by the next: the last part of a chunk gives its logits)."""
+        plans = plan_step(
+            [chunk.start + 1 for _, chunk in decode],
+            [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill],
+            self.buckets,
+            self.block_size,
+        )
+        for plan in plans:
+            parts = []
+            for index, start, length in plan.parts:
+                chunk = prefill[index][1]
+                offset = start - chunk.start
+                parts.append(Chunk(chunk.token_ids[offset : offset + length], start, chunk.block_row))
+            rows = [decode[index][1] for index in plan.decode_rows]
+            out = self._run(self._inputs(plan.call, parts, rows), plan.call)
+            # Logits rows come in call order: the prefill parts' first, then the decode rows'.
+            batch_rows = [prefill[index][0] for index, _, _ in plan.parts]
+            logits[batch_rows + [decode[index][0] for index in plan.decode_rows]] = out
+
+    def _inputs(self, call: Call, parts: list[Chunk], rows: list[Chunk]) -> CallInputs:
+        if call.phase == "prefill":
+            return call_inputs.prefill_inputs(
+                parts, call.token_bucket, call.context, self.block_size, self.device
+            )
+        pages = self.buckets.decode_pages(call.batch, call.context)
+        if call.phase == "decode":
+            return call_inputs.decode_inputs(
+                rows, call.batch, pages, self.buckets.page_tokens, self.block_size, self.device
+            )
+        (chunk,) = parts
+        return call_inputs.mixed_inputs(
             chunk,
-            tokens,
-            chunk_context,
-            [c for _, c in group],
-            batch_bucket,
-            num_pages,
+            call.token_bucket,
+            call.chunk_context,
+            rows,
+            call.batch,
+            pages,
             self.buckets.page_tokens,
             self.block_size,
             self.device,
         )
-        self.recorder.current_call = (
-            f"{decode_call}, with prefill of {count} tokens at {chunk.start}: "
-            f"tokens {tokens} x context {chunk_context}"
-        )
-        bucket = f"{batch_bucket}x{context}+{tokens}"
-        self._tally("mixed", bucket, decode=(len(group), batch_bucket), prefill=(count, tokens))
-        out = self._run(inputs, "mixed")
-        logits[row] = out[0]
-        logits[[r for r, _ in group]] = out[1:]
-
-    def _run_prefill(self, rows: list[tuple[int, Chunk]], logits: torch.Tensor) -> None:
-        """The step's prefill chunks, packed into calls by `buckets.pack_prefill`."""
-        calls = pack_prefill(
-            [(chunk.start, len(chunk.token_ids)) for _, chunk in rows],
-            self.buckets.prefill_tokens[-1],
-            self.buckets.context_tokens[-1],
-            self.block_size,
-        )
-        for call in calls:
-            parts = []
-            for index, start, length in call.parts:
-                chunk = rows[index][1]
-                offset = start - chunk.start
-                parts.append(Chunk(chunk.token_ids[offset : offset + length], start, chunk.block_row))
-            tokens = pick_bucket(self.buckets.prefill_tokens, call.tokens)
-            context = pick_bucket(self.buckets.context_tokens, call.context)
-            shape = f"tokens {tokens} x context {context}"
-            if len(parts) == 1:
-                self.recorder.current_call = f"prefill of {call.tokens} tokens at {parts[0].start}: {shape}"
-            else:
-                self.recorder.current_call = (
-                    f"prefill of {len(parts)} requests, {call.tokens} tokens: {shape}"
-                )
-            self._tally("prefill", f"{tokens}x{context}", prefill=(call.tokens, tokens))
-            out = self._run(
-                step_inputs.prefill_inputs(parts, tokens, context, self.block_size, self.device), "prefill"
-            )
-            # A sub-chunk's row is overwritten by the next: the last part of a chunk gives its logits.
-            logits[[rows[index][0] for index, _, _ in call.parts]] = out
-
-    def _tally(self, call: str, bucket: str, **tokens: tuple[int, int]) -> None:
-        """Describe the call for step_calls and count it: `tokens` gives (real, slots) per token phase."""
-        self.step_calls.append(self.recorder.current_call)
-        if self.serving and self.records_traffic:
-            self.stats.record(call, bucket, tokens)
 
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
-    def _run(self, inputs: StepInputs, phase: str) -> torch.Tensor:
+    def _run(self, inputs: CallInputs, call: Call) -> torch.Tensor:
         """One compiled call; returns the float32 host logits of its real rows."""
+        self.step_calls.append(call)
+        self.recorder.current_call = call
+        if self.serving and self.records_traffic:
+            self.stats.record(call)
         start, graphs = time.perf_counter(), self.recorder.num_graphs
         metadata = dict.fromkeys(self.attention_layers, inputs.metadata)
         with set_forward_context(metadata, self.vllm_config, num_tokens=inputs.input_ids.shape[0]):
@@ -368,7 +312,7 @@ class NeuronModelRunner:
         seconds = time.perf_counter() - start
         self._forward_seconds += seconds
         if self.recorder.num_graphs > graphs:
-            metrics.COMPILE_SECONDS.labels(phase=phase).inc(seconds)
+            metrics.COMPILE_SECONDS.labels(phase=call.phase).inc(seconds)
         return logits
 
     @torch.no_grad()
@@ -414,7 +358,7 @@ class NeuronModelRunner:
         scheduled = step.scheduler_output.num_scheduled_tokens.values()
         self.trace.record(
             step.started,
-            self.step_calls,
+            [str(call) for call in self.step_calls],
             decode_rows=sum(1 for count in scheduled if count == 1),
             prefill_tokens=sum(count for count in scheduled if count > 1),
             prepare_s=step.prepare_seconds,

@@ -13,7 +13,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 from kv_cache.layout import NULL_BLOCK
-from vllm_neuron.buckets import BucketConfig, pick_bucket
+from vllm_neuron.buckets import BucketConfig, ceil_div, pick_bucket
 
 # Sampler variants: greedy, and one request with every host-side sampling feature, so their first use
 # while serving is not their first use at all.
@@ -44,7 +44,7 @@ class WarmupStep:
 
 
 def _request(req_id: str, prompt_len: int, computed: int, block_size: int, variant: int) -> NewRequestData:
-    num_blocks = -(-prompt_len // block_size)
+    num_blocks = ceil_div(prompt_len, block_size)
     return NewRequestData(
         req_id=req_id,
         prompt_token_ids=[0] * prompt_len,

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kv_cache.backend import NeuronAttentionMetadata, PagedQueries, TableQueries
+from kv_cache.backend import NeuronAttentionMetadata, PageQueries, TableQueries
 from kv_cache.layout import NULL_BLOCK, slot_mapping
-from vllm_neuron.buckets import PACKED_CHUNKS
+from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
 
 # First position of a padding decode page: past any context (and within int32, for device index types).
 PADDING_PAGE_START = 2**30
@@ -29,7 +29,7 @@ class Chunk:
 
 
 @dataclass
-class StepInputs:
+class CallInputs:
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
     logits_indices: torch.Tensor  # [rows whose logits we keep]
@@ -46,7 +46,7 @@ class _HostPart:
     slots: np.ndarray
     logits_indices: np.ndarray  # within the part; its real rows first
     num_real_rows: int
-    tables: dict[str, np.ndarray]  # the fields of its TableQueries / PagedQueries
+    tables: dict[str, np.ndarray]  # the fields of its TableQueries / PageQueries
 
 
 def _context_blocks(block_row: np.ndarray, num_blocks: int) -> np.ndarray:
@@ -78,7 +78,7 @@ def _table_part(
     for index, chunk in enumerate(chunks):
         count = len(chunk.token_ids)
         end = chunk.start + count
-        blocks = -(-end // block_size)
+        blocks = ceil_div(end, block_size)
         if tokens_used + count > token_bucket or blocks_used + blocks > num_blocks:
             raise ValueError(
                 f"{count} tokens at position {chunk.start} do not fit a context bucket of {context_bucket} "
@@ -124,7 +124,7 @@ def _paged_part(
     for row, chunk in enumerate(chunks):
         input_ids[row] = chunk.token_ids[0]
         positions[row] = chunk.start
-        row_pages = -(-(chunk.start + 1) // page_tokens)
+        row_pages = ceil_div(chunk.start + 1, page_tokens)
         blocks = _context_blocks(chunk.block_row, row_pages * blocks_per_page)
         slots[row] = slot_mapping(blocks, positions[row : row + 1], block_size)[0]
         if used + row_pages <= num_pages:
@@ -156,7 +156,7 @@ def decode_inputs(
     page_tokens: int,
     block_size: int,
     device: torch.device,
-) -> StepInputs:
+) -> CallInputs:
     """One token per request: rows = batch bucket, one query per row, over `num_pages` KV pages of
     `page_tokens` positions that the rows share, each row as many as its context needs (in row order).
 
@@ -170,7 +170,7 @@ def decode_inputs(
 
 def prefill_inputs(
     chunks: list[Chunk], token_bucket: int, context_bucket: int, block_size: int, device: torch.device
-) -> StepInputs:
+) -> CallInputs:
     """The chunks of up to PACKED_CHUNKS requests packed in one row of token_bucket queries, each over its
     own segment of the context bucket; keeps each chunk's last real token's logits. Every prefill call keeps
     PACKED_CHUNKS logits rows, so packing changes no shape."""
@@ -189,7 +189,7 @@ def mixed_inputs(
     page_tokens: int,
     block_size: int,
     device: torch.device,
-) -> StepInputs:
+) -> CallInputs:
     """A prefill chunk and decode rows in one call (one pass over the weights): the chunk's token_bucket
     queries first, then one per decode row over shared pages. Logits row 0 is the chunk's, rows 1.. the
     decode rows'."""
@@ -202,7 +202,7 @@ def mixed_inputs(
 
 def _to_device(
     device: torch.device, table: _HostPart | None = None, paged: _HostPart | None = None
-) -> StepInputs:
+) -> CallInputs:
     def put(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
@@ -211,14 +211,14 @@ def _to_device(
     for part in parts:
         logits_indices.append(part.logits_indices + offset)
         offset += len(part.input_ids)
-    return StepInputs(
+    return CallInputs(
         input_ids=put(np.concatenate([part.input_ids for part in parts])),
         positions=put(np.concatenate([part.positions for part in parts])),
         logits_indices=put(np.concatenate(logits_indices)),
         metadata=NeuronAttentionMetadata(
             slot_mapping=put(np.concatenate([part.slots for part in parts])),
             table=None if table is None else TableQueries(**{k: put(v) for k, v in table.tables.items()}),
-            paged=None if paged is None else PagedQueries(**{k: put(v) for k, v in paged.tables.items()}),
+            paged=None if paged is None else PageQueries(**{k: put(v) for k, v in paged.tables.items()}),
         ),
         # A mixed call's table part has one chunk, one logits row: the real rows of both parts come first.
         num_real_rows=sum(part.num_real_rows for part in parts),

@@ -1,4 +1,4 @@
-"""worker.step_inputs: bucket-shaped, padded host inputs of decode and prefill calls."""
+"""worker.call_inputs: bucket-shaped, padded host inputs of decode and prefill calls."""
 
 import numpy as np
 import pytest
@@ -7,9 +7,9 @@ import torch
 from kv_cache import ops
 from kv_cache.backend import NeuronAttentionImpl
 from kv_cache.layout import allocate
-from kv_cache.ops import decode_attention, paged_attention, write_kv
-from vllm_neuron.buckets import PACKED_CHUNKS
-from worker.step_inputs import Chunk, decode_inputs, mixed_inputs, prefill_inputs
+from kv_cache.ops import page_attention, table_attention, write_kv
+from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
+from worker.call_inputs import Chunk, decode_inputs, mixed_inputs, prefill_inputs
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -28,7 +28,7 @@ def expected_slot(row: np.ndarray, position: int) -> int:
 
 def expected_table_row(row: np.ndarray, end: int, num_blocks: int) -> list[int]:
     """The blocks of a context of `end` positions, then the null block up to the context bucket."""
-    ids = [int(b) for b in row[: -(-end // BLOCK_SIZE)]]
+    ids = [int(b) for b in row[: ceil_div(end, BLOCK_SIZE)]]
     return ids + [0] * (num_blocks - len(ids))
 
 
@@ -263,12 +263,12 @@ def test_padded_inputs_give_finite_attention():
         if meta.table is not None:
             query = torch.randn(1, tokens, 4, 8, generator=gen)
             table = meta.table
-            out = paged_attention(query, kv_cache, table.block_table, table.positions, 8**-0.5)
+            out = table_attention(query, kv_cache, table.block_table, table.positions, 8**-0.5)
         else:
             query = torch.randn(tokens, 4, 8, generator=gen)
             paged = meta.paged
             pages = (paged.page_blocks, paged.page_rows, paged.page_starts)
-            out = decode_attention(query, kv_cache, *pages, paged.positions, 8**-0.5)
+            out = page_attention(query, kv_cache, *pages, paged.positions, 8**-0.5)
         assert out.numel() == query.numel()
         assert torch.isfinite(out).all()
 
@@ -336,14 +336,14 @@ def test_the_layers_of_a_call_share_its_masks(monkeypatch):
     table, paged = mixed.metadata.table, mixed.metadata.paged
     on_the_spot = torch.cat(
         [
-            paged_attention(
+            table_attention(
                 query[:8].view(1, 8, heads, head_size),
                 kv_cache,
                 table.block_table,
                 table.positions,
                 impl.scale,
             ).view(8, heads, head_size),
-            decode_attention(
+            page_attention(
                 query[8:],
                 kv_cache,
                 paged.page_blocks,

@@ -1,0 +1,66 @@
+"""Helpers the test modules share: prompts, sampling parameters, engine configurations and runs."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.inputs import TokensPrompt
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 400) for _ in range(length)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def generate_ids(llm, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+PROMPTS = [random_prompt(n, seed=100 + n) for n in (3, 40, 120)]
+MAX_TOKENS = 12
+
+
+def run_engine(
+    model_dir: Path,
+    engine: dict,
+    env: dict[str, str | None],
+    prompts: list[list[int]] = PROMPTS,
+    max_tokens: int = MAX_TOKENS,
+    extra: dict | None = None,
+) -> dict:
+    request = {"model": str(model_dir), "engine": engine, "prompts": prompts, "max_tokens": max_tokens}
+    request |= extra or {}
+    child_env = dict(os.environ)
+    for name, value in env.items():
+        if value is None:
+            child_env.pop(name, None)
+        else:
+            child_env[name] = value
+    script = Path(__file__).with_name("generate_in_subprocess.py")
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(request)],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def engine_config(model_dir, **overrides):
+    """vLLM wraps errors raised by the platform hook in a pydantic ValidationError (a ValueError)."""
+    kwargs = dict(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=4)
+    kwargs.update(overrides)
+    return EngineArgs(**kwargs).create_engine_config()

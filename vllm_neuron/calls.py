@@ -1,0 +1,148 @@
+"""One compiled call, described as a value, and the rule that turns a scheduler step into calls. Pure Python,
+no torch.
+
+A `Call` is what the runner runs, what the compile recorder names in a recompile error and a lowered graph's
+label, what the padding metrics count, and what the bucket policy's simulation predicts. `plan_step` is the
+one rule that maps a step's decode rows and prefill chunks to calls: the runner (worker/model_runner.py) and
+the simulation (vllm_neuron/step_simulation.py) both call it. A step becomes one or more calls:
+- prefill: one or more requests' chunks packed in one row of queries (`chunks`), `tokens` real tokens
+  padded to `token_bucket`, attending over the context bucket `context`;
+- decode: `rows` requests of one token each, padded to the batch bucket `batch`, over the decode context
+  bucket `context`;
+- mixed: a decode call that also runs one prefill chunk of `tokens` tokens (padded to `token_bucket`), which
+  attends over `chunk_context`.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from vllm_neuron.buckets import BucketConfig, pack_prefill, pick_bucket
+
+Phase = Literal["prefill", "decode", "mixed"]
+
+
+@dataclass(frozen=True)
+class Call:
+    phase: Phase
+    context: int  # context bucket: the decode rows' (decode, mixed), the chunks' (prefill)
+    rows: int = 0  # real decode rows (decode, mixed)
+    batch: int = 0  # their batch bucket
+    tokens: int = 0  # real prefill tokens (prefill, mixed)
+    token_bucket: int = 0
+    chunks: int = 0  # prefill chunks in the call (prefill: 1 to PACKED_CHUNKS; mixed: 1)
+    start: int = 0  # position of the first prefill token (one chunk: where it starts in its request)
+    chunk_context: int = 0  # the context bucket a mixed call's chunk attends over
+
+    @classmethod
+    def prefill(
+        cls, tokens: int, token_bucket: int, context: int, *, chunks: int = 1, start: int = 0
+    ) -> "Call":
+        return cls("prefill", context, tokens=tokens, token_bucket=token_bucket, chunks=chunks, start=start)
+
+    @classmethod
+    def decode(cls, rows: int, batch: int, context: int) -> "Call":
+        return cls("decode", context, rows=rows, batch=batch)
+
+    def with_chunk(self, tokens: int, start: int, token_bucket: int, chunk_context: int) -> "Call":
+        """This decode call as a mixed call that also runs a prefill chunk."""
+        assert self.phase == "decode", self
+        return Call(
+            "mixed",
+            self.context,
+            rows=self.rows,
+            batch=self.batch,
+            tokens=tokens,
+            token_bucket=token_bucket,
+            chunks=1,
+            start=start,
+            chunk_context=chunk_context,
+        )
+
+    @property
+    def bucket(self) -> str:
+        """The graph's shape, as the bucket label of vllm_neuron:bucket_calls: prefill tokens x context,
+        decode batch x context, mixed batch x context + chunk tokens."""
+        if self.phase == "prefill":
+            return f"{self.token_bucket}x{self.context}"
+        decode = f"{self.batch}x{self.context}"
+        return decode if self.phase == "decode" else f"{decode}+{self.token_bucket}"
+
+    def padding(self) -> dict[str, tuple[int, int]]:
+        """(real, computed slots) for each token phase the call computes: a mixed call computes both."""
+        figures = {}
+        if self.phase != "prefill":
+            figures["decode"] = (self.rows, self.batch)
+        if self.phase != "decode":
+            figures["prefill"] = (self.tokens, self.token_bucket)
+        return figures
+
+    def __str__(self) -> str:
+        decode = f"decode of {self.rows} requests: batch {self.batch} x context {self.context}"
+        if self.phase == "decode":
+            return decode
+        if self.phase == "mixed":
+            return (
+                f"{decode}, with prefill of {self.tokens} tokens at {self.start}: "
+                f"tokens {self.token_bucket} x context {self.chunk_context}"
+            )
+        shape = f"tokens {self.token_bucket} x context {self.context}"
+        if self.chunks == 1:
+            return f"prefill of {self.tokens} tokens at {self.start}: {shape}"
+        return f"prefill of {self.chunks} requests, {self.tokens} tokens: {shape}"
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """A call of a step and what it runs: `decode_rows` index the step's decode rows, `parts` are
+    (chunk index, start, length) of the prefill chunks it runs, in call order."""
+
+    call: Call
+    decode_rows: tuple[int, ...] = ()
+    parts: tuple[tuple[int, int, int], ...] = ()
+
+
+def plan_step(
+    decode_contexts: Sequence[int], chunks: Sequence[tuple[int, int]], buckets: BucketConfig, block_size: int
+) -> list[CallPlan]:
+    """The calls of one step, in the order they run. `decode_contexts`: each decode row's context (its
+    position + 1), in batch order; `chunks`: each prefill chunk's (start, length), in batch order.
+
+    Decode rows run in calls of at most the largest batch bucket; the first of those whose batch bucket has
+    mixed calls takes along the first chunk of at most `buckets.mixed_tokens` tokens. The other chunks are
+    packed into prefill calls by `pack_prefill`."""
+    plans: list[CallPlan] = []
+    rider = next((i for i, (_, length) in enumerate(chunks) if length <= buckets.mixed_tokens), None)
+    taken = None
+    largest = buckets.decode_batch[-1]
+    for first in range(0, len(decode_contexts), largest):
+        rows = tuple(range(first, min(first + largest, len(decode_contexts))))
+        batch = pick_bucket(buckets.decode_batch, len(rows))
+        call = Call.decode(
+            len(rows), batch, buckets.pick_decode_context(batch, [decode_contexts[r] for r in rows])
+        )
+        if taken is None and rider is not None and buckets.has_mixed(batch, chunks[rider][1]):
+            taken = rider
+            start, length = chunks[rider]
+            call = call.with_chunk(length, start, buckets.mixed_tokens, buckets.context_tokens[-1])
+            plans.append(CallPlan(call, rows, ((rider, start, length),)))
+            continue
+        plans.append(CallPlan(call, rows))
+    remaining = [index for index in range(len(chunks)) if index != taken]
+    packed_calls = pack_prefill(
+        [chunks[index] for index in remaining],
+        buckets.prefill_tokens[-1],
+        buckets.context_tokens[-1],
+        block_size,
+    )
+    for packed in packed_calls:
+        parts = tuple((remaining[index], start, length) for index, start, length in packed.parts)
+        call = Call.prefill(
+            packed.tokens,
+            pick_bucket(buckets.prefill_tokens, packed.tokens),
+            pick_bucket(buckets.context_tokens, packed.context),
+            chunks=len(parts),
+            start=parts[0][1],
+        )
+        plans.append(CallPlan(call, parts=parts))
+    return plans
