@@ -280,6 +280,21 @@ def _fastest_by_graphs(candidates: Iterable[tuple[float, int, Any]]) -> dict[int
     return fastest
 
 
+# A half of a bucket set: (prefill tokens, contexts) or (decode batch, decode contexts)
+Half = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _joined(
+    prefill_halves: dict[int, tuple[float, Half]], decode_halves: dict[int, tuple[float, Half]], budget: int
+) -> Iterator[tuple[tuple[float, int], tuple[Half, Half]]]:
+    """((time, graphs), (prefill half, decode half)) of every pair of halves that fits the budget."""
+    for (prefill_graphs, (prefill_ms, prefill)), (decode_graphs, (decode_ms, decode)) in itertools.product(
+        sorted(prefill_halves.items()), sorted(decode_halves.items())
+    ):
+        if prefill_graphs + decode_graphs <= budget:
+            yield (prefill_ms + decode_ms, prefill_graphs + decode_graphs), (prefill, decode)
+
+
 def auto_buckets(
     traffic: TrafficShape,
     *,
@@ -318,8 +333,11 @@ def auto_buckets(
     page_tokens = decode_page_tokens(block_size)
     mixed_tokens = prefill_tokens_while_decoding if mixed_calls else 0
 
+    def mixed_batch_of(batch: tuple[int, ...]) -> tuple[int, ...]:
+        return light_load_batches(batch, max_num_seqs) if mixed_calls else ()
+
     def with_mixed(buckets: BucketConfig) -> BucketConfig:
-        mixed_batch = light_load_batches(buckets.decode_batch, max_num_seqs) if mixed_calls else ()
+        mixed_batch = mixed_batch_of(buckets.decode_batch)
         return replace(buckets, mixed_tokens=mixed_tokens if mixed_batch else 0, mixed_batch=mixed_batch)
 
     minimal = with_mixed(BucketConfig((max_chunk,), (max_num_seqs,), (max_context,), page_tokens))
@@ -337,17 +355,15 @@ def auto_buckets(
         seed=seed,
     )
     most = graph_budget - 1  # buckets in one dimension: the other phase needs a graph too
-    batch_options = decode_options(trace, max_num_seqs, most)
-    # Which steps run mixed calls depends on the decode batch buckets only; it decides the prefill calls.
-    mixed_of = {
-        batch: mixed_steps(
-            trace, batch, with_mixed(replace(minimal, decode_batch=batch)).mixed_batch, mixed_tokens
-        )
-        for batch in batch_options
-    }
-    masks = {mask.tobytes(): mask for mask in mixed_of.values()}
+    # Which steps' chunks ride in mixed calls depends on the decode batch buckets only, and decides which
+    # chunks are left to prefill calls: the halves are searched and joined for each such choice.
+    groups: dict[bytes, tuple[np.ndarray, list[tuple[int, ...]]]] = {}
+    for batch in decode_options(trace, max_num_seqs, most):
+        mixed = mixed_steps(trace, batch, mixed_batch_of(batch), mixed_tokens)
+        groups.setdefault(mixed.tobytes(), (mixed, []))[1].append(batch)
+    decode_context_sets = decode_context_options(trace, page_tokens, max_context, most)
 
-    def prefill_candidates(mixed: np.ndarray) -> Iterator[tuple[float, int, tuple[tuple[int, ...], ...]]]:
+    def prefill_candidates(mixed: np.ndarray) -> Iterator[tuple[float, int, Half]]:
         calls = prefill_calls(trace, mixed, max_chunk, max_context, block_size)
         for tokens, contexts in itertools.product(
             prefill_options(calls, max_chunk, most),
@@ -360,42 +376,33 @@ def auto_buckets(
             if graphs < graph_budget:
                 yield prefill_figures(half, calls, costs)["prefill_ms"], graphs, (tokens, contexts)
 
-    def decode_candidates(key: bytes) -> Iterator[tuple[float, int, tuple[tuple[int, ...], ...]]]:
-        for batch, contexts in itertools.product(
-            batch_options, decode_context_options(trace, page_tokens, max_context, most)
-        ):
-            if mixed_of[batch].tobytes() != key or len(batch) * len(contexts) >= graph_budget:
-                continue  # (the contexts are distinct page counts)
+    def decode_candidates(
+        mixed: np.ndarray, batches: list[tuple[int, ...]]
+    ) -> Iterator[tuple[float, int, Half]]:
+        for batch, contexts in itertools.product(batches, decode_context_sets):
+            if len(batch) * len(contexts) >= graph_budget:  # the contexts are distinct page counts
+                continue
             half = with_mixed(
                 BucketConfig((max_chunk,), batch, (max_context,), page_tokens, decode_context_tokens=contexts)
             )
             graphs = len(half.decode_shapes()) + len(half.mixed_shapes())
             if graphs < graph_budget:
-                yield (
-                    decode_figures(half, trace, mixed_of[batch], costs)["decode_ms"],
-                    graphs,
-                    (batch, contexts),
-                )
+                yield decode_figures(half, trace, mixed, costs)["decode_ms"], graphs, (batch, contexts)
 
     best, best_key = minimal, None
-    for key, mixed in masks.items():
+    for mixed, batches in groups.values():
         prefill_halves = _fastest_by_graphs(prefill_candidates(mixed))
-        decode_halves = _fastest_by_graphs(decode_candidates(key))
-        for (prefill_graphs, (prefill_ms, prefill)), (
-            decode_graphs,
-            (decode_ms, decode),
-        ) in itertools.product(sorted(prefill_halves.items()), sorted(decode_halves.items())):
-            if prefill_graphs + decode_graphs > graph_budget:
-                continue
-            candidate = (prefill_ms + decode_ms, prefill_graphs + decode_graphs)
-            if best_key is None or _better(candidate, best_key):
-                (tokens, contexts), (batch, decode_contexts) = prefill, decode
+        decode_halves = _fastest_by_graphs(decode_candidates(mixed, batches))
+        for key, ((tokens, contexts), (batch, decode_contexts)) in _joined(
+            prefill_halves, decode_halves, graph_budget
+        ):
+            if best_key is None or _better(key, best_key):
                 # Decode contexts that read the same pages as the context buckets are no setting of their own.
                 own = BucketConfig(
                     tokens, batch, contexts, page_tokens, decode_context_tokens=decode_contexts
                 )
                 shared = replace(own, decode_context_tokens=())
                 best = with_mixed(shared if shared.decode_contexts() == own.decode_contexts() else own)
-                best_key = candidate
+                best_key = key
     validate_buckets(best, **limits, block_size=block_size)
     return best
