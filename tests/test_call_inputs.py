@@ -57,7 +57,14 @@ def tensors_of(meta) -> list[torch.Tensor]:
 def test_decode_inputs(batch_bucket, num_pages):
     chunks = DECODE_CHUNKS
 
-    inputs = decode_inputs(chunks, batch_bucket, num_pages, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    inputs = decode_inputs(
+        chunks,
+        batch_bucket=batch_bucket,
+        num_pages=num_pages,
+        page_tokens=PAGE_TOKENS,
+        block_size=BLOCK_SIZE,
+        device=CPU,
+    )
     meta, paged = inputs.metadata, inputs.metadata.paged
 
     assert inputs.input_ids.shape == (batch_bucket,)
@@ -93,7 +100,9 @@ def test_decode_inputs(batch_bucket, num_pages):
 def test_a_lone_decode_row_attends_over_its_own_blocks():
     """Batch bucket 1 shares no pages: the row's first num_pages pages of blocks, as a block table."""
     chunk = DECODE_CHUNKS[1]  # position 9 of blocks 8, 2, 7
-    inputs = decode_inputs([chunk], 1, 3, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    inputs = decode_inputs(
+        [chunk], batch_bucket=1, num_pages=3, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE, device=CPU
+    )
     meta = inputs.metadata
     assert meta.paged is None and meta.table.block_table.tolist() == [[8, 2, 7, 0, 0, 0]]
     assert not meta.table.first_keys.any()
@@ -101,17 +110,33 @@ def test_a_lone_decode_row_attends_over_its_own_blocks():
     assert meta.slot_mapping.tolist() == [expected_slot(chunk.block_row, 9)]
     assert inputs.logits_indices.tolist() == [0] and inputs.num_real_rows == 1
     with pytest.raises(ValueError, match="do not fit a context bucket of 8"):
-        decode_inputs([chunk], 1, 1, PAGE_TOKENS, BLOCK_SIZE, CPU)
+        decode_inputs(
+            [chunk], batch_bucket=1, num_pages=1, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE, device=CPU
+        )
 
 
 def test_decode_inputs_refuse_rows_beyond_the_pages():
     with pytest.raises(ValueError, match="need 4 KV pages, the call has 3"):
-        decode_inputs(DECODE_CHUNKS, 3, 3, PAGE_TOKENS, BLOCK_SIZE, CPU)
+        decode_inputs(
+            DECODE_CHUNKS,
+            batch_bucket=3,
+            num_pages=3,
+            page_tokens=PAGE_TOKENS,
+            block_size=BLOCK_SIZE,
+            device=CPU,
+        )
 
 
 def test_decode_inputs_does_not_alias_the_block_row():
     chunk = Chunk(np.array([1]), 2, block_row(4, 5))
-    inputs = decode_inputs([chunk, chunk], 2, 2, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    inputs = decode_inputs(
+        [chunk, chunk],
+        batch_bucket=2,
+        num_pages=2,
+        page_tokens=PAGE_TOKENS,
+        block_size=BLOCK_SIZE,
+        device=CPU,
+    )
     chunk.block_row[0] = 99
     assert inputs.metadata.paged.page_blocks[0].tolist() == [4, 5]
 
@@ -131,7 +156,13 @@ def test_prefill_inputs(start, count, token_bucket, context_bucket):
     tokens = np.arange(100, 100 + count, dtype=np.int32)
     num_blocks = context_bucket // BLOCK_SIZE
 
-    inputs = prefill_inputs([Chunk(tokens, start, row)], token_bucket, context_bucket, BLOCK_SIZE, CPU)
+    inputs = prefill_inputs(
+        [Chunk(tokens, start, row)],
+        token_bucket=token_bucket,
+        context_bucket=context_bucket,
+        block_size=BLOCK_SIZE,
+        device=CPU,
+    )
     meta, table = inputs.metadata, inputs.metadata.table
 
     assert meta.paged is None
@@ -164,7 +195,7 @@ PACKED = [
 
 
 def test_prefill_inputs_pack_chunks_each_over_its_own_segment():
-    inputs = prefill_inputs(PACKED, 16, 32, BLOCK_SIZE, CPU)
+    inputs = prefill_inputs(PACKED, token_bucket=16, context_bucket=32, block_size=BLOCK_SIZE, device=CPU)
     meta, table = inputs.metadata, inputs.metadata.table
     assert inputs.input_ids[:10].tolist() == [*range(100, 105), *range(200, 203), 300, 301]
     assert inputs.positions[:10].tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 0, 1]  # rotary: their own positions
@@ -189,9 +220,15 @@ def test_prefill_inputs_pack_chunks_each_over_its_own_segment():
 )
 def test_prefill_inputs_refuse_a_pack_beyond_the_buckets(token_bucket, context_bucket, message):
     with pytest.raises(ValueError, match=message):
-        prefill_inputs(PACKED, token_bucket, context_bucket, BLOCK_SIZE, CPU)
+        prefill_inputs(
+            PACKED,
+            token_bucket=token_bucket,
+            context_bucket=context_bucket,
+            block_size=BLOCK_SIZE,
+            device=CPU,
+        )
     with pytest.raises(ValueError, match="keeps 8 logits rows"):
-        prefill_inputs(PACKED * 3, 64, 128, BLOCK_SIZE, CPU)
+        prefill_inputs(PACKED * 3, token_bucket=64, context_bucket=128, block_size=BLOCK_SIZE, device=CPU)
 
 
 def test_packed_chunks_attend_as_each_alone():
@@ -202,7 +239,7 @@ def test_packed_chunks_attend_as_each_alone():
     gen = torch.Generator().manual_seed(5)
     kv_cache = allocate(16, BLOCK_SIZE, kv_heads, head_size, torch.float32, CPU)
     kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen))  # the second chunk's prefix, and stale keys
-    packed = prefill_inputs(PACKED, 16, 32, BLOCK_SIZE, CPU)
+    packed = prefill_inputs(PACKED, token_bucket=16, context_bucket=32, block_size=BLOCK_SIZE, device=CPU)
     query = torch.randn(16, heads, head_size, generator=gen)
     key, value = torch.randn(2, 16, kv_heads, head_size, generator=gen)
 
@@ -218,7 +255,7 @@ def test_packed_chunks_attend_as_each_alone():
     separate_cache, separate, first = kv_cache.clone(), [], 0
     for chunk in PACKED:
         count = len(chunk.token_ids)
-        alone = prefill_inputs([chunk], 8, 16, BLOCK_SIZE, CPU)
+        alone = prefill_inputs([chunk], token_bucket=8, context_bucket=16, block_size=BLOCK_SIZE, device=CPU)
         separate.append(attend(separate_cache, alone, slice(first, first + count)))
         first += count
     together = attend(kv_cache, packed, slice(0, 10))
@@ -228,10 +265,24 @@ def test_packed_chunks_attend_as_each_alone():
 
 def test_mixed_inputs_put_the_chunk_first_then_the_decode_rows():
     chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
-    inputs = mixed_inputs(chunk, 8, 16, DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    inputs = mixed_inputs(
+        chunk,
+        DECODE_CHUNKS,
+        token_bucket=8,
+        context_bucket=16,
+        batch_bucket=4,
+        num_pages=5,
+        page_tokens=PAGE_TOKENS,
+        block_size=BLOCK_SIZE,
+        device=CPU,
+    )
     meta, table, paged = inputs.metadata, inputs.metadata.table, inputs.metadata.paged
-    alone_chunk = prefill_inputs([chunk], 8, 16, BLOCK_SIZE, CPU)
-    alone_decode = decode_inputs(DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    alone_chunk = prefill_inputs(
+        [chunk], token_bucket=8, context_bucket=16, block_size=BLOCK_SIZE, device=CPU
+    )
+    alone_decode = decode_inputs(
+        DECODE_CHUNKS, batch_bucket=4, num_pages=5, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE, device=CPU
+    )
 
     assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *tensors_of(meta))
     # Tokens, positions and slots: the chunk's 8 (padded), then the 4 decode rows, each as alone.
@@ -253,8 +304,16 @@ def test_padded_inputs_give_finite_attention():
     """The padding conventions hold up in the kernels: padded rows, queries and pages produce no NaN."""
     kv_cache = allocate(16, BLOCK_SIZE, 2, 8, torch.float32, CPU)
     gen = torch.Generator().manual_seed(0)
-    decode = decode_inputs(DECODE_CHUNKS, 8, 9, PAGE_TOKENS, BLOCK_SIZE, CPU)
-    prefill = prefill_inputs([Chunk(np.arange(1, 6), 6, block_row(9, 4, 13))], 8, 16, BLOCK_SIZE, CPU)
+    decode = decode_inputs(
+        DECODE_CHUNKS, batch_bucket=8, num_pages=9, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE, device=CPU
+    )
+    prefill = prefill_inputs(
+        [Chunk(np.arange(1, 6), 6, block_row(9, 4, 13))],
+        token_bucket=8,
+        context_bucket=16,
+        block_size=BLOCK_SIZE,
+        device=CPU,
+    )
     for inputs in (prefill, decode):
         meta = inputs.metadata
         tokens = meta.slot_mapping.shape[0]
@@ -283,10 +342,27 @@ def test_a_mixed_call_attends_like_its_parts_alone():
     kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen))
     chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
     parts = [
-        prefill_inputs([chunk], 8, 16, BLOCK_SIZE, CPU),
-        decode_inputs(DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU),
+        prefill_inputs([chunk], token_bucket=8, context_bucket=16, block_size=BLOCK_SIZE, device=CPU),
+        decode_inputs(
+            DECODE_CHUNKS,
+            batch_bucket=4,
+            num_pages=5,
+            page_tokens=PAGE_TOKENS,
+            block_size=BLOCK_SIZE,
+            device=CPU,
+        ),
     ]
-    mixed = mixed_inputs(chunk, 8, 16, DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    mixed = mixed_inputs(
+        chunk,
+        DECODE_CHUNKS,
+        token_bucket=8,
+        context_bucket=16,
+        batch_bucket=4,
+        num_pages=5,
+        page_tokens=PAGE_TOKENS,
+        block_size=BLOCK_SIZE,
+        device=CPU,
+    )
     tokens = mixed.input_ids.shape[0]
     # Shaped as vLLM's Attention layer hands them to the backend.
     query = torch.randn(tokens, heads, head_size, generator=gen)
@@ -315,7 +391,17 @@ def test_the_layers_of_a_call_share_its_masks(monkeypatch):
     impl = NeuronAttentionImpl(heads, head_size, head_size**-0.5, num_kv_heads=kv_heads)
     gen = torch.Generator().manual_seed(4)
     chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
-    mixed = mixed_inputs(chunk, 8, 16, DECODE_CHUNKS, 4, 5, PAGE_TOKENS, BLOCK_SIZE, CPU)
+    mixed = mixed_inputs(
+        chunk,
+        DECODE_CHUNKS,
+        token_bucket=8,
+        context_bucket=16,
+        batch_bucket=4,
+        num_pages=5,
+        page_tokens=PAGE_TOKENS,
+        block_size=BLOCK_SIZE,
+        device=CPU,
+    )
     tokens = mixed.input_ids.shape[0]
     built = []
     for name in ("context_mask", "page_masks"):

@@ -87,7 +87,12 @@ def test_off_bucket_call_is_refused_in_strict_mode(llm):
     odd_batch = 3  # decode buckets are 1, 2, 4
     pages, page_tokens = runner.buckets.decode_pages(odd_batch, 128), runner.buckets.page_tokens
     inputs = call_inputs.decode_inputs(
-        [chunk], odd_batch, pages, page_tokens, runner.block_size, runner.device
+        [chunk],
+        batch_bucket=odd_batch,
+        num_pages=pages,
+        page_tokens=page_tokens,
+        block_size=runner.block_size,
+        device=runner.device,
     )
     with pytest.raises(Exception, match="decode of 1 requests: batch 3 x context 128.*decode_batch_buckets"):
         runner._run(inputs, Call.decode(rows=1, batch=odd_batch, context=128))

@@ -1,6 +1,7 @@
 """The only caller of torch.compile: static shapes, full graphs, every graph recorded, recompiles guarded.
 
-`CompileRecorder` sits between dynamo and the real backend (neuron, eager, inductor). Dynamo hands a
+`CompileRecorder` sits between dynamo and the real backend (neuron; stablehlo, which lowers each graph along
+TorchNeuron's route and runs it on the CPU, vllm_neuron/stablehlo.py; eager; inductor). Dynamo hands a
 backend one graph per new input signature, so the recorder sees every compile, whatever the backend:
 - it refuses what TorchNeuron's compiler refuses (symbolic shapes, float64, non-contiguous inputs), so CPU
   runs fail where a Neuron compile would;

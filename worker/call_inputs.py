@@ -151,6 +151,7 @@ def _paged_part(
 
 def decode_inputs(
     chunks: list[Chunk],
+    *,
     batch_bucket: int,
     num_pages: int,
     page_tokens: int,
@@ -169,7 +170,7 @@ def decode_inputs(
 
 
 def prefill_inputs(
-    chunks: list[Chunk], token_bucket: int, context_bucket: int, block_size: int, device: torch.device
+    chunks: list[Chunk], *, token_bucket: int, context_bucket: int, block_size: int, device: torch.device
 ) -> CallInputs:
     """The chunks of up to PACKED_CHUNKS requests packed in one row of token_bucket queries, each over its
     own segment of the context bucket; keeps each chunk's last real token's logits. Every prefill call keeps
@@ -181,9 +182,10 @@ def prefill_inputs(
 
 def mixed_inputs(
     chunk: Chunk,
+    decode_chunks: list[Chunk],
+    *,
     token_bucket: int,
     context_bucket: int,
-    decode_chunks: list[Chunk],
     batch_bucket: int,
     num_pages: int,
     page_tokens: int,

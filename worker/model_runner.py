@@ -277,24 +277,33 @@ class NeuronModelRunner:
     def _inputs(self, call: Call, parts: list[Chunk], rows: list[Chunk]) -> CallInputs:
         if call.phase == "prefill":
             return call_inputs.prefill_inputs(
-                parts, call.token_bucket, call.context, self.block_size, self.device
+                parts,
+                token_bucket=call.token_bucket,
+                context_bucket=call.context,
+                block_size=self.block_size,
+                device=self.device,
             )
         pages = self.buckets.decode_pages(call.batch, call.context)
         if call.phase == "decode":
             return call_inputs.decode_inputs(
-                rows, call.batch, pages, self.buckets.page_tokens, self.block_size, self.device
+                rows,
+                batch_bucket=call.batch,
+                num_pages=pages,
+                page_tokens=self.buckets.page_tokens,
+                block_size=self.block_size,
+                device=self.device,
             )
         (chunk,) = parts
         return call_inputs.mixed_inputs(
             chunk,
-            call.token_bucket,
-            call.chunk_context,
             rows,
-            call.batch,
-            pages,
-            self.buckets.page_tokens,
-            self.block_size,
-            self.device,
+            token_bucket=call.token_bucket,
+            context_bucket=call.chunk_context,
+            batch_bucket=call.batch,
+            num_pages=pages,
+            page_tokens=self.buckets.page_tokens,
+            block_size=self.block_size,
+            device=self.device,
         )
 
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
