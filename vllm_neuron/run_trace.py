@@ -87,14 +87,13 @@ def record(steps: Iterable[Step], *, max_num_seqs: int, mixed_tokens: int) -> Tr
     contexts: list[int] = []
     decode: list[tuple[int, int, int, int]] = []  # (size, repeat, rider tokens, rider work) of each step
     for number, step in enumerate(steps):
-        # plan_step's rider: the first chunk short enough, where the step has decode rows to ride with.
-        rider = next((i for i, (_, n) in enumerate(step.chunks) if n <= mixed_tokens), None)
+        rider = None
         if step.decode_contexts:
-            contexts += step.decode_contexts
+            # plan_step's rider: the first chunk short enough to ride with the step's decode rows.
+            rider = next((i for i, (_, n) in enumerate(step.chunks) if n <= mixed_tokens), None)
             start, length = step.chunks[rider] if rider is not None else (0, 0)
+            contexts += step.decode_contexts
             decode.append((len(step.decode_contexts), step.repeat, length, causal_work(length, start)))
-        else:
-            rider = None
         chunks += [
             (number, length, start, len(decode) - 1 if index == rider else -1)
             for index, (start, length) in enumerate(step.chunks)
