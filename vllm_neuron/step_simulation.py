@@ -73,6 +73,7 @@ class SchedulerModel:
             self.running.remove(key)
         elif key in self.waiting:
             self.waiting.remove(key)
+        self.requests.pop(key, None)
 
     def step(self) -> tuple[Step, list[Hashable]]:
         """Schedule and run one step: the step, and the requests that finished in it."""
@@ -141,6 +142,7 @@ class SchedulerModel:
             request.generated += repeat if was_decoding else 1  # every step past the prompt samples a token
             if request.generated >= request.output:
                 self.running.remove(key)
+                del self.requests[key]
                 finished.append(key)
         return step, finished
 
