@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import ROOT, Config, Server  # noqa: E402
 
-# The auto policy's 20 prefill and decode graphs for this traffic, plus the 9 mixed calls of its light-load
-# decode batches (1, 8, 16) at its three decode context buckets (384, 512, 2048).
+# The auto policy's 21 prefill and decode graphs for this traffic in CPU mode, plus the 9 mixed calls of its
+# light-load decode batches (1, 8, 16) at its three decode context buckets (384, 512, 2048).
 GRAPH_BUDGET = 30
 
 

@@ -197,6 +197,19 @@ def test_automatic_bucket_policy_fits_the_graph_budget(tiny_model_dir):
     assert config.additional_config["decode_batch_buckets"][0] == 1
 
 
+def test_automatic_bucket_policy_plans_with_the_cost_profile_asked_for(tiny_model_dir):
+    """CPU mode plans with the CPU profile unless told otherwise; the trn2 estimate weighs a call's pass over
+    the weights against ~220 token slots instead of 64, so it chooses other buckets."""
+    from vllm_neuron.config import NeuronConfig
+
+    def chosen(**policy):
+        settings = {"bucket_policy": "auto", "graph_budget": 12, **policy}
+        config = engine_config(tiny_model_dir, max_num_batched_tokens=128, additional_config=settings)
+        return NeuronConfig.from_vllm_config(config).buckets
+
+    assert chosen() == chosen(call_costs="cpu") != chosen(call_costs="trn2")
+
+
 @pytest.mark.parametrize(
     ("additional_config", "message"),
     [
@@ -204,6 +217,8 @@ def test_automatic_bucket_policy_fits_the_graph_budget(tiny_model_dir):
         ({"graph_budget": 12}, "only apply with"),
         ({"bucket_policy": "auto", "graph_budget": 1}, "raise graph_budget"),
         ({"bucket_policy": "auto", "traffic": {"prompt_len": [8, 64]}}, "missing"),
+        ({"bucket_policy": "auto", "call_costs": "gpu"}, r"call_costs must be one of \['cpu', 'trn2'\]"),
+        ({"call_costs": "trn2"}, "only apply with"),
     ],
 )
 def test_bad_policy_settings_fail_at_start_up(tiny_model_dir, additional_config, message):

@@ -206,11 +206,6 @@ def light_load_batches(decode_batch: Sequence[int], max_num_seqs: int) -> tuple[
     return tuple(batch for batch in decode_batch if batch <= largest and batch < max_num_seqs)
 
 
-def mixed_graphs(buckets: BucketConfig, mixed_batch: Sequence[int]) -> int:
-    """Graphs the mixed calls of these decode batch buckets add to a bucket set."""
-    return sum(1 for batch, _ in buckets.decode_shapes() if batch in mixed_batch)
-
-
 def default_buckets(
     *, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, block_size: int
 ) -> BucketConfig:

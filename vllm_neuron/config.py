@@ -25,7 +25,7 @@ BUCKET_SETTINGS = {
     "decode_context_buckets": "VLLM_NEURON_DECODE_CONTEXT_BUCKETS",  # []: the context buckets
 }
 # --additional-config keys of the automatic bucket policy (docs/buckets.md)
-POLICY_SETTINGS = ("bucket_policy", "graph_budget", "traffic")
+POLICY_SETTINGS = ("bucket_policy", "graph_budget", "traffic", "call_costs")
 # --additional-config key: prefill tokens per step while requests decode (vllm_neuron/scheduler.py)
 INTERLEAVE_SETTING = "prefill_tokens_while_decoding"
 # --additional-config key: decode batch buckets whose calls take a capped prefill chunk along (buckets.py)
@@ -157,13 +157,15 @@ def _policy_buckets(additional: dict[str, Any], limits: dict[str, int]) -> Bucke
     """The bucket sets before explicit lists override them: powers of two, or the automatic policy."""
     policy = additional.get("bucket_policy", "default")
     if policy == "default":
-        stray = [key for key in ("graph_budget", "traffic") if key in additional]
+        stray = [key for key in POLICY_SETTINGS[1:] if key in additional]
         if stray:
             raise NeuronConfigError(f'{stray} only apply with "bucket_policy": "auto"')
         return default_buckets(**limits)
     if policy != "auto":
         raise NeuronConfigError(f'bucket_policy must be "default" or "auto", got {policy!r}')
-    from vllm_neuron.bucket_policy import TrafficShape, auto_buckets
+    from vllm_neuron.bucket_policy import auto_buckets
+    from vllm_neuron.call_costs import PROFILES, profile_for
+    from vllm_neuron.traffic import TrafficShape
 
     budget = additional.get("graph_budget", DEFAULT_GRAPH_BUDGET)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
@@ -176,10 +178,34 @@ def _policy_buckets(additional: dict[str, Any], limits: dict[str, int]) -> Bucke
             "concurrency": limits["max_num_seqs"],
         },
     )
+    # The policy plans with the costs of the device it serves on, unless told otherwise.
+    costs = additional.get("call_costs", profile_for(neuron_device.mode()))
+    if costs not in PROFILES:
+        raise NeuronConfigError(f"call_costs must be one of {sorted(PROFILES)}, got {costs!r}")
     try:
         traffic = TrafficShape.from_dict(declared)
         # The budget covers the mixed calls the bucket set will get (none if the prefill cap is off).
         mixed = additional.get(INTERLEAVE_SETTING) != 0 and additional.get(MIXED_SETTING) != []
-        return auto_buckets(traffic, **limits, graph_budget=budget, mixed_calls=mixed)
+        return auto_buckets(
+            traffic,
+            **limits,
+            graph_budget=budget,
+            mixed_calls=mixed,
+            prefill_tokens_while_decoding=_planned_share(additional, limits, mixed),
+            costs=PROFILES[costs],
+        )
     except ValueError as err:
         raise NeuronConfigError(f"automatic bucket policy: {err}") from None
+
+
+def _planned_share(additional: dict[str, Any], limits: dict[str, int], mixed: bool) -> int:
+    """The prefill share the policy simulates the scheduler with: the one `_interleave_tokens` gives the
+    chosen buckets. Without mixed calls the default share is the smallest prefill bucket of at least
+    DEFAULT_SEPARATE_CHUNK_TOKENS, a bucket the policy is about to choose: it plans with that size."""
+    value = additional.get(INTERLEAVE_SETTING)
+    if value is not None:
+        return value
+    max_chunk = min(limits["max_num_batched_tokens"], limits["max_model_len"])
+    if mixed:
+        return min(neuron_device.mixed_chunk_tokens(), max_chunk)
+    return min(DEFAULT_SEPARATE_CHUNK_TOKENS, max_chunk)
