@@ -208,6 +208,11 @@ class NeuronModelRunner:
             self.neuron_config.prefill_tokens_while_decoding or "unlimited",
         )
 
+    def shutdown(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
     # ---- one step -----------------------------------------------------------------------------------
 
     @torch.no_grad()

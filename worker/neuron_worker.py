@@ -152,7 +152,9 @@ class NeuronWorker(WorkerBase):
         return set()
 
     def shutdown(self) -> None:
-        return None
+        runner = getattr(self, "model_runner", None)  # absent if init_device failed
+        if runner is not None:
+            runner.shutdown()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
