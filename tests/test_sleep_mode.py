@@ -74,6 +74,22 @@ def test_a_request_added_while_asleep_waits_and_is_served_after_wake_up(llm):
     assert tokens == expected
 
 
+def test_the_worker_refuses_a_step_while_asleep(llm):
+    from worker import warmup
+
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    runner = worker.model_runner
+    [first, *_] = warmup.warmup_steps(
+        runner.buckets, max_model_len=runner.model_config.max_model_len, block_size=runner.block_size
+    )
+    llm.sleep(level=1)
+    try:
+        with pytest.raises(RuntimeError, match="wake_up"):
+            worker.execute_model(first.step)
+    finally:
+        llm.wake_up()
+
+
 def test_wake_up_by_tag_resumes_serving_only_when_everything_is_back(llm):
     runner = model_runner(llm)
     expected = generate_ids(llm, PROMPTS[:1], greedy(6))
