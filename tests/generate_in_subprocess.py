@@ -5,7 +5,8 @@ engines of other dtypes run here, in their own process, with the environment the
 
     python tests/generate_in_subprocess.py '{"model": DIR, "engine": {}, "prompts": [[1]], "max_tokens": 4}'
 
-Optional keys: "churn_bursts" (then run tests/test_churn.py's workload and report it), and with the plugin
+Optional keys: "churn_bursts" (then run tests/test_churn.py's workload and report it), "sleep_level" (then
+sleep at that level, wake up, reload the weights after level 2, and generate again), and with the plugin
 active the result carries each rank's compile_stats (graphs, recompiles after warm-up, KV cache shape).
 """
 
@@ -49,12 +50,22 @@ def main() -> None:
         free_after = core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         churn = {"requests": requests, "finished": finished, "cancelled": cancelled}
         churn["blocks_freed"] = free_after == free_before
+    after_wake_up = None
+    if request.get("sleep_level"):
+        level = request["sleep_level"]
+        llm.sleep(level=level)
+        llm.wake_up()
+        if level == 2:
+            llm.collective_rpc("reload_weights")
+        again = llm.generate(prompts, params, use_tqdm=False)
+        after_wake_up = [list(o.outputs[0].token_ids) for o in again]
     ours = type(current_platform).__name__ == "NeuronPlatform"
     result = {
         "platform": type(current_platform).__name__,
         "compile_stats": llm.collective_rpc("compile_stats") if ours else None,
         "churn": churn,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "tokens_after_wake_up": after_wake_up,
         "preemptions": len(preempted),
         "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
     }

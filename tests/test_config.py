@@ -109,6 +109,11 @@ def test_bucket_overrides_from_environment_win(tiny_model_dir, monkeypatch):
     assert config.additional_config["decode_batch_buckets"] == [2, 4]
 
 
+def test_sleep_mode_can_be_enabled(tiny_model_dir):
+    # vLLM refuses --enable-sleep-mode where the platform says sleep mode is unavailable.
+    assert engine_config(tiny_model_dir, enable_sleep_mode=True).model_config.enable_sleep_mode
+
+
 def test_float64_is_refused(tiny_model_dir):
     import torch
 

@@ -148,10 +148,12 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
         "TORCH_NEURONX_NEFF_CACHE_DIR": None,
         "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": None,
     }
-    result = run_engine(tiny_model_dir, ENGINE_KWARGS, env)
+    # Then sleep level 1 (Neuron mode moves the weights to the host and back) and the same tokens again.
+    result = run_engine(tiny_model_dir, ENGINE_KWARGS, env, extra={"sleep_level": 1})
 
     assert result["platform"] == "NeuronPlatform"
     assert result["tokens"] == [hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
+    assert result["tokens_after_wake_up"] == result["tokens"]
     facts = json.loads(record.read_text())
     (folder,) = cache_root.iterdir()
     assert facts["runtime_started_by"] == "process group"

@@ -230,6 +230,12 @@ def synchronize() -> None:
         torch.neuron.synchronize()
 
 
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host-memory copy of a device tensor (sleep mode keeps the weights there). In CPU mode host memory is
+    the device: the tensor itself, nothing is copied."""
+    return tensor if mode() == "cpu" else tensor.to("cpu")
+
+
 def manual_seed_all(seed: int) -> None:
     if mode() == "neuron":
         torch.neuron.manual_seed_all(seed)

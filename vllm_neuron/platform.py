@@ -75,6 +75,11 @@ class NeuronPlatform(Platform):
     def manual_seed_all(cls, seed: int) -> None:
         neuron_device.manual_seed_all(seed)
 
+    def is_sleep_mode_available(self) -> bool:
+        # worker/neuron_worker.py: level 1 frees the KV cache and moves the weights to host memory, level 2
+        # discards both (reload_weights loads them again).
+        return True
+
     @classmethod
     def inference_mode(cls):
         # no_grad rather than inference_mode: inference tensors cannot be mutated by compiled graphs later.

@@ -61,6 +61,18 @@ class _PendingStep:
     forward_seconds: float
 
 
+@dataclass
+class _ReleasedTensor:
+    """A weight or buffer while sleep mode has released it: its awake place and layout, and whether its data
+    was kept (in host memory) or discarded (sleep level 2's weights)."""
+
+    tensor: torch.Tensor
+    device: torch.device
+    size: torch.Size
+    stride: tuple[int, ...]
+    kept: bool
+
+
 class NeuronModelRunner:
     def __init__(self, vllm_config: "VllmConfig", device: torch.device) -> None:
         self.vllm_config = vllm_config
@@ -76,6 +88,9 @@ class NeuronModelRunner:
         self.recorder: neuron_compile.CompileRecorder | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.attention_layers: list[str] = []
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.sleeping: set[str] = set()  # sleep mode: "weights" and/or "kv_cache" while released
+        self._weights_released: list[_ReleasedTensor] = []
         self.stats = metrics.CallStats()
         self.step_calls: list[Call] = []  # the calls of the latest step (tests, debugging, the step trace)
         self.serving = False  # warm-up calls are not traffic: tally calls only once it is over
@@ -116,6 +131,19 @@ class NeuronModelRunner:
         }
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
+        caches = self._allocate_kv_cache()
+        metrics.KV_BLOCKS_TOTAL.set(kv_cache_config.num_blocks - 1)
+        logger.info(
+            "KV cache: %d blocks of %d tokens in %d layers",
+            kv_cache_config.num_blocks,
+            self.block_size,
+            len(caches),
+        )
+
+    def _allocate_kv_cache(self) -> dict[str, torch.Tensor]:
+        """Allocate every layer's cache, zeroed, and bind it to the runner and the attention layers."""
+        kv_cache_config = self.kv_cache_config
         caches: dict[str, torch.Tensor] = {}
         for group in kv_cache_config.kv_cache_groups:
             spec = group.kv_cache_spec
@@ -131,13 +159,7 @@ class NeuronModelRunner:
                 )
         bind_kv_cache(caches, self.vllm_config.compilation_config.static_forward_context, self.kv_caches)
         self.attention_layers = list(caches)  # every call gives each of them the same metadata
-        metrics.KV_BLOCKS_TOTAL.set(kv_cache_config.num_blocks - 1)
-        logger.info(
-            "KV cache: %d blocks of %d tokens in %d layers",
-            kv_cache_config.num_blocks,
-            self.block_size,
-            len(caches),
-        )
+        return caches
 
     def warm_up(self) -> float:
         """Compile every bucket by pushing synthetic scheduler steps through execute_model, then arm the
@@ -207,6 +229,73 @@ class NeuronModelRunner:
             self.vllm_config.scheduler_config.max_num_seqs,
             self.neuron_config.prefill_tokens_while_decoding or "unlimited",
         )
+
+    def shutdown(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+    # ---- sleep mode ---------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode. Level 1: free the KV cache (its contents are lost; vLLM resets the prefix cache
+        before it sleeps) and move the weights to host memory. Level 2: the same, but the weights are
+        discarded (buffers still move to the host): reload them after wake_up (reload_weights). The compiled
+        graphs take the weights and the KV cache as inputs and guard on their shapes, strides, dtypes and
+        devices only, so wake_up's tensors run them as they are: no recompile."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: the worker sleeps at level 1 or 2")
+        self.release_kv_cache()
+        if "weights" in self.sleeping:
+            return
+        parameters = {id(t): t for t in self.model.parameters()}
+        buffers = [t for t in {id(t): t for t in self.model.buffers()}.values() if id(t) not in parameters]
+        self._weights_released = []
+        for tensor in [*parameters.values(), *buffers]:
+            keep = level == 1 or id(tensor) not in parameters
+            self._weights_released.append(
+                _ReleasedTensor(tensor, tensor.device, tensor.shape, tensor.stride(), keep)
+            )
+            if keep:
+                tensor.data = neuron_device.to_host(tensor.data)
+            else:
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        self.sleeping.add("weights")
+
+    def release_kv_cache(self) -> None:
+        """Drop every layer's KV cache (the runner and the attention layers hold its only references)."""
+        if "kv_cache" in self.sleeping:
+            return
+        layers = self.vllm_config.compilation_config.static_forward_context
+        for name in self.attention_layers:
+            layers[name].kv_cache = torch.tensor([])  # what an attention layer holds before bind_kv_cache
+        self.kv_caches.clear()
+        self.sleeping.add("kv_cache")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep released: the weights to their devices (after level 2: zeroed, to be loaded
+        again), and a new zeroed KV cache of as many blocks. `tags` (vLLM's): "weights", "kv_cache", or None
+        for both."""
+        wanted = set(tags) if tags is not None else {"weights", "kv_cache"}
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown sleep-mode tags {sorted(unknown)}: use 'weights' and 'kv_cache'")
+        if "weights" in wanted & self.sleeping:
+            for released in self._weights_released:
+                tensor, device = released.tensor, released.device
+                if released.kept:
+                    tensor.data = tensor.data.to(device)
+                else:  # level 2: zeros until the weights are loaded again
+                    empty = torch.empty_strided(
+                        released.size, released.stride, dtype=tensor.dtype, device=device
+                    )
+                    tensor.data = empty.zero_()
+            self._weights_released = []
+            self.sleeping.discard("weights")
+        if "kv_cache" in wanted & self.sleeping:
+            self._allocate_kv_cache()
+            self.sleeping.discard("kv_cache")
+        neuron_device.synchronize()
 
     # ---- one step -----------------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ from vllm_neuron.config import NeuronConfig
 from worker.model_runner import NeuronModelRunner
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.lora.request import LoRARequest
     from vllm.tasks import SupportedTask
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
@@ -117,6 +119,11 @@ class NeuronWorker(WorkerBase):
         )
 
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput | None":
+        if self.model_runner.sleeping and scheduler_output.total_num_scheduled_tokens:
+            raise RuntimeError(
+                f"a step was scheduled while sleep mode holds {sorted(self.model_runner.sleeping)}: "
+                "wake_up() first (vLLM pauses its scheduler while the engine sleeps)"
+            )
         return self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output: "GrammarOutput | None") -> "ModelRunnerOutput":
@@ -131,11 +138,48 @@ class NeuronWorker(WorkerBase):
     def profile(self, is_start: bool = True, profile_prefix: str | None = None, **kwargs: object) -> None:
         raise RuntimeError("profiling is not supported by the Neuron plugin yet")
 
+    def synchronize_device(self) -> None:
+        # vLLM waits on this before it sleeps; WorkerBase's wait knows only torch.accelerator devices.
+        neuron_device.synchronize()
+
     def sleep(self, level: int = 1) -> None:
-        logger.warning("sleep mode is not supported by the Neuron plugin; ignoring")
+        """vLLM's sleep mode. Level 1: the KV cache is freed and the weights move to host memory (in CPU mode
+        they are there already). Level 2: the weights are discarded too; after wake_up, load them again
+        (collective_rpc("reload_weights"), or an RL weight update) before serving."""
+        before = neuron_device.memory_in_use()
+        self.model_runner.sleep(level)
+        weights = "in host memory" if level == 1 else "discarded"
+        logger.info(
+            "Sleep level %d: KV cache freed, weights %s; memory in use %.2f GiB -> %.2f GiB",
+            level,
+            weights,
+            before / 2**30,
+            neuron_device.memory_in_use() / 2**30,
+        )
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        logger.warning("sleep mode is not supported by the Neuron plugin; ignoring")
+        self.model_runner.wake_up(tags)
+
+    def reload_weights(
+        self,
+        weights_iterator: "Iterable[tuple[str, torch.Tensor]] | None" = None,
+        weights_path: str | None = None,
+        is_checkpoint_format: bool = True,
+    ) -> None:
+        """vLLM's reload_weights (after sleep level 2, or to change the weights): loads them in place, from
+        the iterator, the path, or the model's own checkpoint; the compiled graphs run on them as they are."""
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        with set_current_vllm_config(self.vllm_config):
+            model = self.model_runner.model
+            reload_weights(self.vllm_config, model, weights_iterator, weights_path, is_checkpoint_format)
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        """LLM.release_kv_cache_memory() after sleep(level=0): free the KV cache; wake_up(["kv_cache"]) brings
+        it back."""
+        if set(tags) != {"kv_cache"}:
+            raise ValueError(f"the Neuron plugin can discard only the KV cache, not {sorted(set(tags))}")
+        self.model_runner.release_kv_cache()
 
     def add_lora(self, lora_request: "LoRARequest") -> bool:
         raise RuntimeError("LoRA is not supported by the Neuron plugin")
@@ -150,7 +194,9 @@ class NeuronWorker(WorkerBase):
         return set()
 
     def shutdown(self) -> None:
-        return None
+        runner = getattr(self, "model_runner", None)  # absent if init_device failed
+        if runner is not None:
+            runner.shutdown()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 class StepTrace:
     def __init__(self, path: str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 (open until close(), at worker shutdown)
         self._previous_end: float | None = None
 
     def record(
@@ -43,3 +43,7 @@ class StepTrace:
             "since_previous_ms": None if between is None else round(between, 2),
         }
         self._file.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        """Called at worker shutdown; the lines are already written (line-buffered)."""
+        self._file.close()

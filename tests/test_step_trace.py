@@ -1,0 +1,35 @@
+"""VLLM_NEURON_STEP_TRACE's file: one JSON line per step, written as it happens, closed at worker shutdown.
+(tests/test_server.py checks the lines a served request leaves.)"""
+
+import json
+import time
+
+import pytest
+
+from tests.conftest import model_runner
+from worker.step_trace import StepTrace
+
+
+def test_each_record_is_a_line_on_disk_at_once_and_close_closes_the_file(tmp_path):
+    path = tmp_path / "trace" / "steps.jsonl"
+    trace = StepTrace(str(path))
+    trace.record(time.perf_counter(), ["decode"], 1, 0, 0.001, 0.002, 0.0005)
+    [line] = path.read_text().splitlines()  # line-buffered: nothing waits for close
+    assert json.loads(line)["calls"] == ["decode"]
+    trace.close()
+    assert trace._file.closed
+
+
+@pytest.mark.slow
+def test_the_runner_closes_its_trace_at_shutdown(llm, tmp_path):
+    from tests.test_engine import generate_ids, greedy
+
+    runner = model_runner(llm)
+    assert runner.trace is None  # the shared engine traces nothing
+    trace = runner.trace = StepTrace(str(tmp_path / "steps.jsonl"))
+    try:
+        generate_ids(llm, [[11, 12, 13]], greedy(3))
+    finally:
+        runner.shutdown()  # what NeuronWorker.shutdown calls; the engine serves on, untraced
+    assert trace._file.closed and runner.trace is None
+    assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == 3
