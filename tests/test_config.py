@@ -2,6 +2,9 @@
 that says what to change."""
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,6 +32,29 @@ def test_register_stays_inactive_without_neuron_or_cpu_mode(monkeypatch):
 def test_register_activates_cpu_mode_when_asked(monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_DEVICE", "cpu")
     assert vllm_neuron.register() == "vllm_neuron.platform.NeuronPlatform"
+
+
+def test_register_keeps_vllm_on_the_v1_model_runner(monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_DEVICE", "cpu")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    vllm_neuron.register()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+@pytest.mark.slow
+def test_importing_the_platform_changes_nothing():
+    """No device resolution and no environment change at import: both wait until vLLM asks."""
+    code = (
+        "import os; before = dict(os.environ); from vllm_neuron import device, platform; "
+        "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
+        "assert device.mode.cache_info().currsize == 0; "
+        "assert platform.NeuronPlatform.device_type == 'cpu' and device.mode.cache_info().currsize == 1"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_unknown_device_mode_is_refused(monkeypatch):

@@ -1,13 +1,16 @@
 """The server's life for operators: --help, bad configuration refused at start-up, "starting" distinguishable
 from "broken" while it warms up, and a SIGTERM that drains the requests in flight and exits 0."""
 
+import inspect
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -133,3 +136,83 @@ def test_starting_then_ready_then_sigterm_drains_in_flight_requests(tiny_model_d
         if server.process.poll() is None:
             server.stop()
     assert "shutdown" in server.log().lower()
+
+
+# vLLM's run_server as server/launch.py repeats it: the steps before run_server_worker.
+VLLM_RUN_SERVER = """\
+async def run_server(args, **uvicorn_kwargs) -> None:
+    \"\"\"Run a single-worker API server.\"\"\"
+    decorate_logs("APIServer", skip_if_decorated=True)
+
+    # Interrupt initialization if SIGTERM arrives before uvicorn installs its
+    # own signal handlers. Once uvicorn is running it replaces this.
+    def _interrupt_init(*_) -> None:
+        raise KeyboardInterrupt("terminated")
+
+    signal.signal(signal.SIGTERM, _interrupt_init)
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    await run_server_worker(listen_address, sock, args, **uvicorn_kwargs)
+"""
+
+
+def test_launch_repeats_vllm_run_server_as_it_is():
+    from vllm.entrypoints.launchers.api_server import entry
+
+    assert inspect.getsource(entry.run_server) == VLLM_RUN_SERVER, (
+        "vLLM's run_server changed: server/launch.py repeats its steps before run_server_worker; bring it "
+        "in line, then update VLLM_RUN_SERVER"
+    )
+    parameters = list(inspect.signature(entry.run_server_worker).parameters)
+    assert parameters[:3] == ["listen_address", "sock", "args"]
+
+
+def test_vllm_hooks_the_lifecycle_relies_on():
+    """server/lifecycle.py: the app starts (ASGI lifespan) before vLLM's HTTP server listens, and vLLM's
+    SIGTERM handler starts the drain by calling the engine client's shutdown."""
+    from uvicorn.server import Server
+    from vllm.entrypoints.launchers import launcher
+
+    startup = inspect.getsource(Server.startup)
+    assert startup.index("self.lifespan.startup()") < startup.index("create_server"), (
+        "uvicorn no longer starts the app before it listens: re-check server.lifecycle.app_starting"
+    )
+    serve_http = inspect.getsource(launcher.serve_http)
+    assert "loop.add_signal_handler(signal.SIGTERM, signal_handler)" in serve_http
+    assert "partial(engine_client.shutdown, timeout=timeout)" in serve_http, (
+        "vLLM's SIGTERM handling no longer calls engine_client.shutdown: re-check how server.lifecycle "
+        "marks the drain"
+    )
+
+
+class FakeEngineClient:
+    def __init__(self) -> None:
+        self.shutdowns: list[float] = []
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.shutdowns.append(timeout)
+
+
+def test_app_start_stops_the_responder_and_drain_turns_health_to_503():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server.lifecycle import RESPONDER_ARG, StartupResponder
+    from server.middleware import HealthWhileDraining
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        responder = StartupResponder(sock).__enter__()
+        app = FastAPI()
+        app.state.args = Namespace(**{RESPONDER_ARG: responder})
+        app.state.engine_client = engine_client = FakeEngineClient()
+        app.get("/health")(lambda: {})
+        app.add_middleware(HealthWhileDraining)
+        with TestClient(app) as client:  # runs the app's lifespan
+            assert not responder._thread.is_alive()
+            assert client.get("/health").status_code == 200
+            engine_client.shutdown(timeout=30)  # what vLLM's SIGTERM handler calls
+            assert engine_client.shutdowns == [30]
+            draining = client.get("/health")
+            assert (draining.status_code, draining.json()) == (503, {"status": "draining"})
+            assert client.get("/other").status_code == 404  # only /health changes

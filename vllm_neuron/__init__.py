@@ -1,10 +1,12 @@
 """vLLM platform plugin for AWS Trainium through TorchNeuron.
 
 `register()` is the `vllm.platform_plugins` entry point. It runs in every vLLM process during platform
-detection, so it stays cheap and imports nothing from vLLM.
+detection, before vLLM imports the platform class or reads its settings, so it stays cheap and imports nothing
+from vLLM.
 """
 
 import logging
+import os
 
 logger = logging.getLogger("vllm.vllm_neuron")
 
@@ -20,4 +22,7 @@ def register() -> str | None:
         return None
     if mode == "cpu":
         logger.info("vllm-torchneuron: CPU mode (VLLM_NEURON_DEVICE=cpu), no Neuron device will be used")
+    # Our runner drives vLLM's V1 scheduler protocol; the V2 runner changes what the scheduler sends. vLLM
+    # reads the variable from the engine configuration on; child processes inherit it.
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     return PLATFORM_CLS

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,9 +22,6 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm.vllm_neuron.platform")
 
-# Our runner drives vLLM's V1 scheduler protocol; the V2 runner changes what the scheduler sends.
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-
 WORKER_CLS = "worker.neuron_worker.NeuronWorker"
 SCHEDULER_CLS = "vllm_neuron.scheduler.NeuronScheduler"
 ATTENTION_BACKEND_CLS = "kv_cache.backend.NeuronAttentionBackend"
@@ -33,12 +31,26 @@ class UnsupportedConfigError(ValueError):
     """A model or engine setting the plugin refuses at start-up; the message says why and what to change."""
 
 
+class _ByDeviceMode:
+    """A class attribute vLLM reads (device_type and the like) that depends on the device mode: resolved when
+    vLLM first reads it, not when this module is imported, and fixed from then on."""
+
+    def __init__(self, answer: Callable[[], str]) -> None:
+        self.answer = answer
+        self.value: str | None = None
+
+    def __get__(self, instance: object, owner: type) -> str:
+        if self.value is None:
+            self.value = self.answer()
+        return self.value
+
+
 class NeuronPlatform(Platform):
     _enum = PlatformEnum.OOT
-    device_name: str = neuron_device.device_type()
-    device_type: str = neuron_device.device_type()
-    dispatch_key: str = neuron_device.dispatch_key()
-    dist_backend: str = neuron_device.dist_backend()
+    device_name = _ByDeviceMode(neuron_device.device_type)
+    device_type = _ByDeviceMode(neuron_device.device_type)
+    dispatch_key = _ByDeviceMode(neuron_device.dispatch_key)
+    dist_backend = _ByDeviceMode(neuron_device.dist_backend)
     ray_device_key: str = "neuron_cores"
     device_control_env_var: str = "NEURON_RT_VISIBLE_CORES"
     # vLLM compiles small helpers with dynamic=True; the static-only neuron backend must never see them.
