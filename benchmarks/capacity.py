@@ -23,8 +23,8 @@ CHIP_BF16_FLOPS = 667e12
 PHYSICAL_CORES_PER_CHIP = 8
 LNC = 2
 RANKS_PER_CHIP = PHYSICAL_CORES_PER_CHIP // LNC
-# The plugin's KV sizing (README, Neuron mode): a fixed share of the core's memory, if the weights, that and
-# the graph reserve fit in utilization x memory.
+# The plugin's KV sizing (docs/configuration.md, CPU mode and Neuron mode): a fixed share of the core's
+# memory, if the weights, that and the graph reserve fit in utilization x memory.
 KV_CACHE_FRACTION = 0.3  # VLLM_NEURON_KV_CACHE_FRACTION default
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 GRAPH_RESERVE_BYTES = 4 * GIB  # VLLM_NEURON_GRAPH_RESERVE_BYTES default
