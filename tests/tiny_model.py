@@ -23,8 +23,8 @@ CORPUS = [
 ] * 50
 
 
-def build_tiny_llama(out: Path, *, num_kv_heads: int = 2, max_positions: int = 1024, seed: int = 0) -> Path:
-    """2 layers, hidden 128, 4 query heads of 32 (GQA over num_kv_heads), ~500-token vocabulary, float32."""
+def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of about 500 tokens with a ChatML template, trained offline, saved to out."""
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -44,6 +44,12 @@ def build_tiny_llama(out: Path, *, num_kv_heads: int = 2, max_positions: int = 1
     )
     hf_tokenizer.chat_template = CHAT_TEMPLATE
     hf_tokenizer.save_pretrained(out)
+    return hf_tokenizer
+
+
+def build_tiny_llama(out: Path, *, num_kv_heads: int = 2, max_positions: int = 1024, seed: int = 0) -> Path:
+    """2 layers, hidden 128, 4 query heads of 32 (GQA over num_kv_heads), ~500-token vocabulary, float32."""
+    hf_tokenizer = build_tokenizer(out)
 
     torch.manual_seed(seed)
     config = LlamaConfig(
