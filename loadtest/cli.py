@@ -1,16 +1,20 @@
 """`vllm-neuron loadtest` / `python -m loadtest`: drive an OpenAI-compatible endpoint with streamed requests
-and report TTFT, ITL, end-to-end latency, throughput, errors and, when the target is ours, the server's
-recompiles, padding efficiency and KV usage over the run.
+and report TTFT, ITL, end-to-end latency, throughput, errors, given a price the cost per million tokens and,
+when the target is ours, the server's recompiles, padding efficiency and KV usage over the run.
 
 examples:
   vllm-neuron loadtest --base-url http://127.0.0.1:8000 --concurrency 1,8,32 --requests 64 \\
       --input-len 128 --output-len 128 --ignore-eos --json-out run.json --plot-dir plots/
   vllm-neuron loadtest --rate 2 --duration 300 --input-len lognormal:200:0.8:1500 --output-len uniform:32:256
   vllm-neuron loadtest --dataset prompts.jsonl --endpoint completions --api-key "$KEY"
+  vllm-neuron loadtest --concurrency 32 --instance trn2.48xlarge --chips 1      # TP=4 on 1 of 16 chips
 
 lengths: N | fixed:N | uniform:LOW:HIGH | lognormal:MEDIAN:SIGMA[:MAX] (tokens)
 dataset: JSONL, one request a line: {"prompt": "..." or [token ids]} or {"messages": [...]},
          optionally with "max_tokens"
+cost:    $/M out and $/M in are what a level's measured window cost at the hourly charge, divided by its
+         output tokens and by its input (prompt) tokens, per million: each divides the whole cost, they
+         are not a split of it. Instance prices and their sources: docs/benchmarks.md#prices
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -29,6 +35,7 @@ from loadtest.client import CHAT, COMPLETIONS, Target
 from loadtest.metrics import neuron_info
 from loadtest.runner import Level, LevelResult, run_level
 from loadtest.workload import LengthDist, Workload
+from vllm_neuron.pricing import INSTANCES, instance_share
 
 
 def _numbers(kind: type, text: str) -> list:
@@ -46,6 +53,19 @@ def _length(text: str) -> LengthDist:
         return LengthDist.parse(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive(kind: type) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return value
+
+    return parse
 
 
 def _id_range(text: str) -> tuple[int, int]:
@@ -104,6 +124,25 @@ def parser() -> argparse.ArgumentParser:
     )
     work.add_argument("--temperature", type=float, default=0.0)
     work.add_argument("--seed", type=int, default=0)
+    cost = p.add_argument_group("cost (none given: no cost is reported)")
+    cost.add_argument(
+        "--price-per-hour",
+        type=_positive(float),
+        metavar="DOLLARS",
+        help="$ per hour: of the whole instance with --instance (instead of its documented price), "
+        "otherwise of what the server runs on",
+    )
+    cost.add_argument(
+        "--instance",
+        choices=sorted(INSTANCES),
+        help="the instance the server runs on: its documented price and chip count",
+    )
+    cost.add_argument(
+        "--chips",
+        type=_positive(int),
+        help="with --instance, the chips the server uses (default all): charged chips / the instance's "
+        "chips of its price, e.g. 1 for TP=4 on a trn2.48xlarge",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json-out", type=Path, help="write the results as JSON")
     out.add_argument("--plot-dir", type=Path, help="write latency_cdf.png (and throughput.png for sweeps)")
@@ -131,6 +170,33 @@ def levels_from(args: argparse.Namespace) -> list[Level]:
     ]
 
 
+def price_from(args: argparse.Namespace) -> dict | None:
+    """The hourly charge of the run and how it was formed, or None without a price. ValueError for a
+    combination the parser cannot refuse by itself."""
+    if args.instance is None:
+        if args.chips is not None:
+            raise ValueError("--chips needs --instance: the chips are a share of an instance")
+        return None if args.price_per_hour is None else {"dollars_per_hour": args.price_per_hour}
+    instance = INSTANCES[args.instance]
+    chips = args.chips or instance.chips
+    try:
+        share = instance_share(chips, instance.chips)
+    except ValueError as err:
+        raise ValueError(f"--chips: {err}") from None
+    own_price = args.price_per_hour is not None
+    instance_price = args.price_per_hour if own_price else instance.dollars_per_hour
+    return {
+        "dollars_per_hour": instance_price * share,
+        "instance": instance.name,
+        "chips": chips,
+        "instance_chips": instance.chips,
+        "instance_dollars_per_hour": instance_price,
+        "basis": "--price-per-hour" if own_price else instance.basis,
+        "source": None if own_price else instance.source,
+        "read": None if own_price else instance.read,
+    }
+
+
 async def _discover_model(base_url: str, headers: dict[str, str]) -> str:
     async with httpx.AsyncClient() as client:
         response = await client.get(base_url + "/v1/models", headers=headers, timeout=30)
@@ -139,7 +205,7 @@ async def _discover_model(base_url: str, headers: dict[str, str]) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def run(args: argparse.Namespace) -> tuple[list[LevelResult], dict]:
+async def run(args: argparse.Namespace, price: dict | None = None) -> tuple[list[LevelResult], dict]:
     base_url = args.base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or await _discover_model(base_url, headers)
@@ -174,6 +240,7 @@ async def run(args: argparse.Namespace) -> tuple[list[LevelResult], dict]:
             timeout_s=args.timeout,
             metrics_interval_s=args.metrics_interval,
             progress=not args.no_progress,
+            dollars_per_hour=price["dollars_per_hour"] if price else None,
         )
         results.append(result)
         first_index += level.warmup + len(result.records)
@@ -186,6 +253,7 @@ async def run(args: argparse.Namespace) -> tuple[list[LevelResult], dict]:
         "requests_per_level": args.requests,
         "duration_s_per_level": args.duration,
         "warmup_per_level": args.warmup,
+        "price": price,
         **workload.describe(),
     }
     target_doc = {"base_url": base_url, "model": model, "ours": info is not None, "neuron_info": info}
@@ -193,9 +261,16 @@ async def run(args: argparse.Namespace) -> tuple[list[LevelResult], dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parser().parse_args(argv)
-    results, doc = asyncio.run(run(args))
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        price = price_from(args)
+    except ValueError as err:
+        p.error(str(err))
+    results, doc = asyncio.run(run(args, price))
     print(report.table(results))
+    if price:
+        print(report.price_line(price))
     if args.json_out:
         report.write_json(doc, args.json_out)
         print(f"JSON: {args.json_out}")

@@ -1,5 +1,5 @@
-"""A run's results as a terminal table, a JSON document and PNG plots (latency CDFs, throughput vs
-concurrency or rate)."""
+"""A run's results as a terminal table, a JSON document and PNG plots (latency CDFs, throughput and, given a
+price, $ per million tokens vs concurrency or rate)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,28 @@ def _num(value: float | None, digits: int = 0) -> str:
     return f"{value:.{digits}f}" if digits or abs(value) >= 10 else f"{value:.1f}"
 
 
+def _dollars(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return f"{value:.2f}" if value >= 1 else f"{value:.3g}"
+
+
+# The summary's cost figures (stats.run_cost), as the table's and the plot's columns show them.
+COST_KEYS = ("dollars_per_million_output_tokens", "dollars_per_million_prompt_tokens")
+
+
+def _priced(results: Sequence[LevelResult]) -> bool:
+    return any(COST_KEYS[0] in r.summary for r in results)
+
+
 def table(results: Sequence[LevelResult]) -> str:
+    priced = _priced(results)
     header = (
         "level",
         "ok / failed",
         "req/s",
         "out tok/s",
+        *(("$/M out", "$/M in") if priced else ()),
         "TTFT p50/p90/p99 ms",
         "ITL p50/p90/p99 ms",
         "E2E p50/p90/p99 ms",
@@ -44,6 +60,7 @@ def table(results: Sequence[LevelResult]) -> str:
                 f"{s['completed']} / {s['failed']}",
                 _num(s["requests_per_s"], 2),
                 _num(s["output_tokens_per_s"], 1),
+                *(_dollars(s.get(key, math.nan)) for key in (COST_KEYS if priced else ())),
                 _ms(s, "ttft_ms"),
                 _ms(s, "itl_ms"),
                 _ms(s, "e2e_ms"),
@@ -57,6 +74,19 @@ def table(results: Sequence[LevelResult]) -> str:
             lines.append(f"{result.level.label}: errors {result.summary['errors']}")
         lines.extend(_server_lines(result))
     return "\n".join(lines)
+
+
+def price_line(price: dict) -> str:
+    """How the hourly charge behind the $/M columns was formed."""
+    line = f"cost at ${price['dollars_per_hour']:.4f}/h"
+    if "instance" in price:
+        line += (
+            f": {price['chips']} of {price['instance']}'s {price['instance_chips']} chips at"
+            f" ${price['instance_dollars_per_hour']:.4f}/h ({price['basis']}"
+            + (f", {price['source']}, read {price['read']}" if price["source"] else "")
+            + ")"
+        )
+    return line + "; $/M out and $/M in each divide the whole cost of a level"
 
 
 def _server_lines(result: LevelResult) -> list[str]:
@@ -118,7 +148,8 @@ def _no_nan(value):
 
 def write_plots(results: Sequence[LevelResult], directory: Path) -> list[Path]:
     """latency_cdf.png (TTFT, ITL, end-to-end; one line per level) and, for several levels,
-    throughput.png (output tokens/s and requests/s against concurrency or rate)."""
+    throughput.png (output tokens/s and requests/s against concurrency or rate; beside it, given a price,
+    $ per million output and input tokens)."""
     try:
         import matplotlib
 
@@ -157,16 +188,28 @@ def write_plots(results: Sequence[LevelResult], directory: Path) -> list[Path]:
     if len(results) > 1:
         by_rate = all(r.level.rate for r in results)
         xs = [r.level.rate if by_rate else r.level.concurrency for r in results]
-        figure, axis = plt.subplots(figsize=(6.5, 4.5))
+        priced = _priced(results)
+        panels = 2 if priced else 1
+        figure, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
+        axis = axes[0][0]
         axis.plot(xs, [r.summary["output_tokens_per_s"] for r in results], "o-", label="output tokens/s")
-        axis.set(xlabel="request rate (req/s)" if by_rate else "concurrency", ylabel="output tokens/s")
-        if not by_rate:
-            axis.set_xscale("log", base=2)
-        axis.grid(True, alpha=0.3)
+        axis.set_ylabel("output tokens/s")
         right = axis.twinx()
         right.plot(xs, [r.summary["requests_per_s"] for r in results], "s--", color="tab:orange")
         right.set_ylabel("requests/s", color="tab:orange")
         axis.set_title("throughput")
+        if priced:
+            cost = axes[0][1]
+            for key, label in zip(COST_KEYS, ("output", "input"), strict=True):
+                cost.plot(xs, [r.summary[key] for r in results], "o-", label=f"$ per million {label} tokens")
+            cost.set(title="cost (each divides the whole cost of a level)", ylabel="$ per million tokens")
+            cost.set_yscale("log")
+            cost.legend(fontsize="small")
+        for each in axes[0]:
+            each.set_xlabel("request rate (req/s)" if by_rate else "concurrency")
+            if not by_rate:
+                each.set_xscale("log", base=2)
+            each.grid(True, alpha=0.3)
         figure.tight_layout()
         written.append(directory / "throughput.png")
         figure.savefig(written[-1], dpi=100)

@@ -117,10 +117,12 @@ async def run_level(
     timeout_s: float = 600.0,
     metrics_interval_s: float = 2.0,
     progress: bool = True,
+    dollars_per_hour: float | None = None,
     clock: Clock | None = None,
 ) -> LevelResult:
     """Warm-up, then the measured run with the server's metrics watched. Request indices start at
-    first_index (warm-up first), so levels of one sweep never send the same prompt twice."""
+    first_index (warm-up first), so levels of one sweep never send the same prompt twice. Given the hourly
+    charge of what the server runs on, the summary has the run's cost."""
     clock = clock or Clock()
     async with make_client(level.concurrency, timeout_s) as client:
         # Warm-up: connections opened and first-request costs paid before anything is measured.
@@ -156,7 +158,7 @@ async def run_level(
             if bar is not None:
                 bar.close()
         server = await watcher.stop()
-    summary = level_summary(records, measured_window(records))
+    summary = level_summary(records, measured_window(records), dollars_per_hour)
     return LevelResult(level, records, summary, server, late)
 
 

@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from vllm_neuron.pricing import SECONDS_PER_HOUR, dollars_per_million_tokens
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -72,17 +74,21 @@ class RequestRecord:
         return self.end - self.start
 
 
-def level_summary(records: Sequence[RequestRecord], wall_seconds: float) -> dict[str, object]:
+def level_summary(
+    records: Sequence[RequestRecord], wall_seconds: float, dollars_per_hour: float | None = None
+) -> dict[str, object]:
     """Figures of one measured run: latencies of the successful requests, throughput over the wall time
-    of the measured window (warm-up excluded), and failures by kind."""
+    of the measured window (warm-up excluded), failures by kind and, given the hourly charge of what the
+    server runs on, its cost (see run_cost)."""
     ok = [r for r in records if r.ok]
     errors: dict[str, int] = {}
     for record in records:
         if record.error is not None:
             errors[record.error] = errors.get(record.error, 0) + 1
     output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
     tpots = [t for r in ok if (t := time_per_output_token(r.start, r.chunk_times, r.output_tokens))]
-    return {
+    summary: dict[str, object] = {
         "requests": len(records),
         "completed": len(ok),
         "failed": len(records) - len(ok),
@@ -90,12 +96,32 @@ def level_summary(records: Sequence[RequestRecord], wall_seconds: float) -> dict
         "wall_s": wall_seconds,
         "requests_per_s": rate(len(ok), wall_seconds),
         "output_tokens": output_tokens,
-        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "prompt_tokens": prompt_tokens,
         "output_tokens_per_s": rate(output_tokens, wall_seconds),
+        "prompt_tokens_per_s": rate(prompt_tokens, wall_seconds),
         "ttft_ms": summarize([r.ttft for r in ok if r.ttft is not None], 1e3),
         "itl_ms": summarize([gap for r in ok for gap in inter_token_latencies(r.chunk_times)], 1e3),
         "tpot_ms": summarize(tpots, 1e3),
         "e2e_ms": summarize([r.latency for r in ok], 1e3),
+    }
+    if dollars_per_hour is not None:
+        summary.update(run_cost(summary, dollars_per_hour))
+    return summary
+
+
+def run_cost(summary: dict, dollars_per_hour: float) -> dict[str, float]:
+    """What the measured window cost at dollars_per_hour, and that cost divided by the output tokens and by
+    the prompt tokens, per million. Both divide the whole cost: they are not a split of it between prefill
+    and decode, so they do not add up."""
+    return {
+        "dollars_per_hour": dollars_per_hour,
+        "cost_dollars": dollars_per_hour * summary["wall_s"] / SECONDS_PER_HOUR,
+        "dollars_per_million_output_tokens": dollars_per_million_tokens(
+            summary["output_tokens_per_s"], dollars_per_hour
+        ),
+        "dollars_per_million_prompt_tokens": dollars_per_million_tokens(
+            summary["prompt_tokens_per_s"], dollars_per_hour
+        ),
     }
 
 

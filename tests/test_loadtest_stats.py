@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from loadtest import report
-from loadtest.cli import levels_from, parser
+from loadtest.cli import levels_from, main, parser, price_from
 from loadtest.client import COMPLETIONS, Target, chunk_text, send
 from loadtest.metrics import GaugeTrack, parse_prometheus, run_summary
 from loadtest.runner import Level, LevelResult, dispatch_concurrent, dispatch_poisson
@@ -110,6 +110,24 @@ def test_empty_level_reports_nan_not_errors():
     summary = level_summary([], 0.0)
     assert summary["completed"] == 0
     assert math.isnan(summary["output_tokens_per_s"])
+    priced = level_summary([], 0.0, dollars_per_hour=36.0)
+    assert priced["cost_dollars"] == 0.0 and math.isnan(priced["dollars_per_million_output_tokens"])
+
+
+def test_level_summary_cost():
+    records = [
+        RequestRecord(start=0.0, end=1.0, chunk_times=[0.5, 1.0], output_tokens=4, prompt_tokens=10),
+        RequestRecord(start=0.5, end=2.0, chunk_times=[1.0, 2.0], output_tokens=6, prompt_tokens=20),
+        RequestRecord(start=1.0, end=1.5, error="timeout"),
+    ]
+    assert "dollars_per_million_output_tokens" not in level_summary(records, 2.0)  # no price, no cost
+    summary = level_summary(records, 2.0, dollars_per_hour=36.0)
+    # $36/h for 2 s is $0.02; 10 output tokens (failures make none) and 30 prompt tokens each divide it.
+    assert summary["prompt_tokens_per_s"] == pytest.approx(15.0)
+    assert summary["dollars_per_hour"] == 36.0
+    assert summary["cost_dollars"] == pytest.approx(0.02)
+    assert summary["dollars_per_million_output_tokens"] == pytest.approx(0.02 / 10 * 1e6)  # $2,000
+    assert summary["dollars_per_million_prompt_tokens"] == pytest.approx(0.02 / 30 * 1e6)  # $666.67
 
 
 # ---- arrivals and the dispatchers, on a fake clock -----------------------------------------------------
@@ -400,6 +418,70 @@ def test_cli_levels():
         parser().parse_args(["--concurrency", "0"])
 
 
+def test_cli_price():
+    def price(*argv: str) -> dict | None:
+        return price_from(parser().parse_args(list(argv)))
+
+    assert price() is None
+    assert price("--price-per-hour", "12.5") == {"dollars_per_hour": 12.5}
+    whole = price("--instance", "trn2.48xlarge")
+    assert whole["dollars_per_hour"] == 35.7608 and (whole["chips"], whole["instance_chips"]) == (16, 16)
+    assert whole["basis"] == "Capacity Block" and "capacityblocks" in whole["source"]
+    # TP=4 on 1 of 16 chips pays 1/16 of the instance; an own price replaces the documented one.
+    assert price("--instance", "trn2.48xlarge", "--chips", "1")["dollars_per_hour"] == pytest.approx(2.23505)
+    own = price("--instance", "trn2.48xlarge", "--chips", "4", "--price-per-hour", "16")
+    assert own["dollars_per_hour"] == pytest.approx(4.0) and own["source"] is None
+    for bad in (["--price-per-hour", "-1"], ["--price-per-hour", "0"], ["--price-per-hour", "nan"]):
+        with pytest.raises(SystemExit):
+            parser().parse_args(bad)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--instance", "m5.large"])
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--instance", "trn2.48xlarge", "--chips", "0"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--instance", "p5.48xlarge", "--chips", "9"], "--chips: chips used must be 1 to 8"),
+        (["--chips", "2"], "--chips needs --instance"),
+    ],
+)
+def test_cli_refuses_a_share_it_cannot_charge(argv, message, capsys):
+    # Refused before anything is sent: no server behind the default URL is needed.
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    assert refused.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_report_with_a_price(tmp_path):
+    results = []
+    for concurrency, prompt_tokens in ((1, 5), (4, 0)):
+        records = [
+            RequestRecord(
+                start=0.0, end=1.0, chunk_times=[0.5, 1.0], output_tokens=4, prompt_tokens=prompt_tokens
+            )
+        ]
+        summary = level_summary(records, 1.0, dollars_per_hour=36.0)
+        results.append(LevelResult(Level(concurrency), records, summary, server=None))
+    # $0.01 for the 1 s level, over 4 output tokens ($2,500 per million) and 5 prompt tokens ($2,000);
+    # the second level has no prompt tokens: no figure, never a made-up one.
+    header, _, first, second = report.table(results).splitlines()[:4]
+    assert "$/M out" in header and "$/M in" in header
+    assert "2500.00" in first and "2000.00" in first
+    assert second.split()[7:9] == ["2500.00", "-"]  # after "concurrency 4", "1 / 0", req/s, tok/s
+    line = report.price_line({"dollars_per_hour": 36.0})
+    assert line.startswith("cost at $36.0000/h")
+    doc = report.document(results, {"price": {"dollars_per_hour": 36.0}}, {"ours": False})
+    report.write_json(doc, tmp_path / "run.json")
+    levels = json.loads((tmp_path / "run.json").read_text())["levels"]
+    assert levels[0]["dollars_per_million_prompt_tokens"] == pytest.approx(2000.0)
+    assert levels[1]["dollars_per_million_prompt_tokens"] is None
+    pytest.importorskip("matplotlib")
+    written = report.write_plots(results, tmp_path / "plots")
+    assert [p.name for p in written] == ["latency_cdf.png", "throughput.png"]
+
+
 def test_report_table_json_and_plots(tmp_path):
     results = []
     for concurrency in (1, 4):
@@ -410,7 +492,7 @@ def test_report_table_json_and_plots(tmp_path):
         summary = level_summary(records, measured_window(records))
         results.append(LevelResult(Level(concurrency), records, summary, server=None))
     text = report.table(results)
-    assert "concurrency 4" in text and "http_429" in text
+    assert "concurrency 4" in text and "http_429" in text and "$/M" not in text  # no price, no cost
     doc = report.document(results, {"seed": 0}, {"ours": False})
     report.write_json(doc, tmp_path / "run.json")
     loaded = json.loads((tmp_path / "run.json").read_text())
