@@ -57,12 +57,20 @@ def test_poisson_completions_and_refused_key(api_server, tmp_path):
         *("--api-key", API_KEY, "--endpoint", "completions", "--rate", "8", "--requests", "6"),
         *("--warmup", "0", "--prompt-kind", "token-ids", "--token-id-range", "10:400"),
         *("--input-len", "24", "--output-len", "8", "--ignore-eos"),
+        *("--instance", "trn2.48xlarge", "--chips", "1"),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     (level,) = doc["levels"]
     assert (level["rate"], level["completed"], level["prompt_tokens"]) == (8.0, 6, 6 * 24)
     assert level["output_tokens"] == 6 * 8
     assert "p99" in level["send_late_ms"]
+    # One of trn2.48xlarge's 16 chips: 1/16 of its hourly price, over the level's wall time, per token.
+    price = doc["config"]["price"]["dollars_per_hour"]
+    assert price == pytest.approx(35.7608 / 16)
+    for key, tokens in (("output", 6 * 8), ("prompt", 6 * 24)):
+        expected = price / 3600 * level["wall_s"] / tokens * 1e6
+        assert level[f"dollars_per_million_{key}_tokens"] == pytest.approx(expected)
+    assert "$/M out" in done.stdout and "1 of trn2.48xlarge's 16 chips" in done.stdout
 
     done, doc = loadtest(
         api_server.base, tmp_path, "--api-key", "wrong-key", "--requests", "3", "--warmup", "0"
