@@ -23,8 +23,8 @@ class Instance:
     read: str  # ISO date the page was read
 
 
-# AWS publishes no usable on-demand rate for trn2.48xlarge (docs/benchmarks.md#prices), so trn2 is priced at
-# its Capacity Block rate, and the GPU row beside it comes from the same page on the same day.
+# No on-demand rate for trn2.48xlarge was found with a reliable source (docs/benchmarks.md#prices), so trn2 is
+# priced at its Capacity Block rate, and the GPU row beside it comes from the same page on the same day.
 _CAPACITY_BLOCKS = "https://aws.amazon.com/ec2/capacityblocks/pricing/"
 INSTANCES: dict[str, Instance] = {
     instance.name: instance
