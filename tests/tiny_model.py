@@ -24,7 +24,7 @@ CORPUS = [
 
 
 def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer of about 500 tokens with a ChatML template, trained offline, saved to out."""
+    """A byte-level BPE tokenizer of about 500 tokens with a ChatML template, trained offline, into out."""
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
