@@ -1,6 +1,6 @@
 """vLLM attention backend over kv_cache.ops: what vLLM's Attention layers call on the Neuron platform."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -25,15 +25,16 @@ class TableQueries:
                  segment starts (0 unless packed)
     block_table: [rows, context_blocks] block ids of each row's context window: the segments of its requests,
                  each in whole blocks
-    mask:        their causal mask (kv_cache.ops.context_mask), built by the first layer that attends and
-                 reused by the others: every layer of a call gets this same object, and building the mask in
-                 each layer cost a sixth of a prefill call over the 2048 context on CPU
+    masks:       their causal masks (kv_cache.ops.context_mask) by sliding window (None: none), each built by
+                 the first layer with that window and reused by the others: every layer of a call gets this
+                 same object, and building the mask in each layer cost a sixth of a prefill call over the
+                 2048 context on CPU
     """
 
     positions: torch.Tensor
     first_keys: torch.Tensor
     block_table: torch.Tensor
-    mask: torch.Tensor | None = None
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -44,15 +45,15 @@ class PageQueries:
     page_blocks: [pages, blocks_per_page] block ids of each KV page (padding: null block)
     page_rows:   [pages] the row each page belongs to
     page_starts: [pages] position of each page's first key
-    masks:       what attention derives from the pages (kv_cache.ops.page_masks), built by the first layer
-                 and reused by the others, like TableQueries.mask
+    masks:       what attention derives from the pages (kv_cache.ops.page_masks) by sliding window, built
+                 by the first layer with that window and reused by the others, like TableQueries.masks
     """
 
     positions: torch.Tensor
     page_blocks: torch.Tensor
     page_rows: torch.Tensor
     page_starts: torch.Tensor
-    masks: ops.PageMasks | None = None
+    masks: dict[int | None, ops.PageMasks] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,11 +113,11 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         unsupported = {
             "ALiBi": alibi_slopes is not None,
-            "sliding-window attention": sliding_window is not None,
-            "logits soft-capping": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
             f"kv_cache_dtype {kv_cache_dtype}": kv_cache_dtype != "auto",
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
@@ -129,6 +130,8 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.sliding_window = sliding_window
+        self.soft_cap = logits_soft_cap or None
 
     def forward(
         self,
@@ -149,23 +152,30 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         if (table := attn_metadata.table) is not None:
             rows, queries_per_row = table.positions.shape
             first_paged = rows * queries_per_row
-            if table.mask is None:
+            window = self.sliding_window
+            if window not in table.masks:
                 context = table.block_table.shape[1] * kv_cache.shape[3]
                 group = self.num_heads // self.num_kv_heads
-                table.mask = ops.context_mask(table.positions, context, group, query.dtype, table.first_keys)
+                table.masks[window] = ops.context_mask(
+                    table.positions, context, group, query.dtype, table.first_keys, window
+                )
             out = ops.table_attention(
                 query[:first_paged].view(rows, queries_per_row, self.num_heads, self.head_size),
                 kv_cache,
                 table.block_table,
                 table.positions,
                 self.scale,
-                table.mask,
+                table.masks[window],
+                self.soft_cap,
             )
             attended[:first_paged].copy_(out.view(first_paged, self.num_heads, self.head_size))
         if (paged := attn_metadata.paged) is not None:
-            if paged.masks is None:
+            window = self.sliding_window
+            if window not in paged.masks:
                 page_tokens = paged.page_blocks.shape[1] * kv_cache.shape[3]
-                paged.masks = ops.page_masks(paged.page_rows, paged.page_starts, paged.positions, page_tokens)
+                paged.masks[window] = ops.page_masks(
+                    paged.page_rows, paged.page_starts, paged.positions, page_tokens, window
+                )
             out = ops.page_attention(
                 query[first_paged:],
                 kv_cache,
@@ -174,7 +184,8 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                 paged.page_starts,
                 paged.positions,
                 self.scale,
-                paged.masks,
+                paged.masks[window],
+                self.soft_cap,
             )
             attended[first_paged : first_paged + out.shape[0]].copy_(out)
         return output

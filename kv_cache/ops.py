@@ -12,6 +12,10 @@ attention, so one gather reads the cached prefix and the chunk alike.
 
 page_attention: one query per row, over pages of KV blocks that the rows share (each row as many as its
 context needs), so a decode step reads about the rows' real contexts instead of rows x the longest one.
+
+Both take a layer's sliding window (a query sees the `window` latest positions, its own included, as HF and
+flash-attention count it) in their masks, and its logit soft-cap (scores -> cap * tanh(scores / cap) before
+the mask, Gemma 2's rule).
 """
 
 from dataclasses import dataclass
@@ -65,13 +69,15 @@ def context_mask(
     group: int,
     dtype: torch.dtype,
     first_keys: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The additive causal mask of queries at query_positions [rows, q] over context positions 0 ..
     context-1, laid out as attention_over_context folds the query heads of a KV head: [1, rows, group * q,
     context], 0 where a key is visible and -inf where it is not.
 
     first_keys [rows, q]: the first context position each query may see (none: 0). Chunks of several
-    requests packed in one row each see only their own segment of the context: keys first .. position."""
+    requests packed in one row each see only their own segment of the context: keys first .. position.
+    window: a sliding window's length; a query then sees only keys after position - window."""
     rows, num_queries = query_positions.shape
 
     def per_query(values: torch.Tensor) -> torch.Tensor:
@@ -82,6 +88,8 @@ def context_mask(
     visible = key_positions <= per_query(query_positions)
     if first_keys is not None:
         visible = visible & (key_positions >= per_query(first_keys))
+    if window is not None:
+        visible = visible & (key_positions > per_query(query_positions) - window)
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
 
 
@@ -92,22 +100,28 @@ def table_attention(
     query_positions: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [rows, q, heads, head_size] over the paged context of each row.
 
     block_table: [rows, blocks] block ids; query_positions: [rows, q] absolute positions; mask: their
-    context_mask, when the caller shares one across layers (built here otherwise).
+    context_mask, when the caller shares one across layers (built here otherwise, without a window).
     Returns [rows, q, heads, head_size] in the query's dtype.
     """
     keys, values = gather_blocks(kv_cache, block_table)
     if mask is None:
         group = query.shape[2] // keys.shape[0]
         mask = context_mask(query_positions, keys.shape[2], group, query.dtype)
-    return attention_over_context(query, keys, values, mask, scale)
+    return attention_over_context(query, keys, values, mask, scale, soft_cap)
 
 
 def attention_over_context(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention over contiguous context keys/values [kv_heads, rows, context, d], with the
     additive mask of context_mask."""
@@ -118,9 +132,15 @@ def attention_over_context(
     # attention batches over (kv_heads, rows) with K/V exactly as gathered: only the small query is copied.
     q = query.view(rows, num_queries, kv_heads, group, head_size).permute(2, 0, 3, 1, 4)
     q = q.reshape(kv_heads, rows, group * num_queries, head_size)
-    # PyTorch's fused attention: on CPU it never materialises the [queries, context] scores (4-5x faster for
-    # prefill chunks than matmul + softmax), and it accumulates in float32 whatever the model's dtype.
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if soft_cap is None:
+        # PyTorch's fused attention: on CPU it never materialises the [queries, context] scores (4-5x faster
+        # for prefill chunks than matmul + softmax), and it accumulates in float32 whatever the model's dtype.
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    else:
+        # The cap applies to the scores themselves, which fused attention never exposes.
+        scores = _capped(torch.matmul(q, keys.transpose(-1, -2)).float() * scale, soft_cap)
+        weights = torch.softmax(scores + mask, dim=-1)
+        out = torch.matmul(weights.to(values.dtype), values)
     out = out.view(kv_heads, rows, group, num_queries, head_size)
     return out.permute(1, 3, 0, 2, 4).reshape(rows, num_queries, num_heads, head_size)
 
@@ -140,11 +160,19 @@ class PageMasks:
 
 
 def page_masks(
-    page_rows: torch.Tensor, page_starts: torch.Tensor, positions: torch.Tensor, page_tokens: int
+    page_rows: torch.Tensor,
+    page_starts: torch.Tensor,
+    positions: torch.Tensor,
+    page_tokens: int,
+    window: int | None = None,
 ) -> PageMasks:
+    """window: a sliding window's length; keys at or before position - window are hidden too."""
     pages, rows = page_rows.shape[0], positions.shape[0]
     key_positions = page_starts.view(pages, 1) + torch.arange(page_tokens, device=page_rows.device)
-    hidden = key_positions > positions.index_select(0, page_rows).view(pages, 1)
+    page_positions = positions.index_select(0, page_rows).view(pages, 1)
+    hidden = key_positions > page_positions
+    if window is not None:
+        hidden = hidden | (key_positions <= page_positions - window)
     owner = page_rows.view(1, pages) == torch.arange(rows, device=page_rows.device).view(rows, 1)
     return PageMasks(hidden.view(1, pages, 1, page_tokens), owner, owner.to(torch.float32))
 
@@ -158,6 +186,7 @@ def page_attention(
     positions: torch.Tensor,
     scale: float,
     masks: PageMasks | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One query per row [rows, heads, head_size] at `positions` [rows], over KV pages shared by the rows.
 
@@ -180,6 +209,8 @@ def page_attention(
     q = query.view(rows, kv_heads, group, head_size).index_select(0, page_rows).transpose(0, 1)
     # Scores in the model's dtype, like the model's own eager attention; softmax statistics in float32.
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [kv_heads, pages, group, tokens]
+    if soft_cap is not None:
+        scores = _capped(scores, soft_cap)
     scores = scores.masked_fill(masks.hidden, _MASKED)
     page_max = scores.amax(-1)  # [kv_heads, pages, group]
     weights = torch.exp(scores - page_max.unsqueeze(-1))
@@ -197,20 +228,35 @@ def page_attention(
     return out.to(query.dtype).permute(1, 0, 2, 3).reshape(rows, num_heads, head_size)
 
 
+def _capped(scores: torch.Tensor, soft_cap: float) -> torch.Tensor:
+    return torch.tanh(scores / soft_cap) * soft_cap
+
+
 def reference_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Naive per-query causal attention over one sequence's contiguous K/V, for tests.
 
-    query [q, heads, d]; keys/values [seq_len, kv_heads, d]; query_positions [q].
+    query [q, heads, d]; keys/values [seq_len, kv_heads, d]; query_positions [q]; a query sees the `window`
+    latest keys (all without one), its scores capped to +-soft_cap by tanh.
     """
     num_heads, kv_heads = query.shape[1], keys.shape[1]
     group = num_heads // kv_heads
     out = torch.empty_like(query, dtype=torch.float32)
     for i, position in enumerate(query_positions.tolist()):
+        first = 0 if window is None else max(0, position + 1 - window)
         for head in range(num_heads):
-            k = keys[: position + 1, head // group].double()
-            v = values[: position + 1, head // group].double()
-            weights = torch.softmax((k @ query[i, head].double()) * scale, dim=0)
+            k = keys[first : position + 1, head // group].double()
+            v = values[first : position + 1, head // group].double()
+            scores = (k @ query[i, head].double()) * scale
+            if soft_cap is not None:
+                scores = torch.tanh(scores / soft_cap) * soft_cap
+            weights = torch.softmax(scores, dim=0)
             out[i, head] = (weights @ v).float()
     return out.to(query.dtype)

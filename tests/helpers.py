@@ -64,3 +64,19 @@ def engine_config(model_dir, **overrides):
     kwargs = dict(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=4)
     kwargs.update(overrides)
     return EngineArgs(**kwargs).create_engine_config()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """HF transformers greedy decoding with its KV cache; like ignore_eos in vLLM it neither stops at EOS nor
+    bans it (generate's min_new_tokens would ban it)."""
+    import torch
+
+    tokens: list[int] = []
+    step_input, past = torch.tensor([prompt_ids]), None
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            result = hf_model(input_ids=step_input, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            tokens.append(int(result.logits[0, -1].argmax()))
+            step_input = torch.tensor([[tokens[-1]]])
+    return tokens

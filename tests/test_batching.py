@@ -4,8 +4,8 @@ arriving while other requests decode."""
 import pytest
 from vllm.inputs import TokensPrompt
 
-from tests.conftest import MAX_MODEL_LEN, hf_greedy, model_runner
-from tests.helpers import greedy, random_prompt
+from tests.conftest import MAX_MODEL_LEN, model_runner
+from tests.helpers import greedy, hf_greedy, random_prompt
 
 pytestmark = pytest.mark.slow
 

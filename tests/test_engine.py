@@ -5,8 +5,8 @@ import pytest
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from tests.conftest import EXPECTED_GRAPHS, MAX_MODEL_LEN, hf_greedy, model_runner
-from tests.helpers import generate_ids, greedy, random_prompt
+from tests.conftest import EXPECTED_GRAPHS, MAX_MODEL_LEN, model_runner
+from tests.helpers import generate_ids, greedy, hf_greedy, random_prompt
 from vllm_neuron.calls import Call
 
 pytestmark = pytest.mark.slow

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.conftest import ENGINE_KWARGS, hf_greedy
-from tests.helpers import MAX_TOKENS, PROMPTS, run_engine
+from tests.conftest import ENGINE_KWARGS
+from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
 
 pytestmark = [pytest.mark.neuron, pytest.mark.slow]
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy, model_runner
-from tests.helpers import MAX_TOKENS, PROMPTS, run_engine
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, model_runner
+from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
 from vllm_neuron import compile_cache, device
 from vllm_neuron.platform import NeuronPlatform
 from worker.neuron_worker import NeuronWorker

@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from kv_cache.layout import NULL_BLOCK, allocate, kv_cache_shape
-from kv_cache.ops import page_attention, reference_attention, table_attention, write_kv
+from kv_cache.ops import (
+    context_mask,
+    page_attention,
+    page_masks,
+    reference_attention,
+    table_attention,
+    write_kv,
+)
 from vllm_neuron.buckets import ceil_div
 
 HEAD_SIZE = 8
@@ -339,6 +346,66 @@ def test_prefill_depends_on_block_order():
     altered = table_attention(query, kv_cache, swapped, positions, SCALE)
     assert not torch.allclose(altered[0, :8], out[0, :8])
     torch.testing.assert_close(altered[0, 8:12], out[0, 8:12])  # queries that see both blocks agree
+
+
+# ---- sliding window and soft-capping ---------------------------------------------------------------
+
+WINDOW_AND_CAP = [(5, None), (None, 0.5), (9, 0.5)]  # window shorter than a block, a cap that binds, both
+
+
+def test_reference_window_and_cap_change_the_answer():
+    """The reference's window drops exactly the keys before position - window + 1, and the cap binds."""
+    gen = torch.Generator().manual_seed(4)
+    keys, values = randn(gen, 2, 12, 2, HEAD_SIZE, dtype=torch.float32)
+    query = randn(gen, 1, 4, HEAD_SIZE, dtype=torch.float32)
+    position = torch.tensor([11])
+    windowed = reference_attention(query, keys, values, position, SCALE, window=5)
+    torch.testing.assert_close(
+        windowed, reference_attention(query, keys[7:], values[7:], position - 7, SCALE)
+    )
+    assert not torch.allclose(windowed, reference_attention(query, keys, values, position, SCALE))
+    capped = reference_attention(query, keys, values, position, SCALE, soft_cap=0.5)
+    assert not torch.allclose(capped, reference_attention(query, keys, values, position, SCALE))
+
+
+@pytest.mark.parametrize("window, soft_cap", WINDOW_AND_CAP)
+@pytest.mark.parametrize("heads, kv_heads", HEADS)
+def test_decode_window_and_cap_match_reference(heads, kv_heads, window, soft_cap):
+    case = decode_case(heads, kv_heads, 4, torch.float32)
+    page_tokens = BLOCKS_PER_PAGE * 4
+    masks = page_masks(case.page_rows, case.page_starts, case.positions, page_tokens, window)
+    out = page_attention(
+        case.query,
+        case.kv_cache,
+        case.page_blocks,
+        case.page_rows,
+        case.page_starts,
+        case.positions,
+        SCALE,
+        masks,
+        soft_cap,
+    )
+    for row, seq in enumerate(case.sequences):
+        position = case.positions[row : row + 1]
+        expected = reference_attention(
+            case.query[row : row + 1], seq.keys, seq.values, position, SCALE, window, soft_cap
+        )
+        assert_close(out[row], expected[0], torch.float32)
+
+
+@pytest.mark.parametrize("window, soft_cap", WINDOW_AND_CAP)
+@pytest.mark.parametrize("heads, kv_heads", HEADS)
+def test_prefill_window_and_cap_match_reference(heads, kv_heads, window, soft_cap):
+    seq, inputs = prefill_case(heads, kv_heads, 4, torch.float32, start=13, count=9)
+    kv_cache, key, value, slots, query, block_table, positions = inputs
+    write_kv(kv_cache, key, value, slots)
+    context = block_table.shape[1] * 4
+    mask = context_mask(positions, context, heads // kv_heads, query.dtype, window=window)
+    out = table_attention(query, kv_cache, block_table, positions, SCALE, mask, soft_cap)
+    expected = reference_attention(
+        query[0, :9], seq.keys, seq.values, positions[0, :9], SCALE, window, soft_cap
+    )
+    assert_close(out[0, :9], expected, torch.float32)
 
 
 # ---- tracing ---------------------------------------------------------------------------------------

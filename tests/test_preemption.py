@@ -3,8 +3,8 @@ still completes with exactly the tokens it produces alone."""
 
 import pytest
 
-from tests.conftest import ENGINE_KWARGS, hf_greedy
-from tests.helpers import random_prompt, run_engine
+from tests.conftest import ENGINE_KWARGS
+from tests.helpers import hf_greedy, random_prompt, run_engine
 
 pytestmark = pytest.mark.slow
 

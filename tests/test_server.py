@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, MAX_MODEL_LEN, hf_greedy
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, MAX_MODEL_LEN
+from tests.helpers import hf_greedy
 from tests.serving import API_KEY, MAX_REQUEST_BYTES, MODEL_NAME, http
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy
-from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, run_engine
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS
+from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, hf_greedy, run_engine
 from tests.serving import ServerProcess, http
 from tests.tiny_model import build_tiny_llama
 

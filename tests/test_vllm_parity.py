@@ -3,8 +3,8 @@ process because a process picks its vLLM platform once."""
 
 import pytest
 
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, hf_greedy
-from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, run_engine
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS
+from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, hf_greedy, run_engine
 from vllm_neuron import hlo_text
 
 pytestmark = pytest.mark.slow

@@ -225,9 +225,15 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
     model_config = vllm_config.model_config
     NeuronPlatform.check_if_supports_dtype(model_config.dtype)
     refusals = {
-        "sliding-window attention is not supported yet (the model config sets sliding_window); "
-        "use a model without it": model_config.get_sliding_window() is not None
-        and not model_config.disable_sliding_window,
+        "state-space and linear-attention layers (Mamba, hybrid models) are not supported: the plugin's KV "
+        "cache holds attention keys and values only": model_config.is_hybrid
+        or model_config.is_attention_free
+        or model_config.has_inner_state,
+        "encoder-decoder models are not supported (cross-attention): serve a decoder-only model": (
+            model_config.is_encoder_decoder
+        ),
+        "MLA (multi-head latent attention) is not supported: the plugin's KV cache stores per-head keys and "
+        "values": model_config.use_mla,
         "vLLM's V2 model runner is not supported: unset VLLM_USE_V2_MODEL_RUNNER": (
             vllm_config.use_v2_model_runner
         ),

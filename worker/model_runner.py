@@ -2,7 +2,7 @@
 run the compiled model, and sample on the host with vLLM's Sampler."""
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,7 +13,13 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.model_loader import get_model
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -35,6 +41,17 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 
 logger = init_logger("vllm.vllm_neuron.model_runner")
+
+
+def _full_attention(spec: KVCacheSpec) -> KVCacheSpec:
+    """A sliding-window layer's cache is managed as full attention (blocks kept for every position), its
+    window applied by the attention masks: one KV cache group, one block table per request, and no block
+    swapped for the null block as it leaves the window. Costs KV memory past the window (vLLM does the same
+    when its hybrid KV cache manager is off)."""
+    if not isinstance(spec, SlidingWindowSpec):
+        return spec
+    shared = {f.name: getattr(spec, f.name) for f in fields(AttentionSpec)}
+    return FullAttentionSpec(**shared, sliding_window=spec.sliding_window)
 
 
 class ForwardWithLogits(torch.nn.Module):
@@ -124,7 +141,7 @@ class NeuronModelRunner:
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         layers = self.vllm_config.compilation_config.static_forward_context
         return {
-            name: spec
+            name: _full_attention(spec)
             for name, layer in layers.items()
             if isinstance(layer, Attention)
             and (spec := layer.get_kv_cache_spec(self.vllm_config)) is not None

@@ -1,0 +1,279 @@
+"""The architecture matrix's cases: tiny random-weight models of vLLM's text-generation architectures, built
+offline from transformers configs with their structural features kept (head dims, GQA ratios, biases, norms,
+rotary variants, tied embeddings, sliding windows, soft-capping, MoE routing).
+
+Each case is a transformers `model_type` and the config values that make it tiny but keep what the
+architecture is about. A case the plugin refuses names the words its start-up error must contain. Where a
+case exercises a feature that could be silently ignored (a sliding window, soft-capping), `feature_off` holds
+the config values that switch it off: the matrix checks that HF's own tokens then change, so serving with the
+feature ignored could not pass.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from tests.tiny_model import build_tokenizer
+
+# Shared by every case unless it overrides them: 2 layers, hidden 64, 4 query heads of 16 over 2 KV heads.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+# A window shorter than the matrix's longer prompts, so that keys fall out of it.
+WINDOW = 24
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    model_type: str
+    features: tuple[str, ...]
+    config: dict = field(default_factory=lambda: dict(TINY))
+    refusal: str | None = None
+    feature_off: dict | None = None
+    # Random weights of this scale: large enough that soft-capping and routing bind, not so large that
+    # logits saturate.
+    initializer_range: float = 0.02
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("Llama", "llama", ("RoPE", "GQA 2:1", "RMSNorm", "SwiGLU")),
+    Architecture(
+        "Mistral",
+        "mistral",
+        ("RoPE", "GQA 2:1", f"sliding window {WINDOW}"),
+        config=TINY | dict(sliding_window=WINDOW),
+        feature_off=dict(sliding_window=None),
+    ),
+    Architecture(
+        "Qwen2", "qwen2", ("QKV bias", "GQA 2:1", "tied embeddings"), TINY | dict(tie_word_embeddings=True)
+    ),
+    Architecture(
+        "Qwen3",
+        "qwen3",
+        ("q/k RMSNorm", "head dim 32 != hidden/heads", "tied embeddings"),
+        TINY | dict(head_dim=32, tie_word_embeddings=True),
+    ),
+    Architecture(
+        "Gemma 2",
+        "gemma2",
+        (
+            "attention and final logit soft-capping",
+            f"sliding window {WINDOW} on alternate layers",
+            "GeGLU",
+            "query_pre_attn_scalar",
+            "tied embeddings",
+        ),
+        TINY
+        | dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=True,
+        ),
+        feature_off=dict(attn_logit_softcapping=None, final_logit_softcapping=None),
+        initializer_range=0.2,
+    ),
+    Architecture(
+        "Gemma",
+        "gemma",
+        ("GeGLU", "embedding normalizer", "MQA"),
+        TINY | dict(head_dim=16, num_key_value_heads=1),
+    ),
+    Architecture("Phi-3", "phi3", ("fused QKV and gate/up projections", "GQA 2:1"), TINY),
+    Architecture(
+        "Granite",
+        "granite",
+        ("embedding, residual, attention and logit multipliers",),
+        TINY
+        | dict(
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.0625,
+            logits_scaling=8.0,
+        ),
+    ),
+    Architecture(
+        "GPT-2",
+        "gpt2",
+        ("learned positions", "LayerNorm", "GELU", "biases", "MHA", "tied embeddings"),
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    ),
+    Architecture(
+        "OPT",
+        "opt",
+        ("learned positions (offset 2)", "LayerNorm", "ReLU", "biases", "MHA", "tied embeddings"),
+        dict(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=64,
+        ),
+    ),
+    Architecture(
+        "StableLM",
+        "stablelm",
+        ("partial rotary 1/4", "LayerNorm", "QKV bias"),
+        TINY | dict(partial_rotary_factor=0.25, use_qkv_bias=True),
+    ),
+    Architecture(
+        "GPT-J",
+        "gptj",
+        ("rotary on 8 of 16 dims, interleaved", "parallel attention and MLP"),
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8),
+    ),
+    Architecture(
+        "Falcon",
+        "falcon",
+        ("multi-query attention", "parallel attention and MLP"),
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            multi_query=True,
+            parallel_attn=True,
+            alibi=False,
+            bias=False,
+            new_decoder_architecture=False,
+        ),
+    ),
+    Architecture(
+        "Cohere", "cohere", ("parallel block", "LayerNorm", "logit scale"), TINY | dict(logit_scale=0.5)
+    ),
+    Architecture(
+        "Nemotron",
+        "nemotron",
+        ("partial rotary 1/2", "squared ReLU", "LayerNorm1p"),
+        TINY | dict(partial_rotary_factor=0.5, head_dim=16),
+    ),
+    Architecture(
+        "GLM-4",
+        "glm4",
+        ("partial rotary 1/2", "post-attention and post-MLP norms", "QKV bias"),
+        TINY | dict(head_dim=16, attention_bias=True),
+    ),
+    Architecture(
+        "Mixtral",
+        "mixtral",
+        ("MoE: 4 experts, top-2 routing", "GQA 2:1"),
+        TINY | dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        initializer_range=0.1,
+    ),
+    Architecture(
+        "Qwen2-MoE",
+        "qwen2_moe",
+        ("MoE: 4 experts, top-2 routing", "shared expert with sigmoid gate", "QKV bias"),
+        TINY
+        | dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+            norm_topk_prob=False,
+        ),
+        initializer_range=0.1,
+    ),
+    Architecture(
+        "Qwen3-MoE",
+        "qwen3_moe",
+        ("MoE: 4 experts, top-2 routing, normalised", "q/k RMSNorm"),
+        TINY
+        | dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            head_dim=16,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+        ),
+        initializer_range=0.1,
+    ),
+    Architecture(
+        "OLMoE",
+        "olmoe",
+        ("MoE: 4 experts, top-2 routing", "q/k RMSNorm"),
+        TINY | dict(num_experts=4, num_experts_per_tok=2),
+        initializer_range=0.1,
+    ),
+    Architecture(
+        "DeepSeek-V2",
+        "deepseek_v2",
+        ("MLA",),
+        TINY
+        | dict(
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+        ),
+        refusal="MLA",
+    ),
+    Architecture(
+        "Mamba",
+        "mamba",
+        ("state-space layers",),
+        dict(hidden_size=64, num_hidden_layers=2, state_size=8),
+        refusal="state-space",
+    ),
+    Architecture(
+        "Jamba",
+        "jamba",
+        ("hybrid attention and Mamba layers", "MoE"),
+        TINY
+        | dict(
+            num_experts=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            mamba_d_state=8,
+            mamba_dt_rank=8,
+        ),
+        refusal="state-space",
+    ),
+    Architecture("BLOOM", "bloom", ("ALiBi",), dict(hidden_size=64, n_layer=2, n_head=4), refusal="ALiBi"),
+    Architecture(
+        "T5",
+        "t5",
+        ("encoder-decoder",),
+        dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
+        refusal="encoder-decoder",
+    ),
+)
+
+
+def build(arch: Architecture, out: Path, seed: int = 0) -> Path:
+    """Save the case's tokenizer, config and float32 random weights to out."""
+    tokenizer = build_tokenizer(out)
+    config = AutoConfig.for_model(
+        arch.model_type,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=arch.initializer_range,
+        torch_dtype="float32",
+        **arch.config,
+    )
+    torch.manual_seed(seed)
+    auto_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    model = auto_class.from_config(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
