@@ -175,7 +175,9 @@ def _reason(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     lines = [line for line in lines if not line.endswith("raised:")] or lines  # dynamo's wrapper
     line = next((line for line in lines if "Neuron" in line), lines[0])
-    return re.sub(r"^Value error, | \[type=.*$", "", line)
+    if line.endswith("said:"):  # a lowering failure: add torch-mlir's own words
+        line += " " + next((later for later in lines if "error" in later or "exception" in later), "")
+    return re.sub(r"^Value error, | \[type=.*$", "", line).strip()
 
 
 def run(cases: list[Architecture]) -> list[CaseResult]:
