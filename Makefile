@@ -21,7 +21,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install model serve test lint format clean
+.PHONY: install model serve test lint format models-doc clean
 
 install: $(STAMP)
 
@@ -50,6 +50,10 @@ format: install
 
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# docs/models.md from a run of the architecture matrix (tests/model_matrix.py; CI checks it is current).
+models-doc: install
+	$(BIN)/python -m tests.model_matrix --write-doc docs/models.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -4,9 +4,9 @@ rotary variants, tied embeddings, sliding windows, soft-capping, MoE routing).
 
 Each case is a transformers `model_type` and the config values that make it tiny but keep what the
 architecture is about. A case the plugin refuses names the words its start-up error must contain. Where a
-case exercises a feature that could be silently ignored (a sliding window, soft-capping), `feature_off` holds
-the config values that switch it off: the matrix checks that HF's own tokens then change, so serving with the
-feature ignored could not pass.
+case exercises a feature that could be silently ignored (a sliding window, soft-capping, routing),
+`feature_off` names it with the config values that switch it off: the matrix checks that HF's own tokens
+then change, so serving with the feature ignored could not pass.
 """
 
 from dataclasses import dataclass, field
@@ -29,6 +29,8 @@ TINY = dict(
 )
 # A window shorter than the matrix's longer prompts, so that keys fall out of it.
 WINDOW = 24
+# transformers keeps a partial rotary factor among the RoPE parameters.
+FULL_ROTARY = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,17 @@ class Architecture:
     features: tuple[str, ...]
     config: dict = field(default_factory=lambda: dict(TINY))
     refusal: str | None = None
-    feature_off: dict | None = None
+    feature_off: dict[str, dict] = field(default_factory=dict)
+    # Engine settings this case needs beyond the matrix's (tests/model_matrix.py).
+    engine: dict = field(default_factory=dict)
+    # Config values of the HF reference where vLLM's model code deliberately differs from transformers'.
+    reference_config: dict = field(default_factory=dict)
     # Random weights of this scale: large enough that soft-capping and routing bind, not so large that
     # logits saturate.
     initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        assert set(self.feature_off) <= set(self.features), "feature_off names features of the case"
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -51,7 +60,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "mistral",
         ("RoPE", "GQA 2:1", f"sliding window {WINDOW}"),
         config=TINY | dict(sliding_window=WINDOW),
-        feature_off=dict(sliding_window=None),
+        feature_off={f"sliding window {WINDOW}": dict(sliding_window=None)},
     ),
     Architecture(
         "Qwen2", "qwen2", ("QKV bias", "GQA 2:1", "tied embeddings"), TINY | dict(tie_word_embeddings=True)
@@ -66,7 +75,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "Gemma 2",
         "gemma2",
         (
-            "attention and final logit soft-capping",
+            "attention logit soft-capping",
+            "final logit soft-capping",
             f"sliding window {WINDOW} on alternate layers",
             "GeGLU",
             "query_pre_attn_scalar",
@@ -77,11 +87,16 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             head_dim=16,
             query_pre_attn_scalar=16,
             sliding_window=WINDOW,
-            attn_logit_softcapping=5.0,
+            attn_logit_softcapping=1.0,
             final_logit_softcapping=3.0,
             tie_word_embeddings=True,
         ),
-        feature_off=dict(attn_logit_softcapping=None, final_logit_softcapping=None),
+        feature_off={
+            "attention logit soft-capping": dict(attn_logit_softcapping=None),
+            "final logit soft-capping": dict(final_logit_softcapping=None),
+            # Longer than any prompt (HF needs a value).
+            f"sliding window {WINDOW} on alternate layers": dict(sliding_window=256),
+        },
         initializer_range=0.2,
     ),
     Architecture(
@@ -102,6 +117,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             attention_multiplier=0.0625,
             logits_scaling=8.0,
         ),
+        feature_off={
+            "embedding, residual, attention and logit multipliers": dict(
+                embedding_multiplier=1.0,
+                residual_multiplier=1.0,
+                attention_multiplier=0.25,
+                logits_scaling=1.0,
+            )
+        },
     ),
     Architecture(
         "GPT-2",
@@ -127,12 +150,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "stablelm",
         ("partial rotary 1/4", "LayerNorm", "QKV bias"),
         TINY | dict(partial_rotary_factor=0.25, use_qkv_bias=True),
+        feature_off={"partial rotary 1/4": dict(rope_parameters=FULL_ROTARY)},
     ),
     Architecture(
         "GPT-J",
         "gptj",
         ("rotary on 8 of 16 dims, interleaved", "parallel attention and MLP"),
         dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8),
+        feature_off={"rotary on 8 of 16 dims, interleaved": dict(rotary_dim=16)},
     ),
     Architecture(
         "Falcon",
@@ -150,13 +175,18 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ),
     ),
     Architecture(
-        "Cohere", "cohere", ("parallel block", "LayerNorm", "logit scale"), TINY | dict(logit_scale=0.5)
+        "Cohere",
+        "cohere",
+        ("parallel block", "LayerNorm", "logit scale"),
+        TINY | dict(logit_scale=0.5, tie_word_embeddings=True),
+        feature_off={"logit scale": dict(logit_scale=1.0)},
     ),
     Architecture(
         "Nemotron",
         "nemotron",
         ("partial rotary 1/2", "squared ReLU", "LayerNorm1p"),
         TINY | dict(partial_rotary_factor=0.5, head_dim=16),
+        feature_off={"partial rotary 1/2": dict(rope_parameters=FULL_ROTARY)},
     ),
     Architecture(
         "GLM-4",
@@ -164,6 +194,129 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("partial rotary 1/2", "post-attention and post-MLP norms", "QKV bias"),
         TINY | dict(head_dim=16, attention_bias=True),
     ),
+    Architecture(
+        "Gemma 3",
+        "gemma3_text",
+        (
+            f"sliding window {WINDOW} on 1 layer in 2",
+            "local and global RoPE bases",
+            "q/k RMSNorm",
+            "tied embeddings",
+        ),
+        TINY
+        | dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=True,
+        ),
+        feature_off={f"sliding window {WINDOW} on 1 layer in 2": dict(sliding_window=256)},
+        initializer_range=0.2,
+    ),
+    Architecture(
+        "Cohere 2",
+        "cohere2",
+        (f"sliding window {WINDOW} on 1 layer in 2", "global layers without RoPE", "parallel block"),
+        TINY
+        | dict(
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            logit_scale=0.5,
+            tie_word_embeddings=True,
+        ),
+        feature_off={f"sliding window {WINDOW} on 1 layer in 2": dict(sliding_window=256)},
+        initializer_range=0.2,
+        # vLLM's Cohere 2 code (commandr.py) widens the window by one, the model's training convention.
+        reference_config=dict(sliding_window=WINDOW + 1),
+    ),
+    Architecture(
+        "EXAONE 4",
+        "exaone4",
+        (f"sliding window {WINDOW} on 1 layer in 2", "q/k RMSNorm", "post-norms"),
+        TINY | dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+        feature_off={f"sliding window {WINDOW} on 1 layer in 2": dict(sliding_window=256)},
+        initializer_range=0.2,
+    ),
+    Architecture("ERNIE 4.5", "ernie4_5", ("RoPE interleaved", "GQA 2:1"), TINY | dict(head_dim=16)),
+    Architecture("Apertus", "apertus", ("xIELU activation", "q/k RMSNorm"), TINY),
+    Architecture(
+        "Llama 4",
+        "llama4_text",
+        ("chunked local attention", "MoE with a shared expert"),
+        TINY | dict(attention_chunk_size=16, num_local_experts=2, head_dim=16, intermediate_size_mlp=128),
+        refusal="chunked local attention",
+    ),
+    Architecture(
+        "gpt-oss",
+        "gpt_oss",
+        ("attention sinks", f"sliding window {WINDOW} on 1 layer in 2", "MoE"),
+        TINY | dict(num_local_experts=4, head_dim=16, sliding_window=WINDOW),
+        refusal="attention sinks",
+    ),
+    Architecture(
+        "Qwen3-Next",
+        "qwen3_next",
+        ("gated delta-net linear attention", "MoE"),
+        TINY | dict(num_experts=4, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2),
+        refusal="state-space",
+    ),
+    Architecture(
+        "MiniCPM3",
+        "minicpm3",
+        ("low-rank (MLA-style) query and KV projections, run as per-head attention",),
+        TINY | dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+        refusal="does not lower to StableHLO",
+    ),
+    Architecture("Ministral 3", "ministral3", ("RoPE", "GQA 2:1"), TINY | dict(head_dim=16)),
+    Architecture(
+        "Granite SWA",
+        "granite_swa",
+        (f"sliding window {WINDOW}", "attention sinks"),
+        TINY | dict(sliding_window=WINDOW),
+        refusal="attention sinks",
+    ),
+    Architecture(
+        "Falcon-H1",
+        "falcon_h1",
+        ("hybrid attention and Mamba-2",),
+        TINY | dict(head_dim=16),
+        refusal="state-space",
+    ),
+    Architecture(
+        "Mamba-2",
+        "mamba2",
+        ("state-space layers",),
+        dict(hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, n_groups=1, state_size=8),
+        refusal="state-space",
+    ),
+    Architecture(
+        "Nemotron-H",
+        "nemotron_h",
+        ("hybrid attention and Mamba-2",),
+        TINY | dict(hybrid_override_pattern="M*", head_dim=16),
+        refusal="state-space",
+    ),
+    Architecture("LFM2", "lfm2", ("short convolutions and attention",), TINY, refusal="state-space"),
+    Architecture(
+        "DeepSeek-V3",
+        "deepseek_v3",
+        ("MLA", "MoE"),
+        TINY
+        | dict(
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+        ),
+        refusal="MLA",
+    ),
+    Architecture("Kimi Linear", "kimi_linear", ("KDA linear attention", "MLA"), TINY, refusal="state-space"),
     Architecture(
         "Mixtral",
         "mixtral",
@@ -255,6 +408,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         ("encoder-decoder",),
         dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
         refusal="encoder-decoder",
+        # vLLM turns chunked prefill off for encoder-decoder models: a step must hold max_model_len tokens
+        # before its config reaches the platform.
+        engine=dict(max_num_batched_tokens=128),
     ),
 )
 

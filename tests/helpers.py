@@ -67,16 +67,25 @@ def engine_config(model_dir, **overrides):
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """HF transformers greedy decoding with its KV cache; like ignore_eos in vLLM it neither stops at EOS nor
-    bans it (generate's min_new_tokens would ban it)."""
+    return hf_greedy_with_logprobs(hf_model, prompt_ids, max_tokens)[0]
+
+
+def hf_greedy_with_logprobs(
+    hf_model, prompt_ids: list[int], max_tokens: int
+) -> tuple[list[int], list[float]]:
+    """HF transformers greedy decoding with its KV cache, and the log-probability of each chosen token; like
+    ignore_eos in vLLM it neither stops at EOS nor bans it (generate's min_new_tokens would ban it)."""
     import torch
 
     tokens: list[int] = []
+    logprobs: list[float] = []
     step_input, past = torch.tensor([prompt_ids]), None
     with torch.no_grad():
         for _ in range(max_tokens):
             result = hf_model(input_ids=step_input, past_key_values=past, use_cache=True)
             past = result.past_key_values
-            tokens.append(int(result.logits[0, -1].argmax()))
+            logits = result.logits[0, -1].float()
+            tokens.append(int(logits.argmax()))
+            logprobs.append(float(torch.log_softmax(logits, -1)[tokens[-1]]))
             step_input = torch.tensor([[tokens[-1]]])
-    return tokens
+    return tokens, logprobs

@@ -2,7 +2,9 @@
 graphs lowered through the `stablehlo` route, its greedy tokens compared with HF transformers (float32, eager
 attention), and docs/models.md rendered from the results.
 
-    python -m tests.model_matrix [--only NAME ...] [--json FILE] [--write-doc docs/models.md]
+    python -m tests.model_matrix [--only NAME ... | --shard I/N] [--json FILE] [--write-doc docs/models.md]
+
+(`make models-doc` runs it and rewrites docs/models.md; tests/test_model_matrix.py runs it in CI.)
 
 Each case runs in this one process, one engine after another (dynamo's caches are reset between them), so
 the matrix costs one vLLM import. A case the plugin refuses at start-up is recorded with its reason.
@@ -12,16 +14,19 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` importable, as under pytest
 
-# Before vLLM is imported: the plugin in CPU mode, every graph lowered to StableHLO, no compile after warm-up,
-# the engine core in this process, nothing leaves 127.0.0.1.
-os.environ.update(
+from tests.architectures import ARCHITECTURES, WINDOW, Architecture, build  # noqa: E402
+
+# Set before vLLM is imported (run_case imports it): the plugin in CPU mode, every graph lowered to StableHLO,
+# no compile after warm-up, the engine core in this process, nothing leaves 127.0.0.1.
+ENVIRONMENT = dict(
     VLLM_NEURON_DEVICE="cpu",
     VLLM_NEURON_COMPILE_BACKEND="stablehlo",
     VLLM_NEURON_STRICT_SHAPES="1",
@@ -33,8 +38,6 @@ os.environ.update(
     DO_NOT_TRACK="1",
     TOKENIZERS_PARALLELISM="false",
 )
-
-from tests.architectures import ARCHITECTURES, WINDOW, Architecture, build  # noqa: E402
 
 MAX_MODEL_LEN = 128
 # Few graphs per case: one prefill bucket, one decode batch bucket, one context bucket, and the mixed call.
@@ -53,18 +56,38 @@ ENGINE = dict(
 # A prompt within a decode bucket, one past the sliding window, one chunked across steps (> 64 tokens).
 PROMPT_LENGTHS = (5, 2 * WINDOW + 3, 90)
 MAX_TOKENS = 10
+# Greedy tokens must be equal, and each one's log-probability within this of HF's: an error that leaves the
+# argmax alone (a feature with a small effect in a tiny random model) still shows.
+LOGPROB_TOLERANCE = 1e-3
+
+
+@dataclass
+class Generation:
+    """Greedy tokens of each prompt and the log-probability of each."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+
+    def error(self, reference: "Generation") -> float:
+        """Largest log-probability difference from the reference; infinite where the tokens differ."""
+        if self.tokens != reference.tokens:
+            return float("inf")
+        pairs = zip(sum(self.logprobs, []), sum(reference.logprobs, []), strict=True)
+        return max(abs(a - b) for a, b in pairs)
 
 
 @dataclass
 class CaseResult:
     name: str
-    architecture: str
+    architecture: str  # vLLM's (and HF's) architecture class
     features: list[str]
     status: str  # "served" (equal to HF), "refused", "mismatch" or "failed"
     reason: str = ""
     graphs: int = 0
     lowered: int = 0
-    feature_checked: bool | None = None  # HF's tokens change with the feature off (None: nothing to check)
+    logprob_error: float | None = None
+    # Each feature_off variant of the case: whether HF with that feature off would fail the comparison.
+    features_exercised: dict[str, bool] = field(default_factory=dict)
 
 
 def prompts() -> list[list[int]]:
@@ -73,11 +96,11 @@ def prompts() -> list[list[int]]:
     return [random_prompt(n, seed=n) for n in PROMPT_LENGTHS]
 
 
-def hf_tokens(model_dir: Path, overrides: dict | None = None) -> list[list[int]]:
+def hf_generation(model_dir: Path, overrides: dict | None = None) -> Generation:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.helpers import hf_greedy
+    from tests.helpers import hf_greedy_with_logprobs
 
     config = AutoConfig.from_pretrained(model_dir)
     for name, value in (overrides or {}).items():
@@ -85,37 +108,59 @@ def hf_tokens(model_dir: Path, overrides: dict | None = None) -> list[list[int]]
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, config=config, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    return [hf_greedy(model, prompt, MAX_TOKENS) for prompt in prompts()]
+    runs = [hf_greedy_with_logprobs(model, prompt, MAX_TOKENS) for prompt in prompts()]
+    return Generation([tokens for tokens, _ in runs], [logprobs for _, logprobs in runs])
+
+
+def plugin_generation(llm) -> Generation:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [
+        [step[token].logprob for step, token in zip(o.outputs[0].logprobs, ids, strict=True)]
+        for o, ids in zip(outputs, tokens, strict=True)
+    ]
+    return Generation(tokens, logprobs)
 
 
 def run_case(arch: Architecture, root: Path) -> CaseResult:
     import torch
     from vllm import LLM
 
-    from tests.helpers import generate_ids, greedy
-
     model_dir = build(arch, root / arch.name)
-    result = CaseResult(arch.name, arch.model_type, list(arch.features), status="failed")
+    architecture = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    result = CaseResult(arch.name, architecture, list(arch.features), status="failed")
     try:
-        llm = LLM(model=str(model_dir), **ENGINE)
+        llm = LLM(model=str(model_dir), **(ENGINE | arch.engine))
     except Exception as err:  # noqa: BLE001 - a refusal is a result, whatever vLLM wraps it in
-        result.status, result.reason = "refused", _first_line(err)
+        result.status, result.reason = "refused", _reason(err)
         return result
     try:
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        got = generate_ids(llm, prompts(), greedy(MAX_TOKENS))
+        got = plugin_generation(llm)
         result.graphs = runner.recorder.num_graphs
         result.lowered = len(runner.lowered_graphs())
-        expected = hf_tokens(model_dir)
-        if got == expected:
+        expected = hf_generation(model_dir, arch.reference_config)
+        result.logprob_error = got.error(expected)
+        if result.logprob_error <= LOGPROB_TOLERANCE:
             result.status = "served"
+        elif got.tokens == expected.tokens:
+            result.status, result.reason = (
+                "mismatch",
+                f"log-probabilities differ by {result.logprob_error:.2g}",
+            )
         else:
-            result.status = "mismatch"
-            result.reason = f"plugin {got} != HF {expected}"
-        if arch.feature_off is not None:
-            result.feature_checked = hf_tokens(model_dir, arch.feature_off) != expected
+            result.status, result.reason = "mismatch", f"greedy tokens {got.tokens} != HF {expected.tokens}"
+        result.features_exercised = {
+            feature: hf_generation(model_dir, arch.reference_config | overrides).error(expected)
+            > LOGPROB_TOLERANCE
+            for feature, overrides in arch.feature_off.items()
+        }
     except Exception as err:  # noqa: BLE001 - recorded, and the matrix goes on
-        result.status, result.reason = "failed", _first_line(err)
+        result.status, result.reason = "failed", _reason(err)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -124,13 +169,19 @@ def run_case(arch: Architecture, root: Path) -> CaseResult:
     return result
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return next((line.strip() for line in text.splitlines() if "Neuron" in line), text.splitlines()[0])
+def _reason(err: BaseException) -> str:
+    """The line of an error that says why: the plugin's own where there is one, without pydantic's
+    wrapping."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    lines = [line for line in lines if not line.endswith("raised:")] or lines  # dynamo's wrapper
+    line = next((line for line in lines if "Neuron" in line), lines[0])
+    if line.endswith("said:"):  # a lowering failure: add torch-mlir's own words
+        line += " " + next((later for later in lines if "error" in later or "exception" in later), "")
+    return re.sub(r"^Value error, | \[type=.*$", "", line).strip()
 
 
-def run(names: list[str] | None = None) -> list[CaseResult]:
-    cases = [a for a in ARCHITECTURES if not names or a.name in names]
+def run(cases: list[Architecture]) -> list[CaseResult]:
+    os.environ.update(ENVIRONMENT)
     with tempfile.TemporaryDirectory(prefix="model-matrix-") as root:
         results = []
         for arch in cases:
@@ -141,14 +192,56 @@ def run(names: list[str] | None = None) -> list[CaseResult]:
         return results
 
 
+DOC_HEADER = f"""# Models
+
+vLLM's own model code runs through the plugin, so any decoder-only architecture vLLM serves is meant to serve
+here. This page is what the architecture matrix proved, case by case. It is generated: `make models-doc`
+rewrites it, and CI (tests/test_model_matrix.py) fails when a fresh run disagrees with it. For a model of
+your own, `vllm-neuron check MODEL` gives the same verdict before you rent a trn2.
+
+Each case is a tiny random-weight model built offline from the architecture's transformers config (2
+layers, hidden size 64; the structural features listed kept), served through the plugin in CPU mode with
+every graph lowered through TorchNeuron's route to StableHLO (the `stablehlo` backend), and compared with HF
+transformers in float32 with eager attention: prompts of {", ".join(map(str, PROMPT_LENGTHS))} tokens,
+{MAX_TOKENS} greedy tokens each, all equal, and each token's log-probability within
+{LOGPROB_TOLERANCE:g} of HF's. A sliding window is {WINDOW} tokens, shorter than the longer prompts. A
+feature marked **(proven)** is switched off in a second HF run, and that run fails the same comparison:
+serving with the feature ignored could not pass.
+"""
+
+
+def render(results: list[CaseResult]) -> str:
+    """docs/models.md from the matrix's results: what it served, what it refused and why."""
+    served = [r for r in results if r.status == "served"]
+    others = [r for r in results if r.status != "served"]
+    lines = [DOC_HEADER, "## Served, equal to HF", ""]
+    lines += ["| model | architecture | graphs lowered | features |", "|---|---|---|---|"]
+    for r in served:
+        features = ", ".join(f + (" **(proven)**" if r.features_exercised.get(f) else "") for f in r.features)
+        lines.append(f"| {r.name} | `{r.architecture}` | {r.lowered} of {r.graphs} | {features} |")
+    lines += ["", "## Refused at start-up, or not served", ""]
+    lines += ["| model | architecture | status | why |", "|---|---|---|---|"]
+    for r in others:
+        lines.append(f"| {r.name} | `{r.architecture}` | {r.status} | {r.reason} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these cases")
+    parser.add_argument("--shard", metavar="I/N", help="run every N-th case from the I-th (0-based)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--write-doc", type=Path, metavar="FILE", help="write docs/models.md here")
     args = parser.parse_args(argv)
-    results = run(args.only)
+    cases = [a for a in ARCHITECTURES if not args.only or a.name in args.only]
+    if args.shard:
+        index, count = map(int, args.shard.split("/"))
+        cases = cases[index::count]
+    results = run(cases)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    if args.write_doc:
+        args.write_doc.write_text(render(results))
 
 
 if __name__ == "__main__":

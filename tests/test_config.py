@@ -195,21 +195,28 @@ def test_malformed_bucket_variable_is_refused(tiny_model_dir, monkeypatch):
         engine_config(tiny_model_dir)
 
 
-def test_sliding_window_models_are_refused(tmp_path, tiny_model_dir):
+def _config_only_model(folder, tiny_model_dir, config) -> None:
+    """A model folder with the tiny model's tokenizer and this config, and no weights (config checks only)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tiny_model_dir / name).read_bytes())
+    config.save_pretrained(folder)
+
+
+def test_sliding_window_models_are_accepted(tmp_path, tiny_model_dir):
     from transformers import MistralConfig
 
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
-    MistralConfig(
-        vocab_size=452,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=64,
-    ).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="sliding-window"):
+    config = MistralConfig(vocab_size=452, hidden_size=128, num_attention_heads=4, sliding_window=64)
+    _config_only_model(tmp_path, tiny_model_dir, config)
+    assert engine_config(tmp_path).model_config.get_sliding_window() == 64
+
+
+def test_state_space_models_are_refused(tmp_path, tiny_model_dir):
+    from transformers import MambaConfig
+
+    _config_only_model(
+        tmp_path, tiny_model_dir, MambaConfig(vocab_size=452, hidden_size=64, num_hidden_layers=2)
+    )
+    with pytest.raises(ValueError, match="state-space"):
         engine_config(tmp_path)
 
 

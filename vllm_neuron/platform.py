@@ -235,6 +235,9 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
         ),
         "MLA (multi-head latent attention) is not supported: the plugin's KV cache stores per-head keys and "
         "values": model_config.use_mla,
+        "chunked local attention (attention_chunk_size, Llama 4) is not supported": (
+            getattr(model_config.hf_text_config, "attention_chunk_size", None) is not None
+        ),
         "vLLM's V2 model runner is not supported: unset VLLM_USE_V2_MODEL_RUNNER": (
             vllm_config.use_v2_model_runner
         ),
