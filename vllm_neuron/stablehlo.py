@@ -118,12 +118,17 @@ def alias_attribute(aliases: list[Alias]) -> str:
 
 
 def _source_line(node: torch.fx.Node) -> str:
-    """The innermost frame of model or plugin code that produced `node` ("file:line in function")."""
+    """The innermost frame of model or plugin code that produced `node` ("file:line in function"), its file as
+    found in any installation: from the package down (vllm/...) or from this repository's root."""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', node.meta.get("stack_trace") or "")
     if not frames:
         return "(no source line recorded)"
     path, line, function = frames[-1]
+    path = path.split("site-packages/", 1)[-1].removeprefix(f"{_REPOSITORY}/")
     return f"{path}:{line} in {function}"
+
+
+_REPOSITORY = str(Path(__file__).resolve().parents[1])
 
 
 _FAILED_OP = re.compile(r"(?:failed to legalize operation|unsupported.*?op(?:eration)?) '?([\w.]+)'?")
