@@ -164,7 +164,6 @@ def _plan(vllm_config) -> Plan:
         max_num_seqs=scheduler_config.max_num_seqs,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
-        gpu_memory_utilization=vllm_config.cache_config.gpu_memory_utilization,
         neuron=NeuronConfig.from_vllm_config(vllm_config),
     )
 

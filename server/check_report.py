@@ -34,7 +34,6 @@ class Plan:
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int
-    gpu_memory_utilization: float
     neuron: NeuronConfig
 
     @property

@@ -186,7 +186,7 @@ def test_the_table_shows_verdict_graphs_capacity_and_cost(monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_TARGET", "neuron")
     limits = dict(max_model_len=8192, max_num_seqs=32, max_num_batched_tokens=2048, block_size=32)
     neuron = NeuronConfig.resolve({}, limits)
-    plan = Plan(8192, 32, 2048, 4, 0.9, neuron)
+    plan = Plan(8192, 32, 2048, 4, neuron)
     graph = {"stablehlo_ops": 500, "largest_tensor": {"shape": [2, 3], "dtype": "bfloat16", "bytes": 12}}
     report = Report(
         model="Llama-3.1-8B",
