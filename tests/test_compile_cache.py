@@ -132,3 +132,36 @@ def test_key_follows_the_neuron_compiler_and_its_flags(tiny_model_dir, monkeypat
         assert compile_cache.key_fields(*configs(tiny_model_dir))["versions"]["neuronx-cc"] == compiler
         keys.add(key_of(tiny_model_dir))
     assert len(keys) == 2 and base not in keys
+
+
+def test_a_check_finds_the_folders_trainium_compiled_for_its_configuration(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """`vllm-neuron check` on a CPU: the folders Trainium hosts compiled for the same configuration, whatever
+    their rank and versions; neither a CPU folder nor one of other buckets."""
+    from vllm_neuron import device
+
+    monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path))
+    for variable in compile_cache.CACHE_VARIABLES.values():
+        monkeypatch.delenv(variable, raising=False)  # restored after the test
+    same, other = (
+        configs(tiny_model_dir),
+        configs(tiny_model_dir, additional_config={"decode_batch_buckets": [1]}),
+    )
+    cpu_folder = compile_cache.prepare(*same)
+    monkeypatch.setattr(device, "mode", lambda: "neuron")
+    monkeypatch.setattr(device, "compile_backend", lambda: "neuron")
+    monkeypatch.setattr(device, "versions", lambda: {"torch": "2.13.0", "neuronx-cc": "2.22.0"})
+    rank_1 = compile_cache.prepare(*same, tp_rank=1)
+    other_buckets = compile_cache.prepare(*other)
+    for index in range(2):
+        (rank_1 / "neff" / f"{index}.neff").parent.mkdir(parents=True, exist_ok=True)
+        (rank_1 / "neff" / f"{index}.neff").write_bytes(b"NEFF")
+    monkeypatch.undo()  # back on the CPU, as the check runs
+
+    found = compile_cache.neuron_folders(tmp_path, compile_cache.key_fields(*same))
+    assert [path for path, _ in found] == [rank_1]
+    ((_, recorded),) = found
+    assert recorded["tensor_parallel_rank"] == 1 and recorded["versions"]["neuronx-cc"] == "2.22.0"
+    assert compile_cache.artefact_count(rank_1) == 2
+    assert {cpu_folder, other_buckets} <= set(tmp_path.iterdir())

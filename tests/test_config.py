@@ -129,6 +129,22 @@ def test_prefill_share_while_decoding(tiny_model_dir, additional_config, expecte
     assert config.additional_config["prefill_tokens_while_decoding"] == expected
 
 
+def test_a_cpu_resolves_a_trainium_servers_defaults_for_the_neuron_target(tiny_model_dir, monkeypatch):
+    """VLLM_NEURON_TARGET=neuron (what `vllm-neuron check` sets): the prefill share a NeuronCore takes along
+    in a decode call, and no device memory for vLLM's batch defaults, as on Trainium."""
+    from vllm.platforms import current_platform
+
+    assert current_platform.get_device_total_memory() > 0  # CPU mode: the host's
+    monkeypatch.setenv("VLLM_NEURON_TARGET", "neuron")
+    config = engine_config(tiny_model_dir, max_num_batched_tokens=128)
+    assert config.additional_config["prefill_tokens_while_decoding"] == 128
+    with pytest.raises(NotImplementedError):
+        current_platform.get_device_total_memory()
+    monkeypatch.setenv("VLLM_NEURON_TARGET", "tpu")
+    with pytest.raises(ValueError, match="VLLM_NEURON_TARGET='tpu'"):
+        device.target()
+
+
 def test_bucket_overrides_from_environment_win(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_DECODE_BATCH_BUCKETS", "2,4")
     config = engine_config(tiny_model_dir, additional_config={"decode_batch_buckets": [1, 4]})

@@ -76,6 +76,18 @@ def test_kv_write_is_one_aliased_scatter_of_the_new_rows():
     assert graph.largest_tensor[0] == (2 * KV_HEADS * 3 * 5, BLOCK_SIZE * HEAD_SIZE)
 
 
+def test_lower_only_lowers_the_graph_and_runs_nothing():
+    """The `lower-only` backend (`vllm-neuron check`): the graph is lowered with its cache aliased, and the
+    call returns zeros of its output's shape, leaving the cache as it was."""
+    backend = StableHLOBackend(execute=False)
+    module = WriteThenRead(write_kv)
+    out = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(*write_inputs())
+    (graph,) = backend.graphs
+    assert graph.aliases and graph.op_count > 0
+    assert out.shape == () and out.item() == 0
+    assert not module.kv_cache.any()
+
+
 def test_a_whole_cache_write_is_named():
     backend, module, _ = lower_module(whole_cache_write)
     (write,) = hlo_text.cache_writes(backend.graphs[0].stablehlo)

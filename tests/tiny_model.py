@@ -47,8 +47,11 @@ def build_tokenizer(out: Path) -> PreTrainedTokenizerFast:
     return hf_tokenizer
 
 
-def build_tiny_llama(out: Path, *, num_kv_heads: int = 2, max_positions: int = 1024, seed: int = 0) -> Path:
-    """2 layers, hidden 128, 4 query heads of 32 (GQA over num_kv_heads), ~500-token vocabulary, float32."""
+def build_tiny_llama(
+    out: Path, *, num_kv_heads: int = 2, max_positions: int = 1024, seed: int = 0, num_layers: int = 2
+) -> Path:
+    """num_layers layers, hidden 128, 4 query heads of 32 (GQA over num_kv_heads), ~500-token vocabulary,
+    float32."""
     hf_tokenizer = build_tokenizer(out)
 
     torch.manual_seed(seed)
@@ -56,7 +59,7 @@ def build_tiny_llama(out: Path, *, num_kv_heads: int = 2, max_positions: int = 1
         vocab_size=len(hf_tokenizer),
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions,

@@ -1,7 +1,8 @@
 """The only caller of torch.compile: static shapes, full graphs, every graph recorded, recompiles guarded.
 
 `CompileRecorder` sits between dynamo and the real backend (neuron; stablehlo, which lowers each graph along
-TorchNeuron's route and runs it on the CPU, vllm_neuron/stablehlo.py; eager; inductor). Dynamo hands a
+TorchNeuron's route and runs it on the CPU, vllm_neuron/stablehlo.py; lower-only, which lowers without
+running; eager; inductor). Dynamo hands a
 backend one graph per new input signature, so the recorder sees every compile, whatever the backend:
 - it refuses what TorchNeuron's compiler refuses (symbolic shapes, float64, non-contiguous inputs), so CPU
   runs fail where a Neuron compile would;
@@ -73,10 +74,11 @@ class CompileRecorder:
     dump_dir: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.backend_name == "stablehlo":
+        if self.backend_name in ("stablehlo", "lower-only"):
             from vllm_neuron.stablehlo import StableHLOBackend
 
-            self.lowering: StableHLOBackend | None = StableHLOBackend(self.dump_dir)
+            execute = self.backend_name == "stablehlo"
+            self.lowering: StableHLOBackend | None = StableHLOBackend(self.dump_dir, execute=execute)
             self._inner = self.lowering
         else:
             self.lowering = None

@@ -107,4 +107,34 @@ def prepare(vllm_config: "VllmConfig", neuron_config: "NeuronConfig", tp_rank: i
 
 def is_warm(folder: Path) -> bool:
     """Whether a configuration's folder holds compiled artefacts (NEFFs, inductor's), not only key.json."""
-    return any(path.is_file() for name in CACHE_VARIABLES for path in (folder / name).rglob("*"))
+    return artefact_count(folder) > 0
+
+
+def artefact_count(folder: Path) -> int:
+    return sum(1 for name in CACHE_VARIABLES for path in (folder / name).rglob("*") if path.is_file())
+
+
+# Key fields that describe the host a folder was compiled on rather than the configuration: what a CPU
+# checking a Trainium configuration cannot know, so they are left out of the match and reported instead.
+HOST_FIELDS = ("device_mode", "compile_backend", "versions", "tensor_parallel_rank", "neuron_cc_flags")
+
+
+def neuron_folders(root: Path, fields: dict[str, object]) -> list[tuple[Path, dict[str, object]]]:
+    """The folders under `root` compiled on Trainium for the configuration `fields` (key_fields) describes,
+    whatever the rank, software versions and compiler flags they were compiled with, and their key.json."""
+    wanted = _configuration(fields)
+    found = []
+    for description in sorted(root.glob("*/key.json")):
+        try:
+            recorded = json.loads(description.read_text())
+        except (OSError, ValueError):
+            continue
+        if recorded.get("device_mode") == "neuron" and _configuration(recorded) == wanted:
+            found.append((description.parent, recorded))
+    return found
+
+
+def _configuration(fields: dict[str, object]) -> dict[str, object]:
+    """The fields as key.json records them (JSON types), without hf_config (not recorded) and host fields."""
+    kept = {k: v for k, v in fields.items() if k not in (*HOST_FIELDS, "hf_config")}
+    return json.loads(json.dumps(kept, default=str))

@@ -49,19 +49,17 @@ class NeuronConfig:
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
-        additional: dict[str, Any] = dict(vllm_config.additional_config or {})
+        return cls.resolve(dict(vllm_config.additional_config or {}), engine_limits(vllm_config))
+
+    @classmethod
+    def resolve(cls, additional: dict[str, Any], limits: dict[str, int]) -> "NeuronConfig":
+        """The settings from --additional-config's keys and the engine's limits (engine_limits)."""
         accepted = {*BUCKET_SETTINGS, *POLICY_SETTINGS, INTERLEAVE_SETTING, MIXED_SETTING}
         unknown = sorted(set(additional) - accepted)
         if unknown:
             raise NeuronConfigError(
                 f"unknown --additional-config keys {unknown}; the Neuron plugin accepts {sorted(accepted)}"
             )
-        limits = {
-            "max_model_len": vllm_config.model_config.max_model_len,
-            "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
-            "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
-            "block_size": vllm_config.cache_config.block_size,
-        }
         defaults = _policy_buckets(additional, limits)
         chosen = {
             "prefill_buckets": defaults.prefill_tokens,
@@ -106,6 +104,16 @@ class NeuronConfig:
             INTERLEAVE_SETTING: self.prefill_tokens_while_decoding,
             MIXED_SETTING: list(self.buckets.mixed_batch),
         }
+
+
+def engine_limits(vllm_config: "VllmConfig") -> dict[str, int]:
+    """What the buckets must fit: max_model_len, max_num_seqs, max_num_batched_tokens and the block size."""
+    return {
+        "max_model_len": vllm_config.model_config.max_model_len,
+        "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
+        "block_size": vllm_config.cache_config.block_size,
+    }
 
 
 def _with_mixed_calls(
@@ -178,8 +186,8 @@ def _policy_buckets(additional: dict[str, Any], limits: dict[str, int]) -> Bucke
             "concurrency": limits["max_num_seqs"],
         },
     )
-    # The policy plans with the costs of the device it serves on, unless told otherwise.
-    costs = additional.get("call_costs", profile_for(neuron_device.mode()))
+    # The policy plans with the costs of the device it serves on (VLLM_NEURON_TARGET), unless told otherwise.
+    costs = additional.get("call_costs", profile_for(neuron_device.target()))
     if costs not in PROFILES:
         raise NeuronConfigError(f"call_costs must be one of {sorted(PROFILES)}, got {costs!r}")
     try:

@@ -75,6 +75,17 @@ def mode() -> DeviceMode:
     return resolved or "cpu"
 
 
+def target() -> DeviceMode:
+    """The device the configuration's defaults are chosen for: VLLM_NEURON_TARGET, else the device mode.
+    `vllm-neuron check` resolves a Trainium server's configuration on a CPU this way."""
+    wanted = envs.VLLM_NEURON_TARGET
+    if wanted in ("neuron", "cpu"):
+        return wanted
+    if wanted:
+        raise ValueError(f"VLLM_NEURON_TARGET={wanted!r}: use neuron or cpu, or leave it unset")
+    return mode()
+
+
 def device_type() -> str:
     return TENSOR_DEVICE_TYPE if mode() == "neuron" else "cpu"
 
@@ -130,8 +141,9 @@ def disable_fallback_execution() -> None:
         os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] = "1"
 
 
-# Ours, beside the names torch._dynamo lists: TorchNeuron's route to StableHLO on a CPU, and no compile.
-PLUGIN_BACKENDS = ("stablehlo", "none")
+# Ours, beside the names torch._dynamo lists: TorchNeuron's route to StableHLO on a CPU (then the graph runs
+# there), the same route without running the graphs (`vllm-neuron check`), and no compile.
+PLUGIN_BACKENDS = ("stablehlo", "lower-only", "none")
 
 
 def compile_backend() -> str:
@@ -149,9 +161,9 @@ def compile_backend() -> str:
         raise ValueError(
             f"VLLM_NEURON_COMPILE_BACKEND={chosen!r} is not a compile backend: use one of {known}"
         )
-    if chosen == "stablehlo" and importlib.util.find_spec("torch_mlir") is None:
+    if chosen in ("stablehlo", "lower-only") and importlib.util.find_spec("torch_mlir") is None:
         raise ValueError(
-            "VLLM_NEURON_COMPILE_BACKEND=stablehlo needs torch-mlir: pip install torch-mlir==20261001 (the "
+            f"VLLM_NEURON_COMPILE_BACKEND={chosen} needs torch-mlir: pip install torch-mlir==20261001 (the "
             "cpu extra installs it)"
         )
     return chosen
@@ -164,7 +176,7 @@ def mixed_chunk_tokens() -> int:
     compute-bound: after about 8 tokens on a few CPU cores (~100 GFLOP/s against ~25 GB/s), about 230 on a
     NeuronCore (bf16 FLOP/s over HBM bandwidth, docs/performance.md); past that, and for a chunk deep in a
     long prompt, the chunk's attention over its context is what it costs."""
-    return 128 if mode() == "neuron" else 16
+    return 128 if target() == "neuron" else 16
 
 
 def torch_device(local_rank: int) -> torch.device:

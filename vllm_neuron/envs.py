@@ -70,10 +70,17 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "auto | neuron | cpu. auto activates the plugin only where TorchNeuron sees a Neuron device; "
         "cpu runs the same plugin on the host CPU (development and CI).",
     ),
+    "VLLM_NEURON_TARGET": (
+        _str("VLLM_NEURON_TARGET", ""),
+        "neuron | cpu: the device whose defaults the configuration is resolved for (the prefill share of a "
+        "step, the automatic bucket policy's call costs, vLLM's batch defaults); default: the device mode. "
+        "`vllm-neuron check` sets neuron, so a CPU resolves the plan a Trainium server would.",
+    ),
     "VLLM_NEURON_COMPILE_BACKEND": (
         _str("VLLM_NEURON_COMPILE_BACKEND", ""),
         "torch.compile backend of the model step: neuron (default on Trainium), eager (default on CPU), "
         "stablehlo (TorchNeuron's lowering to StableHLO on a CPU: every graph must lower; docs/lowering.md), "
+        "lower-only (the same lowering without running the graphs: outputs are zeros; `vllm-neuron check`), "
         "inductor, any other registered torch.compile backend, or none (no torch.compile, for debugging).",
     ),
     "VLLM_NEURON_DUMP_GRAPHS": (

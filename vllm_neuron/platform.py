@@ -70,8 +70,9 @@ class NeuronPlatform(Platform):
         # vLLM asks this while building the engine config, to choose batch defaults, in a process that is
         # not (yet) a worker. On Neuron the answer would start the runtime there: before the worker's process
         # group (TorchNeuron refuses that) and holding the cores the workers need. vLLM falls back to its
-        # general defaults when the platform cannot answer; the worker sizes memory itself.
-        if neuron_device.mode() == "neuron":
+        # general defaults when the platform cannot answer; the worker sizes memory itself. A CPU resolving
+        # a Neuron server's configuration (VLLM_NEURON_TARGET, `vllm-neuron check`) answers the same.
+        if neuron_device.mode() == "neuron" or neuron_device.target() == "neuron":
             raise NotImplementedError("the Neuron worker reads device memory, after its process group")
         return neuron_device.total_memory(device_id)
 

@@ -32,7 +32,12 @@ _VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 class LoweringError(RuntimeError):
-    """A graph that TorchNeuron's route (torch-mlir to StableHLO) cannot lower."""
+    """A graph that TorchNeuron's route (torch-mlir to StableHLO) cannot lower. The message names the call,
+    the op and the source line; so do the attributes, for `vllm-neuron check`'s report."""
+
+    def __init__(self, message: str, *, call: str = "", op: str = "", source: str = "") -> None:
+        super().__init__(message)
+        self.call, self.op, self.source = call, op, source
 
 
 @dataclass(frozen=True)
@@ -113,12 +118,17 @@ def alias_attribute(aliases: list[Alias]) -> str:
 
 
 def _source_line(node: torch.fx.Node) -> str:
-    """The innermost frame of model or plugin code that produced `node` ("file:line in function")."""
+    """The innermost frame of model or plugin code that produced `node` ("file:line in function"), its file as
+    found in any installation: from the package down (vllm/...) or from this repository's root."""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', node.meta.get("stack_trace") or "")
     if not frames:
         return "(no source line recorded)"
     path, line, function = frames[-1]
+    path = path.split("site-packages/", 1)[-1].removeprefix(f"{_REPOSITORY}/")
     return f"{path}:{line} in {function}"
+
+
+_REPOSITORY = str(Path(__file__).resolve().parents[1])
 
 
 _FAILED_OP = re.compile(r"(?:failed to legalize operation|unsupported.*?op(?:eration)?) '?([\w.]+)'?")
@@ -127,6 +137,23 @@ _FAILED_OP = re.compile(r"(?:failed to legalize operation|unsupported.*?op(?:era
 def _failed_op(message: str) -> str | None:
     found = _FAILED_OP.search(message)
     return found.group(1) if found else None
+
+
+def _untyped_input_user(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
+    """The first op that takes a graph input torch-mlir cannot give a type (not a tensor or a number: an
+    opaque object such as a custom op's handle)."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and not isinstance(value, torch.Tensor | int | float | bool):
+            return next(iter(node.users), None)
+    return None
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    """The op a node runs; for a custom op that mutates its inputs, the op auto_functionalized wraps."""
+    if "auto_functionalized" in str(node.target) and node.args:
+        return str(node.args[0])
+    return str(node.target)
 
 
 def _explain(message: str, gm: torch.fx.GraphModule, label: str) -> LoweringError:
@@ -139,10 +166,16 @@ def _explain(message: str, gm: torch.fx.GraphModule, label: str) -> LoweringErro
         node = next(
             (n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith(wanted)), None
         )
+    elif "Could not deduce type" in message:
+        node = _untyped_input_user(gm)
+        op = _op_name(node) if node is not None else None
     where = _source_line(node) if node is not None else "(op not found in the FX graph)"
     said = "\n".join(message.strip().splitlines()[:12])
     return LoweringError(
-        f"{label}: does not lower to StableHLO: op {op or 'unknown'} from {where}. torch-mlir said:\n{said}"
+        f"{label}: does not lower to StableHLO: op {op or 'unknown'} from {where}. torch-mlir said:\n{said}",
+        call=label,
+        op=op or "unknown",
+        source=where,
     )
 
 
@@ -314,14 +347,31 @@ def _run_with_aliases(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callabl
     return run
 
 
+def _zeros_instead(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callable:
+    """The call's outputs as zeros of their shapes and dtypes, the graph not run, the caches untouched: only
+    the lowering is wanted (`vllm-neuron check`; a large model's buckets would take minutes each to compute
+    on a CPU)."""
+    output = next(node for node in gm.graph.nodes if node.op == "output")
+    results = list(output.args[0])
+    values = [node.meta["val"] for node in results[: len(results) - len(aliases)]]
+
+    def run(args: list[Any]) -> list[Any]:
+        return [torch.zeros(value.shape, dtype=value.dtype, device=value.device) for value in values]
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
 class StableHLOBackend:
     """torch.compile backend: AOTAutograd (mutations kept, TorchNeuron's decompositions), then `lower`.
 
     `label` names the next graph (the call being compiled); every lowered graph is kept in `graphs`, and
-    written to `dump_dir` (FX graph and StableHLO) when one is given."""
+    written to `dump_dir` (FX graph and StableHLO) when one is given. With `execute=False` (the `lower-only`
+    backend) the graphs are lowered but not run: calls return zeros."""
 
-    def __init__(self, dump_dir: Path | None = None) -> None:
+    def __init__(self, dump_dir: Path | None = None, *, execute: bool = True) -> None:
         self.dump_dir = dump_dir
+        self.execute = execute
         self.label = ""
         self.graphs: list[LoweredGraph] = []
         self._decompositions = decomposition_table()
@@ -335,6 +385,8 @@ class StableHLOBackend:
             self.graphs.append(lowered)
             if self.dump_dir is not None:
                 self._dump(len(self.graphs) - 1, lowered, fx_text)
+            if not self.execute:
+                return _zeros_instead(aot_gm, lowered.aliases)
             return _run_with_aliases(aot_gm, lowered.aliases)
 
         return aot_autograd(

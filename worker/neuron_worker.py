@@ -9,7 +9,7 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from vllm_neuron import compile_cache, envs
+from vllm_neuron import capacity, compile_cache, envs
 from vllm_neuron import device as neuron_device
 from vllm_neuron.config import NeuronConfig
 from worker.model_runner import NeuronModelRunner
@@ -207,21 +207,23 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def neuron_kv_cache_bytes(total: int, weights: int, utilization: float) -> int:
     """The KV cache of one NeuronCore: VLLM_NEURON_KV_CACHE_FRACTION of its memory, if the weights, that and
-    VLLM_NEURON_GRAPH_RESERVE_BYTES fit in --gpu-memory-utilization of it."""
+    VLLM_NEURON_GRAPH_RESERVE_BYTES fit in --gpu-memory-utilization of it (capacity.core_budget, the rule
+    `vllm-neuron check` applies too)."""
     if total <= 0:
         raise RuntimeError(
             f"TorchNeuron reports {total} bytes of device memory for this NeuronCore, so the KV cache cannot "
             "be sized: check the Neuron driver and runtime (neuron-ls), or give --kv-cache-memory-bytes."
         )
     fraction, reserve = envs.VLLM_NEURON_KV_CACHE_FRACTION, envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
-    kv_bytes, budget = int(total * fraction), int(total * utilization)
-    if weights + kv_bytes + reserve > budget:
+    core = capacity.core_budget(total, weights, capacity.KVSettings(fraction, utilization, reserve))
+    if not core.fits:
         gib = 1024**3
         raise RuntimeError(
             f"The NeuronCore's memory does not fit: weights {weights / gib:.1f} GiB + KV cache "
-            f"{kv_bytes / gib:.1f} GiB (VLLM_NEURON_KV_CACHE_FRACTION={fraction} of {total / gib:.1f} GiB) + "
+            f"{core.kv_bytes / gib:.1f} GiB (VLLM_NEURON_KV_CACHE_FRACTION={fraction} of "
+            f"{total / gib:.1f} GiB) + "
             f"{reserve / gib:.1f} GiB for compiled graphs (VLLM_NEURON_GRAPH_RESERVE_BYTES) exceed "
-            f"{budget / gib:.1f} GiB (--gpu-memory-utilization {utilization}). Use a larger "
+            f"{core.budget / gib:.1f} GiB (--gpu-memory-utilization {utilization}). Use a larger "
             "--tensor-parallel-size, a smaller model, or a lower VLLM_NEURON_KV_CACHE_FRACTION."
         )
-    return kv_bytes
+    return core.kv_bytes

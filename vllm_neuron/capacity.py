@@ -1,0 +1,215 @@
+"""What Trainium2 gives a model: weights and KV cache per tensor-parallel rank, the requests that fit, the
+decode roofline, and an estimate of warm-up compile time. Pure arithmetic from published trn2 figures
+(sources in docs/performance.md) and a model's figures: no device, no torch.
+
+Tensor-parallel ranks are logical NeuronCores: neuronx-cc compiles for LNC=2 on trn2 by default, so two
+physical cores sharing an HBM stack form one rank and a chip shows 4 of them. A decode call is bound by HBM
+bandwidth (docs/performance.md): it reads every weight of the rank once and the KV of every row up to its
+context bucket, and static shapes make it read the padded buckets, not the real batch and context:
+
+    step_s = (weights per rank + batch bucket x context bucket x KV bytes per token per rank)
+             / HBM bandwidth per rank
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vllm_neuron.parallel import TensorParallelError, check_heads
+
+GIB = 2**30
+# Trainium2 chip (AWS Neuron docs, Trainium2 architecture): 8 NeuronCore-v3, 96 GiB HBM, 2.9 TB/s, 667 dense
+# BF16 TFLOPS. The per-rank shares divide the chip evenly; the docs give no separate per-core bandwidth.
+CHIP_HBM_BYTES = 96 * GIB
+CHIP_HBM_BW = 2.9e12
+CHIP_BF16_FLOPS = 667e12
+PHYSICAL_CORES_PER_CHIP = 8
+LNC = 2
+RANKS_PER_CHIP = PHYSICAL_CORES_PER_CHIP // LNC
+RANK_HBM_BYTES = CHIP_HBM_BYTES // RANKS_PER_CHIP
+RANK_HBM_BW = CHIP_HBM_BW / RANKS_PER_CHIP
+
+# neuronx-cc seconds per graph and model layer, low and high. aws-neuron-sdk issue 1210 (2025-08-07) reports
+# a Llama-3.1-8B forward pass (32 layers, no argmax: the plugin samples on the host) compiling in about 1
+# minute with --optlevel=1, and in about 5 minutes eight months earlier. neuronx-cc unrolls every layer, so
+# the time is taken to grow with the layers; prefill and decode graphs, bucket sizes and TP are not told
+# apart.
+COMPILE_SECONDS_PER_LAYER = (60 / 32, 300 / 32)
+COMPILE_BASIS = (
+    "neuronx-cc, 1-5 minutes per graph of a 32-layer Llama-3.1-8B forward pass (aws-neuron-sdk issue 1210, "
+    "2025), scaled by layers; graphs compile one after another on each rank, ranks in parallel"
+)
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """What the capacity model needs of a model: its size and the shape of its KV cache (whole model)."""
+
+    name: str
+    parameters: int
+    weight_bytes: int  # parameters and buffers at the served dtype
+    layers: int  # layers with a KV cache
+    heads: int  # attention (query) heads
+    kv_heads: int
+    head_dim: int
+    kv_dtype_bytes: int
+
+    def kv_bytes_per_token(self, tp: int = 1) -> int:
+        """K and V of every layer for one token, on one rank. With more ranks than KV heads, vLLM replicates
+        KV heads so that each rank holds one."""
+        heads_per_rank = max(1, math.ceil(self.kv_heads / tp))
+        return 2 * self.layers * heads_per_rank * self.head_dim * self.kv_dtype_bytes
+
+    def weight_bytes_per_rank(self, tp: int) -> float:
+        """An even split: the norms each rank repeats, and K/V projections replicated beyond TP = KV heads,
+        are left out."""
+        return self.weight_bytes / tp
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """The plugin's KV sizing on a NeuronCore (docs/configuration.md): VLLM_NEURON_KV_CACHE_FRACTION of the
+    core's memory, if the weights, that and VLLM_NEURON_GRAPH_RESERVE_BYTES fit in --gpu-memory-utilization
+    of it. The defaults are the plugin's and vLLM's."""
+
+    kv_cache_fraction: float = 0.3
+    gpu_memory_utilization: float = 0.92
+    graph_reserve_bytes: int = 4 * GIB
+    kv_cache_bytes: int | None = None  # --kv-cache-memory-bytes: this size instead of the share
+
+
+@dataclass(frozen=True)
+class CoreBudget:
+    """One NeuronCore's memory as start-up divides it."""
+
+    total: int
+    weights: float
+    kv_bytes: int
+    reserve: int
+    budget: int  # --gpu-memory-utilization of total
+
+    @property
+    def fits(self) -> bool:
+        return self.weights + self.kv_bytes + self.reserve <= self.budget
+
+
+def core_budget(total: int, weights: float, settings: KVSettings) -> CoreBudget:
+    """The rule start-up checks (worker/neuron_worker.py) and the capacity model applies."""
+    return CoreBudget(
+        total=total,
+        weights=weights,
+        kv_bytes=settings.kv_cache_bytes or int(total * settings.kv_cache_fraction),
+        reserve=settings.graph_reserve_bytes,
+        budget=int(total * settings.gpu_memory_utilization),
+    )
+
+
+@dataclass(frozen=True)
+class RankCapacity:
+    """One tensor-parallel size: what each rank holds, and the KV tokens the group can keep."""
+
+    tp: int
+    chips: int
+    weight_bytes: float  # per rank
+    kv_bytes_per_token: int  # per rank
+    kv_tokens: int  # tokens whose KV each rank holds (its heads of them); 0: the rank's memory does not fit
+
+    def requests(self, length: int) -> int:
+        """Requests of `length` tokens whose KV fits at once."""
+        return self.kv_tokens // length
+
+
+def chips(tp: int) -> int:
+    """Whole Trainium2 chips a tensor-parallel group occupies."""
+    return math.ceil(tp / RANKS_PER_CHIP)
+
+
+def rank_capacity(model: ModelFigures, tp: int, settings: KVSettings) -> RankCapacity:
+    weights = model.weight_bytes_per_rank(tp)
+    budget = core_budget(RANK_HBM_BYTES, weights, settings)
+    per_token = model.kv_bytes_per_token(tp)
+    return RankCapacity(
+        tp=tp,
+        chips=chips(tp),
+        weight_bytes=weights,
+        kv_bytes_per_token=per_token,
+        kv_tokens=budget.kv_bytes // per_token if budget.fits else 0,
+    )
+
+
+def tensor_parallel_sizes(model: ModelFigures, max_ranks: int) -> list[int]:
+    """Powers of two up to max_ranks that vLLM can shard the model's heads over."""
+    sizes = []
+    tp = 1
+    while tp <= max_ranks:
+        try:
+            check_heads(model.heads, model.kv_heads, tp)
+            sizes.append(tp)
+        except TensorParallelError:
+            pass
+        tp *= 2
+    return sizes
+
+
+def step_seconds(model: ModelFigures, tp: int, batch_bucket: int, context_bucket: int) -> float:
+    """One decode call of this bucket shape on the memory-bound roofline."""
+    kv = batch_bucket * context_bucket * model.kv_bytes_per_token(tp)
+    return (model.weight_bytes_per_rank(tp) + kv) / RANK_HBM_BW
+
+
+def decode_tokens_per_s(
+    model: ModelFigures, tp: int, rows: int, batch_bucket: int, context_bucket: int
+) -> float:
+    """Output tokens per second of decode calls with `rows` real rows padded to the batch bucket."""
+    return rows / step_seconds(model, tp, batch_bucket, context_bucket)
+
+
+def compute_bound_tokens_per_s(model: ModelFigures, tp: int) -> float:
+    """The ceiling dense BF16 compute sets: 2 FLOPs per parameter and token, over the group's chips."""
+    return CHIP_BF16_FLOPS * tp / RANKS_PER_CHIP / (2 * model.parameters)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Full decode calls of one bucket shape at one TP: rows are the batch bucket, or fewer where the KV of
+    that many requests of the context does not fit."""
+
+    tp: int
+    batch_bucket: int
+    context_bucket: int
+    rows: int
+    step_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.rows / self.step_seconds
+
+
+def throughput(
+    model: ModelFigures, capacity: RankCapacity, batch_bucket: int, context: int, context_bucket: int
+) -> Throughput:
+    """Decode at the batch bucket with requests of `context` tokens, which read `context_bucket` positions."""
+    rows = min(batch_bucket, capacity.requests(context))
+    seconds = step_seconds(model, capacity.tp, batch_bucket, context_bucket)
+    return Throughput(capacity.tp, batch_bucket, context_bucket, rows, seconds)
+
+
+def suggest_tensor_parallel(options: list[tuple[RankCapacity, Throughput]]) -> int | None:
+    """The TP with the most decode tokens/s per chip (what a chip-hour buys), among those that hold at least
+    one request: the smaller on a tie (the ratio repeats exactly wherever KV heads split evenly). None if no
+    size holds one."""
+    best: tuple[float, int] | None = None
+    for capacity, rate in options:
+        if rate.rows < 1:
+            continue
+        per_chip = rate.tokens_per_s / capacity.chips
+        if best is None or per_chip > best[0] * (1 + 1e-9):
+            best = (per_chip, capacity.tp)
+    return best[1] if best else None
+
+
+def compile_seconds(graphs: int, layers: int) -> tuple[float, float]:
+    """Low and high estimates of warm-up's neuronx-cc time on trn2 (COMPILE_BASIS)."""
+    low, high = COMPILE_SECONDS_PER_LAYER
+    return graphs * layers * low, graphs * layers * high
