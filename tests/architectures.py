@@ -265,8 +265,15 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "MiniCPM3",
         "minicpm3",
         ("low-rank (MLA-style) query and KV projections, run as per-head attention",),
-        TINY | dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
-        refusal="does not lower to StableHLO",
+        TINY
+        | dict(
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        ),
     ),
     Architecture("Ministral 3", "ministral3", ("RoPE", "GQA 2:1"), TINY | dict(head_dim=16)),
     Architecture(

@@ -125,6 +125,31 @@ def test_as_strided_is_an_index_select_equal_to_torch():
         )
 
 
+def test_slice_scatter_to_the_end_is_clamped_and_equal_to_torch():
+    table = decomposition_table()
+    base, src = torch.randn(4, 16), torch.randn(4, 8)
+    expected = torch.slice_scatter(base, src, 1, 8, 2**63 - 1)
+    torch.testing.assert_close(
+        table[torch.ops.aten.slice_scatter.default](base, src, 1, 8, 2**63 - 1), expected
+    )
+    assert table[torch.ops.aten.slice_scatter.default](base, src, 1, 8, 16) is NotImplemented
+
+
+def test_as_strided_of_a_strided_view_is_an_index_select_equal_to_torch():
+    """A chunk of a slice (MiniCPM3's rotary half of a projection): the strides address the base's storage."""
+    table = decomposition_table()
+    base = torch.randn(64, 24)
+    view = base[:, 16:].view(64, 1, 8)  # strides (24, 8, 1), storage offset 16
+    assert not view.is_contiguous()
+    for size, stride, offset in [([64, 1, 4], [24, 8, 1], 16), ([64, 1, 4], [24, 8, 1], 20)]:
+        expected = torch.as_strided(view, size, stride, offset)
+        torch.testing.assert_close(
+            table[torch.ops.aten.as_strided.default](view, size, stride, offset), expected
+        )
+    overlapping = torch.randn(8).as_strided([4, 4], [1, 1])
+    assert table[torch.ops.aten.as_strided.default](overlapping, [2], [1], 0) is NotImplemented
+
+
 def test_sdpa_lowers_as_the_neuron_dispatch_decomposes_it():
     table = decomposition_table()
     gen = torch.Generator().manual_seed(0)

@@ -2,6 +2,7 @@
 decompositions.py), for the ops the plugin's graphs can contain: the ATen graph that reaches torch-mlir is
 then the one Neuron's compiler gets. Modelled on TorchNeuron's rules, not copied."""
 
+import itertools
 import math
 
 import torch
@@ -104,21 +105,73 @@ def _as_strided(
 ) -> torch.Tensor:
     """TorchNeuron's rule: as_strided (what PyTorch's split decompositions produce) is an index_select of the
     flattened input at the indices the strides address, computed in the graph. Without it torch-mlir
-    materialises those indices as constants: 118 MB of int64 literals in one SmolLM2 graph."""
-    if not input.is_contiguous():
+    materialises those indices as constants: 118 MB of int64 literals in one SmolLM2 graph, and for a strided
+    view (a chunk of a slice: MiniCPM3's rotary half of a projection) an index over several dimensions that
+    grew past 18 GB in torch-mlir before failing."""
+    dims = _storage_order(input)
+    if dims is None:
         return NotImplemented
-    index = torch.full(size, storage_offset - input.storage_offset(), dtype=torch.int64, device=input.device)
+    # Storage positions the view addresses, relative to the input's first element.
+    position = torch.full(
+        size, storage_offset - input.storage_offset(), dtype=torch.int64, device=input.device
+    )
     for dim, (length, step) in enumerate(zip(size, stride, strict=True)):
         shape = [1] * len(size)
         shape[dim] = length
-        index = index + torch.arange(length, device=input.device).view(shape) * step
-    return input.reshape(-1).index_select(0, index.reshape(-1)).view(size)
+        position = position + torch.arange(length, device=input.device).view(shape) * step
+    if not input.is_contiguous():
+        # Each position back to the input's coordinates (dimensions by decreasing stride), then to its index
+        # in the input's contiguous copy.
+        flat, remainder = torch.zeros_like(position), position
+        for dim in dims:
+            flat = flat + torch.div(remainder, input.stride(dim), rounding_mode="floor") * _row_major(
+                input, dim
+            )
+            remainder = torch.remainder(remainder, input.stride(dim))
+        position = flat
+    return input.reshape(-1).index_select(0, position.reshape(-1)).view(size)
+
+
+def _storage_order(input: torch.Tensor) -> list[int] | None:
+    """The dimensions of size > 1 by decreasing stride, when each element of the input has its own storage
+    position and those positions tell its coordinates apart; None otherwise (an overlapping view)."""
+    dims = sorted((d for d in range(input.dim()) if input.shape[d] > 1), key=input.stride, reverse=True)
+    for outer, inner in itertools.pairwise(dims):
+        if input.stride(outer) < input.stride(inner) * input.shape[inner]:
+            return None
+    return dims if all(input.stride(d) > 0 for d in dims) else None
+
+
+def _row_major(input: torch.Tensor, dim: int) -> int:
+    """The stride of dim in a contiguous tensor of the input's shape."""
+    stride = 1
+    for later in input.shape[dim + 1 :]:
+        stride *= later
+    return stride
+
+
+def _slice_scatter(
+    input: torch.Tensor,
+    src: torch.Tensor,
+    dim: int = 0,
+    start: int | None = None,
+    end: int | None = None,
+    step: int = 1,
+) -> torch.Tensor:
+    """Our rule, not TorchNeuron's: `x[..., a:] = y` ends its slice_scatter at INT64_MAX, whose StableHLO
+    lowering in torch-mlir grew past 18 GB before failing (MiniCPM3). The same op with the end clamped to the
+    dimension; the call below comes back here and is then traced as it is."""
+    size = input.shape[dim]
+    if end is None or end <= size:
+        return NotImplemented
+    return aten.slice_scatter.default(input, src, dim, start, size, step)
 
 
 def decomposition_table() -> dict:
     """TorchNeuron's decompositions, for the ops the plugin's graphs can contain."""
     table = get_decompositions(_TORCH_DECOMPOSED)
     table[aten.as_strided.default] = _as_strided
+    table[aten.slice_scatter.default] = _slice_scatter
     table[aten.index_copy.default] = _index_copy
     table[aten.index_put.default] = _index_put
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _sdpa_cpu
