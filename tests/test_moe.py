@@ -1,10 +1,19 @@
-"""Mixture-of-experts routing and experts (vllm_neuron/moe.py): the dense experts against a per-token loop
-over the selected experts, and their lowering to StableHLO."""
+"""Mixture-of-experts layers (vllm_neuron/moe.py, vllm_neuron/fused_moe.py): the dense experts against a
+per-token loop over the selected experts, their lowering to StableHLO, what is refused, and tensor
+parallelism. The MoE architectures served end to end, equal to HF transformers, are cases of the
+architecture matrix (tests/model_matrix.py: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.architectures import ARCHITECTURES, build
+from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
 from vllm_neuron import moe
 from vllm_neuron.stablehlo import StableHLOBackend
 
@@ -81,3 +90,84 @@ def test_the_experts_lower_to_two_matmuls_without_gathers_or_scatters():
     assert graph.op_histogram["stablehlo.dot_general"] == 2
     assert not {"stablehlo.gather", "stablehlo.scatter"} & graph.op_histogram.keys()
     torch.testing.assert_close(out, routed(x, w13, w2, logits, True))
+
+
+def architecture(name: str):
+    return next(arch for arch in ARCHITECTURES if arch.name == name)
+
+
+# Two graphs per rank: one prefill bucket, one decode bucket, one context bucket.
+ENGINE = dict(
+    dtype="float32",
+    max_model_len=256,
+    max_num_seqs=2,
+    max_num_batched_tokens=64,
+    seed=0,
+    additional_config={"prefill_buckets": [64], "decode_batch_buckets": [2], "context_buckets": [256]},
+)
+
+
+def build_llama4_text(out: Path) -> Path:
+    """Llama 4's text model: sigmoid top-1 routing (a custom routing function) applied to the experts'
+    input, which the plugin's experts do not compute (its chunked local attention, refused before, off)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer(out)
+    config = AutoConfig.for_model(
+        "llama4_text",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=64,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        attention_chunk_size=None,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.mark.slow
+def test_an_moe_layer_the_experts_do_not_compute_is_refused_naming_it(tmp_path):
+    model_dir = build_llama4_text(tmp_path / "llama4")
+    request = {"model": str(model_dir), "engine": ENGINE, "prompts": [[1]], "max_tokens": 1}
+    script = Path(__file__).with_name("generate_in_subprocess.py")
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(request)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode != 0
+    assert (
+        "Neuron plugin: MoE layer model.layers.0.feed_forward.experts: CustomRoutingRouter routing is not "
+        "supported" in done.stderr
+    ), done.stderr[-3000:]
+    assert "router weights applied to the experts' input are not supported" in done.stderr
+
+
+@pytest.mark.slow
+def test_tp2_shards_the_experts_and_equals_hf(tmp_path):
+    """Tensor parallelism as vLLM's FusedMoE does it: each rank holds every expert's shard of the
+    intermediate dimension and the layer all-reduces the partial sums; Qwen2-MoE's gated shared expert,
+    sharded the same way, joins that all-reduce."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build(architecture("Qwen2-MoE"), tmp_path / "qwen2-moe")
+    result = run_engine(model_dir, ENGINE | {"tensor_parallel_size": 2}, {"VLLM_NEURON_DEVICE": "cpu"})
+    reference = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    assert result["tokens"] == [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+    for rank in result["compile_stats"]:
+        assert rank["lowered_graphs"] == rank["graphs"] == 2 and rank["unexpected_recompiles"] == 0, rank
+        # Per graph: the embedding's all-reduce; per layer, the attention output's and the MoE layer's (2
+        # layers); the logits' gather.
+        assert rank["collectives_per_graph"] == [1 + 2 * 2 + 1] * 2, rank
