@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.architectures import ARCHITECTURES, build
-from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
+from tests.helpers import MAX_TOKENS, PROMPTS, engine_config, hf_greedy, run_engine
 from vllm_neuron import moe
 from vllm_neuron.stablehlo import StableHLOBackend
 
@@ -94,6 +94,23 @@ def test_the_experts_lower_to_two_matmuls_without_gathers_or_scatters():
 
 def architecture(name: str):
     return next(arch for arch in ARCHITECTURES if arch.name == name)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            dict(quantization="experts_int8", dtype="bfloat16"),
+            "quantized MoE models are not supported \\(experts_int8",
+        ),
+        (dict(enable_return_routed_experts=True), "returning routed experts is not supported"),
+    ],
+    ids=["quantized experts", "routed experts returned"],
+)
+def test_moe_settings_the_plugin_cannot_serve_are_refused_at_start_up(tmp_path, settings, message):
+    model_dir = build(architecture("Mixtral"), tmp_path / "mixtral")
+    with pytest.raises(ValueError, match=message):
+        engine_config(model_dir, **settings)
 
 
 # Two graphs per rank: one prefill bucket, one decode bucket, one context bucket.
