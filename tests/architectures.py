@@ -329,6 +329,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "mixtral",
         ("MoE: 4 experts, top-2 routing", "GQA 2:1"),
         TINY | dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        feature_off={"MoE: 4 experts, top-2 routing": dict(num_experts_per_tok=1)},
         initializer_range=0.1,
     ),
     Architecture(
@@ -344,6 +345,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             decoder_sparse_step=1,
             norm_topk_prob=False,
         ),
+        feature_off={"MoE: 4 experts, top-2 routing": dict(num_experts_per_tok=1)},
         initializer_range=0.1,
     ),
     Architecture(
@@ -359,6 +361,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
             norm_topk_prob=True,
             decoder_sparse_step=1,
         ),
+        feature_off={"MoE: 4 experts, top-2 routing, normalised": dict(num_experts_per_tok=1)},
         initializer_range=0.1,
     ),
     Architecture(
@@ -366,6 +369,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "olmoe",
         ("MoE: 4 experts, top-2 routing", "q/k RMSNorm"),
         TINY | dict(num_experts=4, num_experts_per_tok=2),
+        feature_off={"MoE: 4 experts, top-2 routing": dict(num_experts_per_tok=1)},
         initializer_range=0.1,
     ),
     Architecture(

@@ -137,6 +137,11 @@ def run_case(arch: Architecture, root: Path) -> CaseResult:
         llm = LLM(model=str(model_dir), **(ENGINE | arch.engine))
     except Exception as err:  # noqa: BLE001 - a refusal is a result, whatever vLLM wraps it in
         result.status, result.reason = "refused", _reason(err)
+        # An engine refused while building its model leaves vLLM's process groups behind, without the
+        # expert-parallel group a later MoE case needs; a started engine's shutdown tears them down.
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
         return result
     try:
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner

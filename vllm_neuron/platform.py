@@ -248,6 +248,13 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
             vllm_config.speculative_config is not None
         ),
         "LoRA is not supported: remove --enable-lora": vllm_config.lora_config is not None,
+        f"quantized MoE models are not supported ({model_config.quantization} quantization): the plugin's "
+        "experts are unquantized (vllm_neuron/moe.py); serve an unquantized checkpoint": (
+            model_config.is_moe and model_config.quantization is not None
+        ),
+        "returning routed experts is not supported: remove --enable-return-routed-experts": (
+            vllm_config.aux_output_config.enable_return_routed_experts
+        ),
         "only text generation models are supported (this model is a pooling or multimodal model)": (
             model_config.runner_type != "generate" or model_config.is_multimodal_model
         ),

@@ -28,7 +28,7 @@ from vllm.v1.worker.utils import bind_kv_cache
 from kv_cache import layout
 from vllm_neuron import compile as neuron_compile
 from vllm_neuron import device as neuron_device
-from vllm_neuron import envs, metrics
+from vllm_neuron import envs, fused_moe, metrics
 from vllm_neuron.calls import Call, plan_step
 from vllm_neuron.config import NeuronConfig
 from worker import call_inputs, warmup
@@ -125,6 +125,7 @@ class NeuronModelRunner:
 
     def load_model(self) -> None:
         start = time.perf_counter()
+        fused_moe.register()  # before vLLM builds the model's MoE layers
         self.model = get_model(vllm_config=self.vllm_config)
         dump_dir = envs.VLLM_NEURON_DUMP_GRAPHS
         if dump_dir and self.vllm_config.parallel_config.tensor_parallel_size > 1:
