@@ -373,6 +373,48 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         initializer_range=0.1,
     ),
     Architecture(
+        "Granite-MoE",
+        "granitemoe",
+        ("MoE: 4 experts, top-2 routing", "multipliers"),
+        TINY
+        | dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0, logits_scaling=8.0),
+        feature_off={"MoE: 4 experts, top-2 routing": dict(num_experts_per_tok=1)},
+        initializer_range=0.1,
+    ),
+    Architecture(
+        "ERNIE 4.5 MoE",
+        "ernie4_5_moe",
+        ("MoE with expert-bias top-k routing", "shared expert"),
+        TINY
+        | dict(
+            head_dim=16,
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=32,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=0,
+        ),
+        initializer_range=0.1,
+        refusal="routing is not supported",
+    ),
+    Architecture(
+        "GLM-4-MoE",
+        "glm4_moe",
+        ("MoE with grouped sigmoid top-k routing",),
+        TINY
+        | dict(
+            head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+        initializer_range=0.1,
+        refusal="routing is not supported",
+    ),
+    Architecture(
         "DeepSeek-V2",
         "deepseek_v2",
         ("MLA",),
