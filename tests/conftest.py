@@ -2,24 +2,10 @@
 
 import os
 
-# Before anything imports vLLM: our plugin in CPU mode, the engine core in this process, nothing leaves
-# 127.0.0.1, no hub lookups, no usage reports.
-os.environ["VLLM_NEURON_DEVICE"] = "cpu"
-# Any compile after warm-up fails the test that caused it. (So no test may call torch._dynamo.reset(): it
-# would drop the graphs of the engine the session shares.)
-os.environ["VLLM_NEURON_STRICT_SHAPES"] = "1"
-# Every engine of the suite compiles through TorchNeuron's lowering route (to StableHLO, then run on the CPU):
-# each graph it compiles is proven to lower, with the KV cache aliased in place.
-os.environ["VLLM_NEURON_COMPILE_BACKEND"] = "stablehlo"
-os.environ.update(
-    VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    VLLM_HOST_IP="127.0.0.1",
-    HF_HUB_OFFLINE="1",
-    TRANSFORMERS_OFFLINE="1",
-    VLLM_NO_USAGE_STATS="1",
-    DO_NOT_TRACK="1",
-    TOKENIZERS_PARALLELISM="false",
-)
+from tests.environment import TEST_ENVIRONMENT
+
+# Before anything imports vLLM.
+os.environ.update(TEST_ENVIRONMENT)
 
 from pathlib import Path  # noqa: E402
 

@@ -23,21 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` importable, as under pytest
 
 from tests.architectures import ARCHITECTURES, WINDOW, Architecture, build  # noqa: E402
-
-# Set before vLLM is imported (run_case imports it): the plugin in CPU mode, every graph lowered to StableHLO,
-# no compile after warm-up, the engine core in this process, nothing leaves 127.0.0.1.
-ENVIRONMENT = dict(
-    VLLM_NEURON_DEVICE="cpu",
-    VLLM_NEURON_COMPILE_BACKEND="stablehlo",
-    VLLM_NEURON_STRICT_SHAPES="1",
-    VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    VLLM_HOST_IP="127.0.0.1",
-    HF_HUB_OFFLINE="1",
-    TRANSFORMERS_OFFLINE="1",
-    VLLM_NO_USAGE_STATS="1",
-    DO_NOT_TRACK="1",
-    TOKENIZERS_PARALLELISM="false",
-)
+from tests.environment import TEST_ENVIRONMENT  # noqa: E402
 
 MAX_MODEL_LEN = 128
 # Few graphs per case: one prefill bucket, one decode batch bucket, one context bucket, and the mixed call.
@@ -85,6 +71,8 @@ class CaseResult:
     reason: str = ""
     graphs: int = 0
     lowered: int = 0
+    # What keeps a lowered graph's KV caches from being written in place (vllm_neuron.hlo_text).
+    cache_problems: list[str] = field(default_factory=list)
     logprob_error: float | None = None
     # Each feature_off variant of the case: whether HF with that feature off would fail the comparison.
     features_exercised: dict[str, bool] = field(default_factory=dict)
@@ -148,6 +136,7 @@ def run_case(arch: Architecture, root: Path) -> CaseResult:
         got = plugin_generation(llm)
         result.graphs = runner.recorder.num_graphs
         result.lowered = len(runner.lowered_graphs())
+        result.cache_problems = cache_problems(runner.recorder.lowering.graphs, len(runner.kv_caches))
         expected = hf_generation(model_dir, arch.reference_config)
         result.logprob_error = got.error(expected)
         if result.logprob_error <= LOGPROB_TOLERANCE:
@@ -174,6 +163,20 @@ def run_case(arch: Architecture, root: Path) -> CaseResult:
     return result
 
 
+def cache_problems(graphs: list, layers: int) -> list[str]:
+    """Each graph must update every layer's cache with one aliased scatter of its new rows and copy no
+    cache-sized tensor."""
+    from vllm_neuron import hlo_text
+
+    problems = []
+    for graph in graphs:
+        writes = hlo_text.cache_writes(graph.stablehlo)
+        if len(writes) != layers:
+            problems.append(f"{graph.label}: {len(writes)} cache writes for {layers} layers")
+        problems += [f"{graph.label}: {problem}" for write in writes for problem in write.problems]
+    return problems
+
+
 def _reason(err: BaseException) -> str:
     """The line of an error that says why: the plugin's own where there is one, without pydantic's
     wrapping."""
@@ -186,7 +189,7 @@ def _reason(err: BaseException) -> str:
 
 
 def run(cases: list[Architecture]) -> list[CaseResult]:
-    os.environ.update(ENVIRONMENT)
+    os.environ.update(TEST_ENVIRONMENT)  # before run_case imports vLLM
     with tempfile.TemporaryDirectory(prefix="model-matrix-") as root:
         results = []
         for arch in cases:

@@ -55,6 +55,7 @@ def test_case(results, arch: Architecture):
     else:
         assert result.status == "served", result.reason
         assert result.lowered == result.graphs > 0
+        assert result.cache_problems == []
     assert result.features_exercised == dict.fromkeys(arch.feature_off, True), "a feature_off changes nothing"
 
 

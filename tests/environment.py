@@ -1,0 +1,21 @@
+"""The environment every engine of the tests runs in, set before vLLM is imported (by conftest, and by the
+architecture matrix in its own process)."""
+
+TEST_ENVIRONMENT = dict(
+    # Our plugin in CPU mode, the engine core in this process, nothing leaves 127.0.0.1, no hub lookups, no
+    # usage reports.
+    VLLM_NEURON_DEVICE="cpu",
+    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    VLLM_HOST_IP="127.0.0.1",
+    HF_HUB_OFFLINE="1",
+    TRANSFORMERS_OFFLINE="1",
+    VLLM_NO_USAGE_STATS="1",
+    DO_NOT_TRACK="1",
+    TOKENIZERS_PARALLELISM="false",
+    # Any compile after warm-up fails the test that caused it. (So no test may call torch._dynamo.reset() in
+    # the pytest process: it would drop the graphs of the engine the session shares.)
+    VLLM_NEURON_STRICT_SHAPES="1",
+    # Every engine compiles through TorchNeuron's lowering route (to StableHLO, then run on the CPU): each
+    # graph it compiles is proven to lower, with the KV cache aliased in place.
+    VLLM_NEURON_COMPILE_BACKEND="stablehlo",
+)
