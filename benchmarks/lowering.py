@@ -32,6 +32,7 @@ def main() -> None:
     os.environ.update(
         VLLM_NEURON_DEVICE="cpu",
         VLLM_NEURON_COMPILE_BACKEND="stablehlo",
+        VLLM_NEURON_READINESS="full",  # every graph lowered in warm-up, counted there
         VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the engine core in this process: its peak memory is ours
         VLLM_HOST_IP="127.0.0.1",
         HF_HUB_OFFLINE="1",

@@ -89,7 +89,9 @@ def check(argv: list[str]) -> int:
     parser, command = _serve_parser(USAGE, add_check_options)
     parsed = parse_serve_args(parser, argv, ["Neuron", "Check"])
     # Whatever the serve options said: this machine lowers without running (and never has a Neuron device).
-    os.environ.update(VLLM_NEURON_DEVICE="cpu", VLLM_NEURON_COMPILE_BACKEND="lower-only")
+    os.environ.update(
+        VLLM_NEURON_DEVICE="cpu", VLLM_NEURON_COMPILE_BACKEND="lower-only", VLLM_NEURON_READINESS="full"
+    )
     command.validate(parsed)
     report = run(parsed)
     if parsed.check_json:

@@ -27,7 +27,15 @@ class NeuronInfoEndpoint:
             state = request.app.state
             # The driver rank's graphs, as the stablehlo backend lowered them (none for other backends).
             lowered = await state.engine_client.collective_rpc("lowered_graphs")
-            return JSONResponse({**state.neuron_info, "lowered_graphs": lowered[0] if lowered else []})
+            # Graphs ready and pending (staged readiness compiles the rest in the background).
+            progress = await state.engine_client.collective_rpc("compile_progress")
+            return JSONResponse(
+                {
+                    **state.neuron_info,
+                    "compile": progress[0] if progress else {},
+                    "lowered_graphs": lowered[0] if lowered else [],
+                }
+            )
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         state.neuron_info = describe(engine_client.vllm_config)

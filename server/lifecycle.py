@@ -22,6 +22,8 @@ import time
 
 from vllm.logger import init_logger
 
+from vllm_neuron import metrics
+
 logger = init_logger("vllm.vllm_neuron.startup")
 
 RETRY_AFTER_SECONDS = 10
@@ -99,7 +101,8 @@ class StartupResponder:
         path = parts[1].split("?")[0] if len(parts) > 1 else ""
         seconds = round(time.monotonic() - self.started)
         if path == "/health":
-            payload = {"status": "starting", "seconds": seconds}
+            # Graphs compiled so far and still to compile, once warm-up has started.
+            payload = {"status": "starting", "seconds": seconds, **metrics.graph_progress()}
         else:
             payload = {
                 "error": {

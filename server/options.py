@@ -12,6 +12,8 @@ NEURON_OPTIONS: dict[str, tuple[str, dict]] = {
     "--compile-backend": ("VLLM_NEURON_COMPILE_BACKEND", {"metavar": "NAME"}),
     "--dump-graphs": ("VLLM_NEURON_DUMP_GRAPHS", {"metavar": "DIR"}),
     "--strict-shapes": ("VLLM_NEURON_STRICT_SHAPES", {"action": "store_true"}),
+    "--readiness": ("VLLM_NEURON_READINESS", {"choices": ["staged", "full"]}),
+    "--compile-workers": ("VLLM_NEURON_COMPILE_WORKERS", {"metavar": "N", "type": int}),
     "--compile-cache-root": ("VLLM_NEURON_CACHE_ROOT", {"metavar": "PATH"}),
     "--prefill-buckets": ("VLLM_NEURON_PREFILL_BUCKETS", {"metavar": "N,N,..."}),
     "--decode-batch-buckets": ("VLLM_NEURON_DECODE_BATCH_BUCKETS", {"metavar": "N,N,..."}),

@@ -18,4 +18,7 @@ TEST_ENVIRONMENT = dict(
     # Every engine compiles through TorchNeuron's lowering route (to StableHLO, then run on the CPU): each
     # graph it compiles is proven to lower, with the KV cache aliased in place.
     VLLM_NEURON_COMPILE_BACKEND="stablehlo",
+    # Every graph before the engine serves, so each test sees the calls of the whole bucket set; staged
+    # readiness has its own tests (tests/test_staged_readiness.py).
+    VLLM_NEURON_READINESS="full",
 )

@@ -63,3 +63,33 @@ def test_decode_rows_beyond_the_largest_batch_bucket_run_in_several_calls():
         (Call.decode(rows=4, batch=4, context=256), (0, 1, 2, 3)),
         (Call.decode(rows=1, batch=1, context=256), (4,)),
     ]
+
+
+def test_the_minimal_graphs_serve_any_step_as_more_calls():
+    """Staged readiness plans with only the ready graphs: with the minimal two, a 4-row decode batch runs as
+    four calls of batch 1 over the largest decode context, and prompts as 32-token chunks over the largest
+    context, the same rows and tokens as with every graph."""
+    minimal = BUCKETS.minimal_graphs()
+    assert minimal == [("prefill", 32, 256), ("decode", 1, 256)]
+    contexts, chunks = [41, 9, 200, 256], [(0, 100), (0, 5), (96, 7)]
+    plans = plan_step(contexts, chunks, BUCKETS, BLOCK_SIZE, ready=minimal)
+    assert {plan.call.graph for plan in plans} <= set(minimal)
+    assert [plan.decode_rows for plan in plans if plan.decode_rows] == [(0,), (1,), (2,), (3,)]
+    ran = sorted((index, start, length) for plan in plans for index, start, length in plan.parts)
+    assert ran == [(0, 0, 32), (0, 32, 32), (0, 64, 32), (0, 96, 4), (1, 0, 5), (2, 96, 7)]
+    # Every graph ready: the plan of the whole bucket set, whether given as None or as the full list.
+    full = plan_step(contexts, chunks, BUCKETS, BLOCK_SIZE)
+    assert plan_step(contexts, chunks, BUCKETS, BLOCK_SIZE, ready=BUCKETS.graphs()) == full
+    assert full[0].call.graph == ("decode", 4, 256) and full[0].decode_rows == (0, 1, 2, 3)
+
+
+def test_a_ready_graph_is_used_as_soon_as_it_joins():
+    ready = [*BUCKETS.minimal_graphs(), ("decode", 2, 128)]
+    plans = plan_step([41, 9, 30], [], BUCKETS, BLOCK_SIZE, ready=ready)
+    assert [(plan.call.graph, plan.decode_rows) for plan in plans] == [
+        (("decode", 2, 128), (0, 1)),
+        (("decode", 1, 256), (2,)),
+    ]
+    # A mixed graph joins too: the short chunk rides with the decode call of its shape.
+    plans = plan_step([41, 9], [(0, 5)], BUCKETS, BLOCK_SIZE, ready=[*ready, ("mixed", 2, 128)])
+    assert [plan.call.graph for plan in plans] == [("mixed", 2, 128)]

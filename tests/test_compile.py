@@ -2,6 +2,7 @@
 TorchNeuron's compiler refuses."""
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from vllm_neuron.compile import (
     CompileRecorder,
     NeuronCompileError,
     UnexpectedRecompileError,
+    compile_config,
     compile_static,
 )
 
@@ -56,6 +58,47 @@ def test_strict_mode_refuses_a_new_shape_and_names_the_setting():
     assert "tokens 128 x context 256" in str(error.value)
     assert recorder.num_graphs == 1
     assert torch.equal(compiled(torch.ones(4)), torch.full((4,), 3.0))  # known shapes still run
+
+
+def test_strict_mode_allows_a_background_compile_only_in_its_thread():
+    """Staged readiness: once armed, a thread `expecting` a graph compiles it; any other thread is refused,
+    even while that compile runs; the graph compiled in the background then runs everywhere."""
+    compiled, recorder = compile_static(Scale(), "eager", expected_graphs=40, strict=True)
+    compiled(torch.ones(4))
+    recorder.armed = True
+    apply_config = compile_config()
+    outcome = {}
+
+    def background() -> None:
+        apply_config()
+        with recorder.expecting(Call.decode(rows=6, batch=6, context=128)):
+            outcome["background"] = compiled(torch.ones(6))
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert torch.equal(outcome["background"], torch.full((6,), 3.0))
+    assert recorder.num_graphs == 2 and recorder.unexpected == []
+    assert torch.equal(compiled(torch.ones(6)), torch.full((6,), 3.0))  # serving runs it, no compile
+    with pytest.raises(Exception, match="VLLM_NEURON_STRICT_SHAPES"):
+        compiled(torch.ones(7))  # this thread expects nothing
+
+
+def test_background_threads_get_the_serving_threads_compile_limits():
+    """torch keeps dynamo's settings per thread: without compile_config a background thread would fall back
+    to a recompile limit of 8 graphs per model."""
+    compile_static(Scale(), "eager", expected_graphs=40)
+    apply_config, seen = compile_config(), {}
+
+    def background() -> None:
+        seen["before"] = torch._dynamo.config.recompile_limit
+        apply_config()
+        seen["after"] = torch._dynamo.config.recompile_limit
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen == {"before": 8, "after": torch._dynamo.config.recompile_limit} and seen["after"] >= 48
 
 
 def refused(module: torch.nn.Module, *inputs: torch.Tensor, match: str) -> None:

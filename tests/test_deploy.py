@@ -333,6 +333,7 @@ def test_the_validator_rejects_a_broken_manifest(render, tools_bin, tmp_path):
         ("buckets.prefill={256,-1}", "prefill"),
         ("persistence.compileCache.accessModes={ReadWriteEverywhere}", "accessModes"),
         ("maxNumSqs=32", "maxNumSqs"),
+        ("compile.readiness=lazy", "readiness"),
     ],
 )
 def test_schema_refuses_bad_values(helm, setting, message):
@@ -599,7 +600,10 @@ def test_prewarm_job_compiles_for_exactly_the_serving_configuration(render):
     assert prewarm["resources"] == serving["resources"]
     assert job["spec"]["template"]["spec"]["volumes"] == deployment["spec"]["template"]["spec"]["volumes"]
     script = prewarm["command"][2]
-    assert prewarm["command"][:2] == ["/bin/sh", "-c"] and "/health" in script and 'serve "$@"' in script
+    assert prewarm["command"][:2] == ["/bin/sh", "-c"] and "/health" in script
+    # The pods serve on the minimal graphs first; the Job fills the cache with every graph before /health.
+    assert 'serve "$@" --readiness full' in script
+    assert serving["args"][serving["args"].index("--readiness") + 1] == "staged"
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
     assert only(render("prewarm"), "Deployment")["spec"]["replicas"] == 0
     # A changed configuration gets a new Job name: a Job's pod template cannot be updated in place.

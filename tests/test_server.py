@@ -280,6 +280,9 @@ def test_neuron_info_endpoint(server):
         assert graph["lowering_seconds"] > 0 and graph["stablehlo_ops"] > 100, graph
         assert graph["largest_tensor"]["bytes"] > 0 and len(graph["aliased_inputs"]) == 2, graph
     assert lowered[0]["call"].startswith("prefill of")
+    # This server compiled every graph before serving (the suite's engines run VLLM_NEURON_READINESS=full).
+    assert info["compile"]["readiness"] == "full"
+    assert (info["compile"]["graphs_ready"], info["compile"]["graphs_pending"]) == (EXPECTED_GRAPHS, 0)
 
 
 # ---- /metrics -------------------------------------------------------------------------------------------
@@ -298,6 +301,8 @@ def metric_values(text: str, name: str) -> dict[str, float]:
 PLUGIN_SERIES = {  # name on /metrics -> how it is exported
     "vllm_neuron:compiled_graphs": "gauge",
     "vllm_neuron:unexpected_recompiles": "counter",
+    "vllm_neuron:graphs_ready": "gauge",
+    "vllm_neuron:graphs_pending": "gauge",
     "vllm_neuron:warmup_seconds": "gauge",
     "vllm_neuron:compile_seconds": "counter",
     "vllm_neuron:padding_real_tokens": "counter",
@@ -324,6 +329,7 @@ def test_plugin_series_on_metrics_after_traffic(server, client):
         return value
 
     assert one("vllm_neuron:compiled_graphs") == EXPECTED_GRAPHS
+    assert (one("vllm_neuron:graphs_ready"), one("vllm_neuron:graphs_pending")) == (EXPECTED_GRAPHS, 0)
     assert one("vllm_neuron:unexpected_recompiles_total") == 0
     compile_seconds = metric_values(text, "vllm_neuron:compile_seconds_total")
     phases = {'{phase="decode"}', '{phase="prefill"}', '{phase="mixed"}'}

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from server.options import NEURON_OPTIONS
+from tests.conftest import EXPECTED_GRAPHS
 from tests.serving import MODEL_NAME, ServerProcess, free_port, http, serve_command
 
 CLI = str(Path(sys.executable).with_name("vllm-neuron"))
@@ -74,6 +75,19 @@ def wait_for_starting_answer(server: ServerProcess) -> bytes:
     raise AssertionError("no answer on the port:\n" + server.log()[-3000:])
 
 
+def wait_for_graph_progress(server: ServerProcess) -> dict:
+    """The first start-up /health answer that counts graphs (warm-up has begun)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status, body = http("GET", server.base + "/health", timeout=5)
+        assert status == 503, "ready before any answer counted the graphs"
+        answer = json.loads(body)
+        if "graphs_pending" in answer:
+            return answer
+        time.sleep(0.1)
+    raise AssertionError("no start-up answer counted the graphs:\n" + server.log()[-3000:])
+
+
 def http_status(url: str) -> int | str:
     try:
         return http("GET", url, timeout=10)[0]
@@ -93,15 +107,25 @@ def late_request_status(server: ServerProcess) -> int | str:
 def test_starting_then_ready_then_sigterm_drains_in_flight_requests(tiny_model_dir, tmp_path):
     from openai import OpenAI
 
-    server = ServerProcess(tiny_model_dir, tmp_path / "server.log", "--shutdown-timeout", "60")
+    server = ServerProcess(
+        tiny_model_dir, tmp_path / "server.log", "--shutdown-timeout", "60", "--readiness", "staged"
+    )
     try:
         # While it warms up, a probe or a client reads 503 with a reason: not a hang, not a refusal.
         starting = wait_for_starting_answer(server)
         assert json.loads(starting)["status"] == "starting"
         status, body = http("POST", server.base + "/v1/completions", b"{}", timeout=5)
         assert status == 503 and "starting" in json.loads(body)["error"]["message"]
+        # Once warm-up has begun, the answer counts the graphs compiled and still to compile.
+        progress = wait_for_graph_progress(server)
+        assert progress["graphs_ready"] + progress["graphs_pending"] == EXPECTED_GRAPHS, progress
         server.wait_healthy()
         assert server.health_seen[-1] == 200
+        # Staged readiness: serving began on the minimal graphs; /v1/neuron/info says what is compiled.
+        compile_info = json.loads(http("GET", server.base + "/v1/neuron/info")[1])["compile"]
+        assert compile_info["readiness"] == "staged" and compile_info["graphs_total"] == EXPECTED_GRAPHS
+        assert compile_info["graphs_ready"] + compile_info["graphs_pending"] == EXPECTED_GRAPHS
+        assert compile_info["graphs_ready"] >= 2 and compile_info["seconds_to_ready"] > 0
 
         client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
         first_token, tokens = threading.Event(), []

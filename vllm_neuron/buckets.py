@@ -22,6 +22,11 @@ to a pass over the weights, and a context dimension would multiply the graphs ag
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+# A compiled graph: (phase, prefill token bucket or decode batch bucket, context bucket). A mixed graph's
+# chunk bucket and chunk context are fixed by the bucket set, so batch and context name it.
+GraphKey = tuple[Literal["prefill", "decode", "mixed"], int, int]
 
 
 class BucketError(ValueError):
@@ -135,6 +140,24 @@ class BucketConfig:
     @property
     def num_graphs(self) -> int:
         return len(self.prefill_shapes()) + len(self.decode_shapes()) + len(self.mixed_shapes())
+
+    def graphs(self) -> list[GraphKey]:
+        """Every graph of the bucket set, in warm-up order: prefill, decode, then mixed shapes."""
+        return [
+            *(("prefill", tokens, ctx) for tokens, ctx in self.prefill_shapes()),
+            *(("decode", batch, ctx) for batch, ctx in self.decode_shapes()),
+            *(("mixed", batch, ctx) for batch, ctx in self.mixed_shapes()),
+        ]
+
+    def minimal_graphs(self) -> list[GraphKey]:
+        """Two graphs that serve every step (calls.plan_step with only these ready): the smallest prefill
+        token bucket over the largest context, longer prompts running as more chunks, and the smallest decode
+        batch over the largest decode context, larger batches running as more calls. Each holds any chunk or
+        row up to max_model_len."""
+        return [
+            ("prefill", self.prefill_tokens[0], self.context_tokens[-1]),
+            ("decode", self.decode_batch[0], self.decode_contexts()[-1]),
+        ]
 
     def describe(self) -> str:
         mixed = (

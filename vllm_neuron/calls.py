@@ -13,11 +13,12 @@ the simulation (vllm_neuron/step_simulation.py) both call it. A step becomes one
   attends over `chunk_context`.
 """
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Literal
 
-from vllm_neuron.buckets import BucketConfig, pack_prefill, pick_bucket
+from vllm_neuron.buckets import BucketConfig, BucketError, GraphKey, ceil_div, pack_prefill
 
 Phase = Literal["prefill", "decode", "mixed"]
 
@@ -58,6 +59,13 @@ class Call:
             start=start,
             chunk_context=chunk_context,
         )
+
+    @property
+    def graph(self) -> GraphKey:
+        """The compiled graph this call runs."""
+        if self.phase == "prefill":
+            return ("prefill", self.token_bucket, self.context)
+        return (self.phase, self.batch, self.context)
 
     @property
     def bucket(self) -> str:
@@ -103,46 +111,83 @@ class CallPlan:
 
 
 def plan_step(
-    decode_contexts: Sequence[int], chunks: Sequence[tuple[int, int]], buckets: BucketConfig, block_size: int
+    decode_contexts: Sequence[int],
+    chunks: Sequence[tuple[int, int]],
+    buckets: BucketConfig,
+    block_size: int,
+    ready: Collection[GraphKey] | None = None,
 ) -> list[CallPlan]:
     """The calls of one step, in the order they run. `decode_contexts`: each decode row's context (its
-    position + 1), in batch order; `chunks`: each prefill chunk's (start, length), in batch order.
+    position + 1), in batch order; `chunks`: each prefill chunk's (start, length), in batch order; `ready`:
+    the graphs calls may use (None: every graph of the bucket set; staged readiness passes those compiled so
+    far, which always include `buckets.minimal_graphs()`).
 
-    Decode rows run in calls of at most the largest batch bucket; the first of those whose batch bucket has
-    mixed calls takes along the first chunk of at most `buckets.mixed_tokens` tokens. The other chunks are
-    packed into prefill calls by `pack_prefill`."""
+    Decode rows run in calls of at most the largest batch bucket, each call the smallest shape that holds
+    its rows; the first of those whose mixed graph exists takes along the first chunk of at most
+    `buckets.mixed_tokens` tokens. The other chunks are packed into prefill calls by `pack_prefill`, up to
+    the largest token bucket over the largest context, each call the smallest shape that holds it."""
+    decode_shapes = _usable(buckets.decode_shapes(), "decode", ready)
     plans: list[CallPlan] = []
     rider = next((i for i, (_, length) in enumerate(chunks) if length <= buckets.mixed_tokens), None)
     taken = None
-    largest = buckets.decode_batch[-1]
-    for first in range(0, len(decode_contexts), largest):
-        rows = tuple(range(first, min(first + largest, len(decode_contexts))))
-        batch = pick_bucket(buckets.decode_batch, len(rows))
-        call = Call.decode(
-            len(rows), batch, buckets.pick_decode_context(batch, [decode_contexts[r] for r in rows])
-        )
-        if taken is None and rider is not None and buckets.has_mixed(batch, chunks[rider][1]):
+    for rows, call in _decode_calls(decode_contexts, decode_shapes, buckets):
+        mixed_ready = ready is None or ("mixed", call.batch, call.context) in ready
+        if (
+            taken is None
+            and rider is not None
+            and mixed_ready
+            and buckets.has_mixed(call.batch, chunks[rider][1])
+        ):
             taken = rider
             start, length = chunks[rider]
             call = call.with_chunk(length, start, buckets.mixed_tokens, buckets.context_tokens[-1])
             plans.append(CallPlan(call, rows, ((rider, start, length),)))
             continue
         plans.append(CallPlan(call, rows))
+    prefill_shapes = _usable(buckets.prefill_shapes(), "prefill", ready)
+    largest_context = buckets.context_tokens[-1]
     remaining = [index for index in range(len(chunks)) if index != taken]
     packed_calls = pack_prefill(
         [chunks[index] for index in remaining],
-        buckets.prefill_tokens[-1],
-        buckets.context_tokens[-1],
+        max(tokens for tokens, ctx in prefill_shapes if ctx == largest_context),
+        largest_context,
         block_size,
     )
     for packed in packed_calls:
         parts = tuple((remaining[index], start, length) for index, start, length in packed.parts)
-        call = Call.prefill(
-            packed.tokens,
-            pick_bucket(buckets.prefill_tokens, packed.tokens),
-            pick_bucket(buckets.context_tokens, packed.context),
-            chunks=len(parts),
-            start=parts[0][1],
+        token_bucket, context = next(
+            (tokens, ctx)
+            for tokens, ctx in prefill_shapes
+            if tokens >= packed.tokens and ctx >= packed.context
         )
+        call = Call.prefill(packed.tokens, token_bucket, context, chunks=len(parts), start=parts[0][1])
         plans.append(CallPlan(call, parts=parts))
     return plans
+
+
+def _usable(shapes: list[tuple[int, int]], phase: Phase, ready: Collection[GraphKey] | None) -> list:
+    """The (bucket, context) shapes of a phase that calls may use, ascending."""
+    return sorted(shapes if ready is None else [s for s in shapes if (phase, *s) in ready])
+
+
+def _decode_calls(
+    contexts: Sequence[int], shapes: list[tuple[int, int]], buckets: BucketConfig
+) -> list[tuple[tuple[int, ...], Call]]:
+    """Decode rows in batch order as calls: each takes as many of the next rows as a usable shape holds (at
+    most its batch bucket), the smallest such shape."""
+    pages = [0, *accumulate(ceil_div(ctx, buckets.page_tokens) for ctx in contexts)]
+    calls = []
+    first = 0
+    while first < len(contexts):
+        best = None
+        for batch, ctx in shapes:  # ascending: the first of those taking the most rows is the smallest
+            take = min(batch, len(contexts) - first)
+            fits = buckets.decode_pages(batch, ctx) >= pages[first + take] - pages[first]
+            if fits and (best is None or take > best[0]):
+                best = (take, batch, ctx)
+        if best is None:
+            raise BucketError(f"no usable decode graph holds the decode rows of contexts {list(contexts)}")
+        take, batch, ctx = best
+        calls.append((tuple(range(first, first + take)), Call.decode(take, batch, ctx)))
+        first += take
+    return calls

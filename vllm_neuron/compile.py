@@ -8,11 +8,15 @@ backend one graph per new input signature, so the recorder sees every compile, w
   runs fail where a Neuron compile would;
 - it records the input shapes of each graph;
 - once armed (after warm-up), a new graph is an unexpected recompile: counted and logged with its shapes,
-  or refused with an error in strict mode.
+  or refused with an error in strict mode; except in a thread that `expecting` a graph (staged readiness's
+  background compiles, worker/background.py).
 """
 
 import logging
-from collections.abc import Callable
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,13 +71,14 @@ class CompileRecorder:
     graphs: list[Shapes] = field(default_factory=list)
     unexpected: list[Shapes] = field(default_factory=list)
     armed: bool = False
-    # What the runner is about to call, for recompile messages and lowered graphs' labels.
-    current_call: Call | None = None
     on_unexpected: Callable[[Shapes], None] | None = None
 
     dump_dir: Path | None = None
 
     def __post_init__(self) -> None:
+        # Per thread: the call about to run (recompile messages, lowered graphs' labels) and whether a new
+        # graph is expected there. Serving and background compiles run in different threads.
+        self._thread = threading.local()
         if self.backend_name in ("stablehlo", "lower-only"):
             from vllm_neuron.stablehlo import StableHLOBackend
 
@@ -87,12 +92,29 @@ class CompileRecorder:
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         check_neuron_constraints(graph_module, example_inputs)
         shapes = tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
-        if self.armed:
+        if self.armed and not getattr(self._thread, "expected", False):
             self._unexpected(shapes)
         self.graphs.append(shapes)
         if self.lowering is not None:
             self.lowering.label = str(self.current_call or f"graph {len(self.graphs) - 1}")
         return self._inner(graph_module, example_inputs)
+
+    @property
+    def current_call(self) -> Call | None:
+        return getattr(self._thread, "call", None)
+
+    @current_call.setter
+    def current_call(self, call: Call | None) -> None:
+        self._thread.call = call
+
+    @contextmanager
+    def expecting(self, call: Call) -> Iterator[None]:
+        """Within this block, in this thread, a new graph for `call` is expected even once armed."""
+        self.current_call, self._thread.expected = call, True
+        try:
+            yield
+        finally:
+            self.current_call, self._thread.expected = None, False
 
     def __repr__(self) -> str:  # dynamo names the backend by it in compile errors
         return f"CompileRecorder({self.backend_name})"
@@ -115,6 +137,25 @@ class CompileRecorder:
     @property
     def num_graphs(self) -> int:
         return len(self.graphs)
+
+
+def compile_config() -> Callable[[], None]:
+    """The torch.compile configuration of this thread (dynamo's, AOTAutograd's, inductor's), as a function
+    that applies it in another thread: torch keeps these settings per thread, so a background compile would
+    otherwise trace with the defaults (a recompile limit of 8, for one)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    saved = [(module, module.save_config()) for module in (torch._dynamo.config, torch._functorch.config)]
+    saved.append((torch._inductor.config, torch._inductor.config.save_config()))
+
+    def apply() -> None:
+        with warnings.catch_warnings():  # the saved settings include deprecated ones, set as they were
+            warnings.simplefilter("ignore", FutureWarning)
+            for module, config in saved:
+                module.load_config(config)
+
+    return apply
 
 
 def compile_static(

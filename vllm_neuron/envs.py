@@ -14,6 +14,16 @@ def _str(name: str, default: str) -> Callable[[], str]:
     return lambda: os.environ.get(name, default).strip().lower() or default
 
 
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
+    def read() -> str:
+        value = _str(name, default)()
+        if value not in choices:
+            raise ValueError(f"{name}={value!r}: use one of {', '.join(choices)}")
+        return value
+
+    return read
+
+
 def _parsed(name: str, default: T, parse: Callable[[str], T], what: str) -> T:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -26,6 +36,16 @@ def _parsed(name: str, default: T, parse: Callable[[str], T], what: str) -> T:
 
 def _int(name: str, default: int) -> Callable[[], int]:
     return lambda: _parsed(name, default, int, "an integer")
+
+
+def _non_negative_int(name: str) -> Callable[[], int]:
+    def read() -> int:
+        value = _parsed(name, 0, int, "an integer")
+        if value < 0:
+            raise ValueError(f"{name}={value}: use 0 (automatic) or a positive number")
+        return value
+
+    return read
 
 
 def _fraction(name: str, default: float) -> Callable[[], float]:
@@ -92,6 +112,17 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _bool("VLLM_NEURON_STRICT_SHAPES"),
         "1: a compile after warm-up (a shape outside the buckets) is refused with an error instead of being "
         "counted and logged.",
+    ),
+    "VLLM_NEURON_READINESS": (
+        _choice("VLLM_NEURON_READINESS", "staged", ("staged", "full")),
+        "staged (default): /health answers 200 once a minimal graph set is compiled (one prefill and one "
+        "decode graph that can serve any request), and the other graphs compile in the background, each "
+        "used once ready; full: every graph compiles before /health answers 200.",
+    ),
+    "VLLM_NEURON_COMPILE_WORKERS": (
+        _non_negative_int("VLLM_NEURON_COMPILE_WORKERS"),
+        "Background compiles run at once (staged readiness); 0: one per 16 host CPUs, at least 1 and at most "
+        "8 on Trainium, 1 in CPU mode.",
     ),
     "VLLM_NEURON_STEP_TRACE": (
         lambda: os.environ.get("VLLM_NEURON_STEP_TRACE", ""),

@@ -6,13 +6,26 @@ vLLM's own series. Padding efficiency of a phase is
 rate(vllm_neuron:padding_real_tokens_total[5m]) / rate(vllm_neuron:padding_slots_total[5m]).
 """
 
-from prometheus_client import Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vllm_neuron.calls import Call
 
 COMPILED_GRAPHS = Gauge(
     "vllm_neuron:compiled_graphs",
     "Graphs compiled for the model step (one per bucket shape after warm-up).",
+    multiprocess_mode="livemax",
+)
+GRAPHS_READY = Gauge(
+    "vllm_neuron:graphs_ready",
+    "Graphs compiled and usable by steps (staged readiness: the minimal set at first, then each background "
+    "compile as it finishes).",
+    multiprocess_mode="livemax",
+)
+GRAPHS_PENDING = Gauge(
+    "vllm_neuron:graphs_pending",
+    "Graphs of the bucket set still compiling in the background (0 once every graph is ready).",
     multiprocess_mode="livemax",
 )
 UNEXPECTED_RECOMPILES = Counter(
@@ -87,3 +100,24 @@ class CallStats:
             self.slots[phase] += slots
             PADDING_REAL_TOKENS.labels(phase=phase).inc(real)
             PADDING_SLOTS.labels(phase=phase).inc(slots)
+
+
+def graph_progress() -> dict[str, int]:
+    """graphs_ready and graphs_pending as the engine-core process last set them, read from the Prometheus
+    multiprocess folder (another process's gauges: the API server's start-up /health); {} without one, or
+    before warm-up has counted its graphs (every process that imports this module shows them as 0)."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not folder or not os.path.isdir(folder):
+        return {}
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=folder)
+    wanted = {GRAPHS_READY._name: "graphs_ready", GRAPHS_PENDING._name: "graphs_pending"}
+    values = {
+        wanted[sample.name]: int(sample.value)
+        for family in registry.collect()
+        for sample in family.samples
+        if sample.name in wanted
+    }
+    return values if sum(values.values()) else {}

@@ -1,6 +1,12 @@
 """One scheduler step on static shapes: update the persistent batch, split the step into bucketed calls,
-run the compiled model, and sample on the host with vLLM's Sampler."""
+run the compiled model, and sample on the host with vLLM's Sampler.
 
+Warm-up compiles every graph before serving (VLLM_NEURON_READINESS=full), or (staged, the default) only the
+bucket set's minimal graphs, which serve every step; the others then compile in background threads
+(worker/background.py) and steps use each once it is ready, so no request waits for a compile."""
+
+import os
+import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -9,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank
-from vllm.forward_context import set_forward_context
+from vllm.forward_context import ForwardContext, create_forward_context, override_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.model_loader import get_model
@@ -29,9 +35,12 @@ from kv_cache import layout
 from vllm_neuron import compile as neuron_compile
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, fused_moe, metrics
-from vllm_neuron.calls import Call, plan_step
+from vllm_neuron.buckets import GraphKey
+from vllm_neuron.call_costs import PROFILES, profile_for
+from vllm_neuron.calls import Call, CallPlan, plan_step
 from vllm_neuron.config import NeuronConfig
 from worker import call_inputs, warmup
+from worker.background import BackgroundCompiler, CompileProgress, compile_workers
 from worker.call_inputs import CallInputs, Chunk
 from worker.input_batch import PersistentBatch
 from worker.step_trace import StepTrace
@@ -61,9 +70,19 @@ class ForwardWithLogits(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor):
-        hidden = self.model(input_ids=input_ids, positions=positions)
-        return self.model.compute_logits(hidden.index_select(0, logits_indices))
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        forward_context: ForwardContext,
+    ):
+        # vLLM's layers read the forward context from a global; set here, in the traced code, dynamo takes
+        # the attention metadata from this argument, so serving and a background compile, in two threads,
+        # each run with their own.
+        with override_forward_context(forward_context):
+            hidden = self.model(input_ids=input_ids, positions=positions)
+            return self.model.compute_logits(hidden.index_select(0, logits_indices))
 
 
 @dataclass
@@ -111,6 +130,12 @@ class NeuronModelRunner:
         self.stats = metrics.CallStats()
         self.step_calls: list[Call] = []  # the calls of the latest step (tests, debugging, the step trace)
         self.serving = False  # warm-up calls are not traffic: tally calls only once it is over
+        # The graphs steps may use: every graph once warm-up is over, or while staged readiness compiles in
+        # the background, those ready so far (replaced, never mutated: the serving thread reads it unlocked).
+        self.ready_graphs: frozenset[GraphKey] = frozenset(self.buckets.graphs())
+        self.background: BackgroundCompiler | None = None
+        self.progress = CompileProgress(total=self.buckets.num_graphs, ready=0, pending=0)
+        self._costs = PROFILES[profile_for(neuron_device.target())]
         # Every rank runs every call; only the driver rank (TP rank 0) records traffic series, so that
         # Prometheus counters count steps once, not once per rank.
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -180,28 +205,34 @@ class NeuronModelRunner:
         return caches
 
     def warm_up(self) -> float:
-        """Compile every bucket by pushing synthetic scheduler steps through execute_model, then arm the
-        recompile guard. Returns the seconds it took."""
-        seconds = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}
-        graphs = {"prefill": 0, "decode": 0, "mixed": 0}
-        steps = warmup.warmup_steps(
-            self.buckets, max_model_len=self.model_config.max_model_len, block_size=self.block_size
+        """Compile the graphs serving needs by pushing synthetic scheduler steps through execute_model, arm
+        the recompile guard, and (staged readiness) start compiling the others in the background. Returns
+        the seconds until serving may start."""
+        start = time.perf_counter()
+        staged = envs.VLLM_NEURON_READINESS == "staged"
+        if staged and self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            # Every rank must plan the same calls, so they must agree on the ready graphs at each step.
+            logger.info("Staged readiness needs one rank; with tensor parallelism every graph compiles first")
+            staged = False
+        first = self.buckets.minimal_graphs() if staged else self.buckets.graphs()
+        pending = [graph for graph in self.buckets.graphs() if graph not in first]
+        self.progress = CompileProgress(
+            total=self.buckets.num_graphs, ready=0, pending=self.buckets.num_graphs
         )
-        for item in steps:
-            before, start = self.recorder.num_graphs, time.perf_counter()
-            if self.execute_model(item.step) is None:
-                self.sample_tokens(None)
-            self.execute_model(warmup.finish_step(item.request_ids))
-            neuron_device.synchronize()
-            seconds[item.phase] += time.perf_counter() - start
-            graphs[item.phase] += self.recorder.num_graphs - before
-            self._log_lowered(before)
+        self._publish_progress()
+        logger.info(
+            "Graph plan: %d graphs (%s); %d before serving%s",
+            self.buckets.num_graphs,
+            ", ".join(f"{phase} {count}" for phase, count in _by_phase(self.buckets.graphs()).items()),
+            len(first),
+            f", {len(pending)} in the background" if pending else "",
+        )
+        seconds, graphs = self._warm_up_graphs(first)
+        self.ready_graphs = frozenset(first)
         self.recorder.armed = True
         self.recorder.on_unexpected = lambda shapes: metrics.UNEXPECTED_RECOMPILES.inc()
         self.serving = True
         metrics.COMPILED_GRAPHS.set(self.recorder.num_graphs)
-        if not self.buckets.mixed_shapes():
-            del seconds["mixed"], graphs["mixed"]
         for phase, phase_seconds in seconds.items():
             metrics.WARMUP_SECONDS.labels(phase=phase).set(phase_seconds)
         logger.info(
@@ -210,8 +241,114 @@ class NeuronModelRunner:
             ", ".join(f"{phase} {graphs[phase]} in {seconds[phase]:.1f} s" for phase in graphs),
             self.buckets.describe(),
         )
+        ready_seconds = time.perf_counter() - start
+        self.progress.seconds_to_ready = ready_seconds
+        self.progress.seconds_to_all = None if pending else ready_seconds
+        if pending:
+            self._start_background(pending, start, ready_seconds / max(1, len(first)))
         self._log_effective_configuration()
-        return sum(seconds.values())
+        return ready_seconds
+
+    def _warm_up_graphs(self, graphs: list[GraphKey]) -> tuple[dict[str, float], dict[str, int]]:
+        """Run the warm-up steps of `graphs`; seconds and new graphs per phase."""
+        seconds = dict.fromkeys(_by_phase(graphs), 0.0)
+        compiled = dict.fromkeys(_by_phase(graphs), 0)
+        steps = warmup.warmup_steps(
+            self.buckets,
+            max_model_len=self.model_config.max_model_len,
+            block_size=self.block_size,
+            graphs=graphs,
+        )
+        for item in steps:
+            before, start = self.recorder.num_graphs, time.perf_counter()
+            if self.execute_model(item.step) is None:
+                self.sample_tokens(None)
+            self.execute_model(warmup.finish_step(item.request_ids))
+            neuron_device.synchronize()
+            seconds[item.phase] += time.perf_counter() - start
+            compiled[item.phase] += self.recorder.num_graphs - before
+            self._log_lowered(before)
+            self.progress.ready += 1
+            self.progress.pending -= 1
+            self._publish_progress()
+        return seconds, compiled
+
+    def _start_background(self, pending: list[GraphKey], start: float, seconds_per_graph: float) -> None:
+        workers = compile_workers(
+            envs.VLLM_NEURON_COMPILE_WORKERS, neuron_device.mode() == "neuron", os.cpu_count() or 1
+        )
+        logger.info(
+            "Serving on %d graphs; compiling %d more in the background (%d at once), about %.0f s at the "
+            "warm-up's %.1f s per graph",
+            len(self.ready_graphs),
+            len(pending),
+            workers,
+            len(pending) * seconds_per_graph / workers,
+            seconds_per_graph,
+        )
+        lock = threading.Lock()
+
+        def on_done(graph: GraphKey, error: str | None) -> None:
+            with lock:
+                progress = self.progress
+                progress.pending -= 1
+                if error is None:
+                    self.ready_graphs = self.ready_graphs | {graph}
+                    progress.ready += 1
+                else:
+                    progress.failed.append(f"{_describe(graph)}: {error}")
+                if not progress.pending:
+                    progress.seconds_to_all = time.perf_counter() - start
+            if error is None:
+                logger.info(
+                    "Graph %d/%d ready: %s (background)", progress.ready, progress.total, _describe(graph)
+                )
+            if progress.seconds_to_all is not None:
+                logger.info("Background compiles done %.1f s after warm-up started", progress.seconds_to_all)
+            self._publish_progress()
+
+        self.background = BackgroundCompiler(
+            pending, self._compile_in_background, on_done, workers, neuron_compile.compile_config()
+        )
+        self.background.start()
+
+    @torch.no_grad()  # the grad mode serving runs in: dynamo guards on it
+    def _compile_in_background(self, graph: GraphKey) -> float:
+        """Compile one graph in this (background) thread by running it on synthetic requests whose blocks are
+        all the null block, as warm-up does, beside serving. Returns its seconds."""
+        call, parts, rows = warmup.synthetic_call(
+            graph,
+            self.buckets,
+            max_model_len=self.model_config.max_model_len,
+            blocks_per_request=self.batch.block_table.shape[1],
+        )
+        start = time.perf_counter()
+        with self.recorder.expecting(call):
+            self._forward(self._inputs(call, parts, rows))
+        neuron_device.synchronize()
+        seconds = time.perf_counter() - start
+        metrics.COMPILE_SECONDS.labels(phase=call.phase).inc(seconds)
+        metrics.COMPILED_GRAPHS.set(self.recorder.num_graphs)
+        return seconds
+
+    def _publish_progress(self) -> None:
+        metrics.GRAPHS_READY.set(self.progress.ready)
+        metrics.GRAPHS_PENDING.set(self.progress.pending)
+
+    def compile_progress(self) -> dict[str, object]:
+        """Graphs ready and pending (/v1/neuron/info), as this rank compiled them."""
+        progress = self.progress
+        return {
+            "readiness": "staged" if self.background is not None else "full",
+            "graphs_total": progress.total,
+            "graphs_ready": progress.ready,
+            "graphs_pending": progress.pending,
+            "graphs_failed": list(progress.failed),
+            "seconds_to_ready": round(progress.seconds_to_ready, 3),
+            "seconds_to_all_graphs": None
+            if progress.seconds_to_all is None
+            else round(progress.seconds_to_all, 3),
+        }
 
     def _log_lowered(self, first: int) -> None:
         """What a Neuron engineer asks of each graph the stablehlo backend lowered since graph `first`."""
@@ -249,6 +386,8 @@ class NeuronModelRunner:
         )
 
     def shutdown(self) -> None:
+        if self.background is not None:
+            self.background.stop()
         if self.trace is not None:
             self.trace.close()
             self.trace = None
@@ -363,12 +502,13 @@ class NeuronModelRunner:
     ) -> None:
         """Run the step's calls as `calls.plan_step` plans them; each fills the logits rows of its requests
         (a sub-chunk's row is overwritten by the next: the last part of a chunk gives its logits)."""
-        plans = plan_step(
-            [chunk.start + 1 for _, chunk in decode],
-            [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill],
-            self.buckets,
-            self.block_size,
-        )
+        contexts = [chunk.start + 1 for _, chunk in decode]
+        chunks = [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill]
+        ready = self.ready_graphs
+        staging = self.background is not None and len(ready) < self.buckets.num_graphs
+        plans = plan_step(contexts, chunks, self.buckets, self.block_size, ready if staging else None)
+        if staging and self.serving:
+            self._report_demand(plans, plan_step(contexts, chunks, self.buckets, self.block_size), ready)
         for plan in plans:
             parts = []
             for index, start, length in plan.parts:
@@ -380,6 +520,20 @@ class NeuronModelRunner:
             # Logits rows come in call order: the prefill parts' first, then the decode rows'.
             batch_rows = [prefill[index][0] for index, _, _ in plan.parts]
             logits[batch_rows + [decode[index][0] for index in plan.decode_rows]] = out
+
+    def _report_demand(
+        self, plans: list[CallPlan], ideal: list[CallPlan], ready: frozenset[GraphKey]
+    ) -> None:
+        """What the step would have saved with every graph (estimated call costs), shared among the pending
+        graphs it would have used: the background compiles those first."""
+        missing = {plan.call.graph for plan in ideal} - ready
+        if not missing:
+            return
+        page = self.buckets.page_tokens
+        saved = sum(self._costs.of(p.call, page) for p in plans) - sum(
+            self._costs.of(p.call, page) for p in ideal
+        )
+        self.background.add_demand(dict.fromkeys(missing, max(saved, 0.0) / len(missing)))
 
     def _inputs(self, call: Call, parts: list[Chunk], rows: list[Chunk]) -> CallInputs:
         if call.phase == "prefill":
@@ -421,15 +575,20 @@ class NeuronModelRunner:
         if self.serving and self.records_traffic:
             self.stats.record(call)
         start, graphs = time.perf_counter(), self.recorder.num_graphs
-        metadata = dict.fromkeys(self.attention_layers, inputs.metadata)
-        with set_forward_context(metadata, self.vllm_config, num_tokens=inputs.input_ids.shape[0]):
-            out = self.compiled_step(inputs.input_ids, inputs.positions, inputs.logits_indices)
-        logits = out[: inputs.num_real_rows].to("cpu", torch.float32)
+        logits = self._forward(inputs)
         seconds = time.perf_counter() - start
         self._forward_seconds += seconds
         if self.recorder.num_graphs > graphs:
             metrics.COMPILE_SECONDS.labels(phase=call.phase).inc(seconds)
         return logits
+
+    def _forward(self, inputs: CallInputs) -> torch.Tensor:
+        """The compiled model on one call's inputs: the float32 host logits of its real rows."""
+        context = create_forward_context(
+            dict.fromkeys(self.attention_layers, inputs.metadata), self.vllm_config
+        )
+        out = self.compiled_step(inputs.input_ids, inputs.positions, inputs.logits_indices, context)
+        return out[: inputs.num_real_rows].to("cpu", torch.float32)
 
     @torch.no_grad()
     def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput:
@@ -481,3 +640,15 @@ class NeuronModelRunner:
             forward_s=step.forward_seconds,
             sample_s=sample_seconds,
         )
+
+
+def _by_phase(graphs: list[GraphKey]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for phase, _, _ in graphs:
+        counts[phase] = counts.get(phase, 0) + 1
+    return counts
+
+
+def _describe(graph: GraphKey) -> str:
+    phase, size, context = graph
+    return f"{phase} {'tokens' if phase == 'prefill' else 'batch'} {size} x context {context}"

@@ -106,6 +106,10 @@ class NeuronWorker(WorkerBase):
             "collectives_per_graph": [graph["collectives"] for graph in self.model_runner.lowered_graphs()],
         }
 
+    def compile_progress(self) -> dict[str, object]:
+        """Graphs ready and pending under staged readiness (collective_rpc("compile_progress"))."""
+        return self.model_runner.compile_progress()
+
     def lowered_graphs(self) -> list[dict[str, object]]:
         """This rank's graphs as the stablehlo backend lowered them (collective_rpc("lowered_graphs"))."""
         return self.model_runner.lowered_graphs()

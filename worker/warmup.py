@@ -6,14 +6,17 @@ all run exactly as when serving. Synthetic requests point every block at the nul
 touch a real request's KV cache.
 """
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 from kv_cache.layout import NULL_BLOCK
-from vllm_neuron.buckets import BucketConfig, ceil_div, pick_bucket
+from vllm_neuron.buckets import BucketConfig, GraphKey, ceil_div, pick_bucket
+from vllm_neuron.calls import Call
+from worker.call_inputs import Chunk
 
 # Sampler variants: greedy, and one request with every host-side sampling feature, so their first use
 # while serving is not their first use at all.
@@ -70,10 +73,15 @@ def _step(requests: list[NewRequestData], scheduled: dict[str, int]) -> Schedule
     )
 
 
-def warmup_steps(buckets: BucketConfig, *, max_model_len: int, block_size: int) -> Iterator[WarmupStep]:
+def warmup_steps(
+    buckets: BucketConfig, *, max_model_len: int, block_size: int, graphs: Collection[GraphKey] | None = None
+) -> Iterator[WarmupStep]:
     """One step per graph shape: each prefill (tokens, context), each decode (batch, context) and each mixed
-    (batch, context)."""
+    (batch, context); only those of `graphs` if given."""
+    wanted = set(buckets.graphs() if graphs is None else graphs)
     for index, (tokens, context) in enumerate(buckets.prefill_shapes()):
+        if ("prefill", tokens, context) not in wanted:
+            continue
         # A chunk of n tokens ending at the context bucket (or at max_model_len, inside the same bucket).
         total = min(context, max_model_len)
         count = min(tokens, total)
@@ -83,6 +91,8 @@ def warmup_steps(buckets: BucketConfig, *, max_model_len: int, block_size: int) 
         request = _request(req_id, total, total - count, block_size, index)
         yield WarmupStep("prefill", (tokens, context), _step([request], {req_id: count}), [req_id])
     for index, (batch, context) in enumerate(buckets.decode_shapes()):
+        if ("decode", batch, context) not in wanted:
+            continue
         # `batch` requests each with one token left to compute, at the end of the context bucket.
         total = min(context, max_model_len)
         assert buckets.pick_decode_context(batch, [total] * batch) == context
@@ -90,6 +100,8 @@ def warmup_steps(buckets: BucketConfig, *, max_model_len: int, block_size: int) 
         requests = [_request(req_id, total, total - 1, block_size, row) for row, req_id in enumerate(ids)]
         yield WarmupStep("decode", (batch, context), _step(requests, dict.fromkeys(ids, 1)), ids)
     for index, (batch, context) in enumerate(buckets.mixed_shapes()):
+        if ("mixed", batch, context) not in wanted:
+            continue
         # The decode rows above, and a chunk of mixed_tokens tokens (or the whole context if shorter).
         total = min(context, max_model_len)
         ids = [f"warmup-mixed-{index}-{row}" for row in range(batch)]
@@ -107,3 +119,28 @@ def finish_step(request_ids: list[str]) -> SchedulerOutput:
     step = SchedulerOutput.make_empty()
     step.finished_req_ids = set(request_ids)
     return step
+
+
+def synthetic_call(
+    graph: GraphKey, buckets: BucketConfig, *, max_model_len: int, blocks_per_request: int
+) -> tuple[Call, list[Chunk], list[Chunk]]:
+    """A call of a graph's shape on synthetic requests, as `warmup_steps` shapes them, to run the compiled
+    model directly (staged readiness's background compiles, beside serving: no scheduler step, no persistent
+    batch). Returns the call, its prefill chunks and its decode rows; every block is the null block."""
+    phase, size, context = graph
+    null_row = np.full(blocks_per_request, NULL_BLOCK, dtype=np.int32)
+
+    def chunk(total: int, count: int) -> Chunk:
+        return Chunk(np.zeros(count, dtype=np.int32), total - count, null_row)
+
+    if phase == "prefill":
+        total = min(context, max_model_len)
+        count = min(size, total)
+        return Call.prefill(count, size, context), [chunk(total, count)], []
+    rows = [chunk(min(context, max_model_len), 1) for _ in range(size)]
+    call = Call.decode(size, size, context)
+    if phase == "decode":
+        return call, [], rows
+    count = min(buckets.mixed_tokens, max_model_len)
+    mixed = call.with_chunk(count, max_model_len - count, buckets.mixed_tokens, buckets.context_tokens[-1])
+    return mixed, [chunk(max_model_len, count)], rows

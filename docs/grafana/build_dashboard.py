@@ -73,6 +73,8 @@ NEURON_PANELS = [
         [
             ("sum(increase(vllm_neuron:unexpected_recompiles_total[5m]))", "recompiles / 5 min"),
             ("max(vllm_neuron:compiled_graphs)", "compiled graphs"),
+            ("max(vllm_neuron:graphs_ready)", "graphs ready"),
+            ("max(vllm_neuron:graphs_pending)", "graphs compiling in the background"),
         ],
     ),
     (

@@ -107,6 +107,12 @@ ranks rounded up to devices: a Trainium2 chip has 8 physical cores, i.e. 8 / LNC
 {{- end }}
 - "--shutdown-timeout"
 - {{ .Values.server.shutdownTimeoutSeconds | quote }}
+- "--readiness"
+- {{ .Values.compile.readiness | quote }}
+{{- if gt (int .Values.compile.workers) 0 }}
+- "--compile-workers"
+- {{ .Values.compile.workers | quote }}
+{{- end }}
 {{- with include "vllm-neuron.additionalConfig" . }}
 - "--additional-config"
 - {{ . | quote }}

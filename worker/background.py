@@ -1,0 +1,117 @@
+"""Staged readiness's background compiles: the graphs warm-up left pending, compiled in threads beside
+serving, each joining the runner's usable set once it has run.
+
+The order follows the traffic: the serving thread reports, per step, the work each pending graph would have
+saved (`add_demand`), and the next compile is the pending graph with the most saved so far (the bucket set's
+order breaks ties, smallest shapes first). Several workers compile at once where the compiler allows it
+(`VLLM_NEURON_COMPILE_WORKERS`): dynamo traces one graph at a time, and the backend's compile (neuronx-cc,
+inductor) runs in parallel.
+"""
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_neuron.buckets import GraphKey
+
+logger = logging.getLogger("vllm.vllm_neuron.background")
+
+
+@dataclass
+class CompileProgress:
+    """What staged readiness has compiled: read by /v1/neuron/info and the start-up log."""
+
+    total: int
+    ready: int
+    pending: int
+    failed: list[str] = field(default_factory=list)
+    seconds_to_ready: float = 0.0  # from warm-up's start to the minimal set
+    seconds_to_all: float | None = None  # from warm-up's start to every graph; None while pending
+
+
+class BackgroundCompiler:
+    def __init__(
+        self,
+        pending: list[GraphKey],
+        compile_graph: Callable[[GraphKey], float],
+        on_done: Callable[[GraphKey, str | None], None],
+        workers: int,
+        thread_setup: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`compile_graph` compiles and runs one graph, returning its seconds; `on_done` gets each graph with
+        its error (None: compiled, to be made usable);
+        `thread_setup` runs first in each worker thread (the serving thread's compile configuration)."""
+        self._order = {graph: index for index, graph in enumerate(pending)}
+        self._pending = list(pending)
+        self._demand: dict[GraphKey, float] = {}
+        self._compile_graph = compile_graph
+        self._on_done = on_done
+        self._thread_setup = thread_setup
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"neuron-compile-{index}", daemon=True)
+            for index in range(min(workers, len(pending)))
+        ]
+        self.in_flight = 0
+        self.done = threading.Event()
+        if not pending:
+            self.done.set()
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Take no further graph; a compile under way finishes in its daemon thread."""
+        self._stopping.set()
+
+    @property
+    def pending(self) -> list[GraphKey]:
+        with self._lock:
+            return list(self._pending)
+
+    def add_demand(self, saved: dict[GraphKey, float]) -> None:
+        """Work the pending graphs of `saved` would have saved in a step (the serving thread, per step)."""
+        with self._lock:
+            for graph, amount in saved.items():
+                self._demand[graph] = self._demand.get(graph, 0.0) + amount
+
+    def _take(self) -> GraphKey | None:
+        with self._lock:
+            if not self._pending or self._stopping.is_set():
+                return None
+            graph = min(self._pending, key=lambda g: (-self._demand.get(g, 0.0), self._order[g]))
+            self._pending.remove(graph)
+            self.in_flight += 1
+            return graph
+
+    def _work(self) -> None:
+        self._thread_setup()
+        while (graph := self._take()) is not None:
+            try:
+                self._compile_graph(graph)
+            except Exception as error:  # a graph that does not compile is never used; serving goes on
+                logger.exception("Background compile of graph %s failed; it will not be used", graph)
+                self._on_done(graph, f"{type(error).__name__}: {error}")
+            else:
+                self._on_done(graph, None)
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
+                    finished = not self._pending and not self.in_flight
+                if finished:
+                    self.done.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until every graph is compiled (or failed); False on timeout."""
+        return self.done.wait(timeout)
+
+
+def compile_workers(requested: int, neuron: bool, cpus: int) -> int:
+    """Background compiles at once: `requested`, or by default one per 16 host CPUs (1 to 8) on Trainium,
+    where each is a neuronx-cc process, and 1 in CPU mode, where compiles share the cores serving uses."""
+    if requested:
+        return requested
+    return min(8, max(1, cpus // 16)) if neuron else 1
