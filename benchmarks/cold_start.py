@@ -1,6 +1,7 @@
 """Cold and warm start of `vllm-neuron serve`, side by side: time from process start to the first /health
 200 and to every graph compiled, and a stream's inter-token latency while background compiles run against
-the same stream after them.
+the same stream after them (streams run back to back for at most --during-seconds of the background
+compiles; the rest compile without load).
 
     .venv/bin/python benchmarks/cold_start.py [--scenarios full-eager,staged-eager-cold,...]
         [--serve-args "--max-num-seqs 8"] [--json-out cold_start.json]
@@ -99,7 +100,12 @@ def compile_info(base: str) -> dict:
 
 
 def run(
-    scenario: Scenario, cache_root: Path, serve_args: list[str], log_dir: Path, after_requests: int
+    scenario: Scenario,
+    cache_root: Path,
+    serve_args: list[str],
+    log_dir: Path,
+    after_requests: int,
+    during_s: float,
 ) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_NEURON_DEVICE", "PROMETHEUS_MULTIPROC_DIR")}
     env.update(
@@ -132,11 +138,15 @@ def run(
         warmup_start = first_200 - info["seconds_to_ready"]
         during, after = StreamStats(), StreamStats()
         prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-        while info.get("graphs_pending"):
+        # Streams while the background compiles (for at most during_s), then no load until they are done.
+        while info.get("graphs_pending") and time.perf_counter() - started - first_200 < during_s:
             arrivals = stream_once(base, prompt)
             info = compile_info(base)
             # A request counts as "during" if background compiles were still running when it ended.
             (during if info.get("graphs_pending") else after).add(arrivals)
+        while info.get("graphs_pending"):
+            time.sleep(1)
+            info = compile_info(base)
         for _ in range(after_requests):
             after.add(stream_once(base, prompt))
         all_graphs = warmup_start + info["seconds_to_all_graphs"]
@@ -202,6 +212,9 @@ def main() -> None:
     parser.add_argument("--scenarios", default="full-eager,staged-eager-cold,staged-eager-warm")
     parser.add_argument("--serve-args", default="", help="extra `vllm-neuron serve` arguments, one string")
     parser.add_argument("--after-requests", type=int, default=3, help="streams after every graph is ready")
+    parser.add_argument(
+        "--during-seconds", type=float, default=120, help="stream for at most this long while graphs compile"
+    )
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     scenarios = [parse_scenario(name) for name in args.scenarios.split(",")]
@@ -216,7 +229,9 @@ def main() -> None:
         else:
             cache_root = cold_roots[scenario.backend] = work / f"cache-{scenario.name}"
         print(f"== {scenario.name} (cache {cache_root})", flush=True)
-        result = run(scenario, cache_root, args.serve_args.split(), work, args.after_requests)
+        result = run(
+            scenario, cache_root, args.serve_args.split(), work, args.after_requests, args.during_seconds
+        )
         print(json.dumps(result), flush=True)
         results.append(result)
     document = {

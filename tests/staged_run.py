@@ -3,7 +3,8 @@
     python tests/staged_run.py '{"model": DIR, "engine": {}, "prompts": [[1]], "max_tokens": 4}'
 
 Records every compiled call the serving thread makes with whether its graph was ready at that moment, the
-compile progress when the engine was ready, after the first generation (background still compiling) and once
+compile progress when the engine was ready, while asleep (sleep mode pauses the background), after the first
+generation (background still compiling) and once
 every graph is ready, and the greedy tokens of the same prompts before and after.
 """
 
@@ -27,6 +28,13 @@ def main() -> None:
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     runner = worker.model_runner
     at_ready = runner.compile_progress()
+    # Sleep mode pauses the background compiles (they run on the weights and KV cache it releases): none
+    # finishes while asleep, and wake-up takes them up again.
+    llm.sleep(level=1)
+    asleep = [runner.compile_progress()]
+    time.sleep(2)
+    asleep.append(runner.compile_progress())
+    llm.wake_up()
     calls: list[dict] = []
     all_graphs = runner.buckets.graphs()
     run = runner._run
@@ -51,6 +59,7 @@ def main() -> None:
         "ready_seconds": ready_seconds,
         "finished": finished,
         "at_ready": at_ready,
+        "asleep": asleep,
         "after_first": after_first,
         "at_end": runner.compile_progress(),
         "calls_during": calls_during,

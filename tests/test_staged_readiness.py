@@ -50,6 +50,12 @@ def test_serves_on_the_minimal_graphs_first(staged):
     assert sum(call["pending"] for call in staged["calls_during"]) >= 10
 
 
+def test_sleep_mode_pauses_the_background_compiles(staged):
+    first, later = staged["asleep"]
+    assert first["graphs_pending"] > 0 and later["graphs_ready"] == first["graphs_ready"]
+    assert staged["at_end"]["graphs_ready"] == EXPECTED_GRAPHS  # taken up again after wake-up
+
+
 def test_no_call_uses_a_graph_that_is_not_ready(staged):
     """Every call of the serving thread ran a ready graph: with strict shapes on, a compile there would have
     failed the generation; none happened."""

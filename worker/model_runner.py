@@ -40,7 +40,7 @@ from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call, CallPlan, plan_step
 from vllm_neuron.config import NeuronConfig
 from worker import call_inputs, warmup
-from worker.background import BackgroundCompiler, CompileProgress, compile_workers
+from worker.background import BackgroundCompiler, CompileProgress, ServingActivity, compile_workers
 from worker.call_inputs import CallInputs, Chunk
 from worker.input_batch import PersistentBatch
 from worker.step_trace import StepTrace
@@ -134,6 +134,9 @@ class NeuronModelRunner:
         # the background, those ready so far (replaced, never mutated: the serving thread reads it unlocked).
         self.ready_graphs: frozenset[GraphKey] = frozenset(self.buckets.graphs())
         self.background: BackgroundCompiler | None = None
+        self._paused_graphs: list[GraphKey] = []  # background compiles stopped by sleep mode
+        self.activity = ServingActivity()  # background compiles give way while a step runs
+        self._warmup_started = self._seconds_per_graph = 0.0
         self.progress = CompileProgress(total=self.buckets.num_graphs, ready=0, pending=0)
         self._costs = PROFILES[profile_for(neuron_device.target())]
         # Every rank runs every call; only the driver rank (TP rank 0) records traffic series, so that
@@ -245,7 +248,8 @@ class NeuronModelRunner:
         self.progress.seconds_to_ready = ready_seconds
         self.progress.seconds_to_all = None if pending else ready_seconds
         if pending:
-            self._start_background(pending, start, ready_seconds / max(1, len(first)))
+            self._warmup_started, self._seconds_per_graph = start, ready_seconds / max(1, len(first))
+            self._start_background(pending)
         self._log_effective_configuration()
         return ready_seconds
 
@@ -273,7 +277,8 @@ class NeuronModelRunner:
             self._publish_progress()
         return seconds, compiled
 
-    def _start_background(self, pending: list[GraphKey], start: float, seconds_per_graph: float) -> None:
+    def _start_background(self, pending: list[GraphKey]) -> None:
+        start, seconds_per_graph = self._warmup_started, self._seconds_per_graph
         workers = compile_workers(
             envs.VLLM_NEURON_COMPILE_WORKERS, neuron_device.mode() == "neuron", os.cpu_count() or 1
         )
@@ -308,7 +313,12 @@ class NeuronModelRunner:
             self._publish_progress()
 
         self.background = BackgroundCompiler(
-            pending, self._compile_in_background, on_done, workers, neuron_compile.compile_config()
+            pending,
+            self._compile_in_background,
+            on_done,
+            workers,
+            neuron_compile.compile_config(),
+            self.activity,
         )
         self.background.start()
 
@@ -402,6 +412,10 @@ class NeuronModelRunner:
         devices only, so wake_up's tensors run them as they are: no recompile."""
         if level not in (1, 2):
             raise ValueError(f"sleep level {level}: the worker sleeps at level 1 or 2")
+        # Background compiles run the model on its weights and KV cache: finish the one under way, and
+        # take up the others at wake-up.
+        if self.background is not None and not self.background.done.is_set():
+            self._paused_graphs = self.background.stop(wait=True)
         self.release_kv_cache()
         if "weights" in self.sleeping:
             return
@@ -453,16 +467,21 @@ class NeuronModelRunner:
             self._allocate_kv_cache()
             self.sleeping.discard("kv_cache")
         neuron_device.synchronize()
+        if self._paused_graphs and not self.sleeping:
+            paused, self._paused_graphs = self._paused_graphs, []
+            self._start_background(paused)
 
     # ---- one step -----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput | None:
         step_start = time.perf_counter()
+        self.activity.busy.set()  # until sample_tokens returns
         self.step_calls = []
         self._forward_seconds = 0.0
         self.batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
+            self.activity.busy.clear()
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.batch.batch
         decode: list[tuple[int, Chunk]] = []
@@ -595,6 +614,12 @@ class NeuronModelRunner:
         pending, self._pending = self._pending, None
         if pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        try:
+            return self._sample(pending, grammar_output)
+        finally:
+            self.activity.busy.clear()
+
+    def _sample(self, pending: _PendingStep, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput:
         start = time.perf_counter()
         batch = self.batch.batch
         if grammar_output is not None:
