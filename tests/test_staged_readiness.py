@@ -46,8 +46,10 @@ def test_serves_on_the_minimal_graphs_first(staged):
     assert at_ready["graphs_total"] == EXPECTED_GRAPHS
     assert at_ready["graphs_ready"] == len(staged["minimal_graphs"]) == 2
     assert at_ready["graphs_pending"] == EXPECTED_GRAPHS - 2
-    # The first generation's calls ran while graphs were still compiling in the background.
+    # The first generation's calls ran while graphs were still compiling in the background, and the
+    # background's tracing rested for them.
     assert sum(call["pending"] for call in staged["calls_during"]) >= 10
+    assert staged["after_first"]["rests_for_serving"] > 0
 
 
 def test_sleep_mode_pauses_the_background_compiles(staged):

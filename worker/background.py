@@ -7,16 +7,17 @@ order breaks ties, smallest shapes first). Several workers compile at once where
 (`VLLM_NEURON_COMPILE_WORKERS`): dynamo traces one graph at a time, and the backend's compile (neuronx-cc,
 inductor) runs in parallel.
 
-Tracing a graph is pure Python, and a thread running Python holds the GIL for the interpreter's switch
-interval (5 ms) whenever another thread asks for it: the serving thread, which takes and releases the GIL
-around every op it runs, would then wait up to 5 ms per op (a SmolLM2 step on the CPU went from 45 ms to
-seconds). So a compile thread yields: while a step is running (`ServingActivity`), it runs at most
+Tracing a graph is Python, and a thread running Python holds the GIL for the interpreter's switch interval
+(5 ms) whenever another thread asks for it: the serving thread, which takes and releases the GIL around every
+op it runs, would then wait up to 5 ms per op (a step of 900 small ops went from 0.1 s to 5 s beside a trace).
+So a compile thread yields: while a step runs (`ServingActivity`), dynamo's tracer in that thread runs at most
 `SLICE_SECONDS` at a time and then sleeps `REST_SECONDS`, giving the serving thread the GIL; between steps it
-runs at full speed.
+runs at full speed. The tracer is paused between two bytecode instructions it traces (a wrapper of dynamo's
+`InstructionTranslatorBase.step`, torch's private API, pinned with torch 2.13): a profile hook in the thread
+would do the same at every Python call, but made tracing 2.5 times slower.
 """
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,38 +27,50 @@ from vllm_neuron.buckets import GraphKey
 
 logger = logging.getLogger("vllm.vllm_neuron.background")
 
-# While a step runs, a compile thread runs 3 ms and rests 5 ms: at most 3/8 of the GIL (measured on a toy step
-# of 300 ops beside a busy Python thread: 1.6x the step's time alone, where without yielding it was 25x).
+# While a step runs, a compile thread traces 3 ms and rests 5 ms (the toy step above: 0.36 s instead of 5 s).
 SLICE_SECONDS = 0.003
 REST_SECONDS = 0.005
-_CHECK_EVERY = 64  # profile events between two looks at the clock
 
 
 class ServingActivity:
-    """Whether the serving thread is in a step: set by the runner from execute_model to sample_tokens."""
+    """Whether the serving thread is in a step (set by the runner from execute_model to sample_tokens), and
+    how often compile threads rested for it."""
 
     def __init__(self) -> None:
         self.busy = threading.Event()
+        self.rests = 0
+
+
+_yielding = threading.local()  # .activity in compile threads
+
+
+def _maybe_rest() -> None:
+    activity: ServingActivity | None = getattr(_yielding, "activity", None)
+    if activity is None:
+        return
+    now = time.perf_counter()
+    if now - _yielding.since < SLICE_SECONDS:
+        return
+    if activity.busy.is_set():
+        time.sleep(REST_SECONDS)
+        activity.rests += 1
+    _yielding.since = time.perf_counter()
 
 
 def yield_to_serving(activity: ServingActivity) -> None:
-    """Make the calling thread give way to serving (see the module's docstring), through a profile hook:
-    sys.setprofile is per thread, so the serving thread is not slowed by it."""
-    events = 0
-    since = time.perf_counter()
+    """Make dynamo's tracing in the calling thread give way to serving (see the module's docstring)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
 
-    def hook(frame, event, arg) -> None:
-        nonlocal events, since
-        events += 1
-        if events % _CHECK_EVERY:
-            return
-        now = time.perf_counter()
-        if now - since >= SLICE_SECONDS:
-            if activity.busy.is_set():
-                time.sleep(REST_SECONDS)
-            since = time.perf_counter()
+    step = InstructionTranslatorBase.step
+    if not getattr(step, "yields_to_serving", False):
 
-    sys.setprofile(hook)
+        def yielding_step(self) -> bool:
+            _maybe_rest()
+            return step(self)
+
+        yielding_step.yields_to_serving = True
+        InstructionTranslatorBase.step = yielding_step
+    _yielding.activity, _yielding.since = activity, time.perf_counter()
 
 
 @dataclass

@@ -355,6 +355,7 @@ class NeuronModelRunner:
             "graphs_pending": progress.pending,
             "graphs_failed": list(progress.failed),
             "seconds_to_ready": round(progress.seconds_to_ready, 3),
+            "rests_for_serving": self.activity.rests,
             "seconds_to_all_graphs": None
             if progress.seconds_to_all is None
             else round(progress.seconds_to_all, 3),
