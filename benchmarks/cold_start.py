@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serving import VLLM_NEURON, free_port, get  # noqa: E402
+from benchmarks.serving import VLLM_NEURON, free_port, get, stop_process  # noqa: E402
 
 STREAM_TOKENS = 64
 
@@ -164,7 +164,7 @@ def run(
             "log": str(log_path),
         }
     finally:
-        stop(process)
+        stop_process(process)
 
 
 def len_before_ready(log_path: Path) -> int | None:
@@ -173,18 +173,6 @@ def len_before_ready(log_path: Path) -> int | None:
         if "Warm-up compiled" in line:
             return int(line.split("Warm-up compiled", 1)[1].split()[0])
     return None
-
-
-def stop(process: subprocess.Popen) -> None:
-    import signal
-
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def markdown(results: list[dict]) -> str:

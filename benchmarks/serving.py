@@ -38,6 +38,18 @@ def get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM (the server drains), then after a minute SIGKILL to its process group."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 class Server:
     """`vllm-neuron serve` in its own process group, ended by pid."""
 
@@ -92,9 +104,4 @@ class Server:
         return values
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_process(self.process)

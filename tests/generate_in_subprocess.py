@@ -6,8 +6,10 @@ engines of other dtypes run here, in their own process, with the environment the
     python tests/generate_in_subprocess.py '{"model": DIR, "engine": {}, "prompts": [[1]], "max_tokens": 4}'
 
 Optional keys: "churn_bursts" (then run tests/test_churn.py's workload and report it), "sleep_level" (then
-sleep at that level, wake up, reload the weights after level 2, and generate again), and with the plugin
-active the result carries each rank's compile_stats (graphs, recompiles after warm-up, KV cache shape).
+sleep at that level, wake up, reload the weights after level 2, and generate again), "wait_background" (then
+wait until staged readiness's background compiles are done), and with the plugin active the result carries
+each rank's compile_stats (graphs, recompiles after warm-up, KV cache shape) and the driver's
+compile_progress.
 """
 
 import json
@@ -60,9 +62,14 @@ def main() -> None:
         again = llm.generate(prompts, params, use_tqdm=False)
         after_wake_up = [list(o.outputs[0].token_ids) for o in again]
     ours = type(current_platform).__name__ == "NeuronPlatform"
+    if request.get("wait_background"):  # staged readiness: until every graph is compiled
+        runner = core.model_executor.driver_worker.worker.model_runner
+        if runner.background is not None and not runner.background.wait(timeout=600):
+            raise TimeoutError("background compiles did not finish")
     result = {
         "platform": type(current_platform).__name__,
         "compile_stats": llm.collective_rpc("compile_stats") if ours else None,
+        "compile_progress": llm.collective_rpc("compile_progress")[0] if ours else None,
         "churn": churn,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "tokens_after_wake_up": after_wake_up,

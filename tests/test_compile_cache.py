@@ -79,22 +79,34 @@ def test_prepare_points_the_compilers_at_the_folder(tiny_model_dir, tmp_path, mo
 
 @pytest.mark.slow
 def test_restart_reuses_compiled_graphs(tiny_model_dir, tmp_path):
+    """Staged readiness on inductor, the CPU stand-in for the NEFF cache: the cold start compiles the two
+    minimal graphs, then the other two in the background; a restart finds all four in the cache, the minimal
+    ones before it serves and the others in the background, and compiles nothing."""
     from tests.test_vllm_parity import run_engine
 
     small = {
         **ENGINE_KWARGS,
-        "additional_config": {"prefill_buckets": [64], "decode_batch_buckets": [4], "context_buckets": [256]},
+        "additional_config": {
+            "prefill_buckets": [64],
+            "decode_batch_buckets": [1, 4],
+            "context_buckets": [256],
+        },
     }
     env = {
         "VLLM_NEURON_DEVICE": "cpu",
         "VLLM_NEURON_COMPILE_BACKEND": "inductor",
+        "VLLM_NEURON_READINESS": "staged",
         "VLLM_NEURON_CACHE_ROOT": str(tmp_path),
         "TORCHINDUCTOR_CACHE_DIR": None,
     }
-    cold = run_engine(tiny_model_dir, small, env)
-    warm = run_engine(tiny_model_dir, small, env)
-    assert cold["inductor_cache"].get("fxgraph_cache_miss", 0) >= 2
-    assert warm["inductor_cache"].get("fxgraph_cache_hit", 0) >= 2
+    cold = run_engine(tiny_model_dir, small, env, extra={"wait_background": True})
+    warm = run_engine(tiny_model_dir, small, env, extra={"wait_background": True})
+    for run in (cold, warm):  # prefill 64 and decode 1 first; decode 4 and its mixed call in the background
+        progress = run["compile_progress"]
+        assert (progress["graphs_total"], progress["graphs_ready"], progress["graphs_pending"]) == (4, 4, 0)
+        assert progress["readiness"] == "staged" and run["compile_stats"][0]["unexpected_recompiles"] == 0
+    assert cold["inductor_cache"].get("fxgraph_cache_miss", 0) >= 4
+    assert warm["inductor_cache"].get("fxgraph_cache_hit", 0) >= 4
     assert warm["inductor_cache"].get("fxgraph_cache_miss", 0) == 0
     assert warm["tokens"] == cold["tokens"]
     (folder,) = tmp_path.iterdir()  # one configuration, one folder
