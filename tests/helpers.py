@@ -37,7 +37,9 @@ def run_engine(
     prompts: list[list[int]] = PROMPTS,
     max_tokens: int = MAX_TOKENS,
     extra: dict | None = None,
+    script: str = "generate_in_subprocess.py",
 ) -> dict:
+    """Run `script` (a file of tests/) on one engine in a fresh process with `env` changed (None: unset)."""
     request = {"model": str(model_dir), "engine": engine, "prompts": prompts, "max_tokens": max_tokens}
     request |= extra or {}
     child_env = dict(os.environ)
@@ -46,9 +48,8 @@ def run_engine(
             child_env.pop(name, None)
         else:
             child_env[name] = value
-    script = Path(__file__).with_name("generate_in_subprocess.py")
     done = subprocess.run(
-        [sys.executable, str(script), json.dumps(request)],
+        [sys.executable, str(Path(__file__).with_name(script)), json.dumps(request)],
         env=child_env,
         capture_output=True,
         text=True,

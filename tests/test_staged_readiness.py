@@ -2,15 +2,10 @@
 compile in the background and join as they finish, no request waits for a compile or uses a graph that is
 not ready, in strict mode, and outputs equal HF before and after every graph is ready."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS
-from tests.helpers import hf_greedy, random_prompt
+from tests.helpers import hf_greedy, random_prompt, run_engine
 
 # Every shape the bucket set serves: one-token to full-context prompts (chunked across steps, sub-chunked
 # within one), decode batches of 1 to 4 rows, and capped chunks beside decoding requests (mixed calls).
@@ -20,24 +15,8 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def staged(tiny_model_dir):
-    script = Path(__file__).with_name("staged_run.py")
-    request = {
-        "model": str(tiny_model_dir),
-        "engine": ENGINE_KWARGS,
-        "prompts": PROMPTS,
-        "max_tokens": MAX_TOKENS,
-    }
-    env = {**__import__("os").environ, "VLLM_NEURON_READINESS": "staged", "VLLM_NEURON_STRICT_SHAPES": "1"}
-    done = subprocess.run(
-        [sys.executable, str(script), json.dumps(request)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    env = {"VLLM_NEURON_READINESS": "staged", "VLLM_NEURON_STRICT_SHAPES": "1"}
+    return run_engine(tiny_model_dir, ENGINE_KWARGS, env, PROMPTS, MAX_TOKENS, script="staged_run.py")
 
 
 def test_serves_on_the_minimal_graphs_first(staged):

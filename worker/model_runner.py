@@ -525,7 +525,7 @@ class NeuronModelRunner:
         contexts = [chunk.start + 1 for _, chunk in decode]
         chunks = [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill]
         ready = self.ready_graphs
-        staging = self.background is not None and len(ready) < self.buckets.num_graphs
+        staging = self.background is not None and len(ready) < self.progress.total
         plans = plan_step(contexts, chunks, self.buckets, self.block_size, ready if staging else None)
         if staging and self.serving:
             self._report_demand(plans, plan_step(contexts, chunks, self.buckets, self.block_size), ready)
