@@ -41,8 +41,6 @@ def main() -> None:
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    from torch._dynamo.utils import counters
-
     churn = None
     if request.get("churn_bursts"):
         from tests.test_churn import run_churn
@@ -74,7 +72,6 @@ def main() -> None:
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "tokens_after_wake_up": after_wake_up,
         "preemptions": len(preempted),
-        "inductor_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
     }
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -78,11 +78,12 @@ def test_prepare_points_the_compilers_at_the_folder(tiny_model_dir, tmp_path, mo
 
 
 @pytest.mark.slow
-def test_restart_reuses_compiled_graphs(tiny_model_dir, tmp_path):
-    """Staged readiness on inductor, the CPU stand-in for the NEFF cache: the cold start compiles the two
-    minimal graphs, then the other two in the background; a restart finds all four in the cache, the minimal
-    ones before it serves and the others in the background, and compiles nothing."""
-    from tests.test_vllm_parity import run_engine
+def test_restart_reuses_compiled_graphs(tiny_model_dir, hf_model, tmp_path):
+    """Inductor, the CPU stand-in for the NEFF cache, as a pre-warm Job and then a serving pod use it. The
+    cold start (full readiness, two compiles at once) compiles all four graphs in compile processes before
+    serving; the restart (staged) finds all four in the cache, the minimal ones before it serves and the
+    others in the background, and compiles nothing."""
+    from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
 
     small = {
         **ENGINE_KWARGS,
@@ -95,20 +96,23 @@ def test_restart_reuses_compiled_graphs(tiny_model_dir, tmp_path):
     env = {
         "VLLM_NEURON_DEVICE": "cpu",
         "VLLM_NEURON_COMPILE_BACKEND": "inductor",
-        "VLLM_NEURON_READINESS": "staged",
         "VLLM_NEURON_CACHE_ROOT": str(tmp_path),
         "TORCHINDUCTOR_CACHE_DIR": None,
     }
-    cold = run_engine(tiny_model_dir, small, env, extra={"wait_background": True})
-    warm = run_engine(tiny_model_dir, small, env, extra={"wait_background": True})
-    for run in (cold, warm):  # prefill 64 and decode 1 first; decode 4 and its mixed call in the background
+    cold = run_engine(
+        tiny_model_dir, small, env | {"VLLM_NEURON_READINESS": "full", "VLLM_NEURON_COMPILE_WORKERS": "2"}
+    )
+    warm = run_engine(
+        tiny_model_dir, small, env | {"VLLM_NEURON_READINESS": "staged"}, extra={"wait_background": True}
+    )
+    for run, readiness in ((cold, "full"), (warm, "staged")):
         progress = run["compile_progress"]
         assert (progress["graphs_total"], progress["graphs_ready"], progress["graphs_pending"]) == (4, 4, 0)
-        assert progress["readiness"] == "staged" and run["compile_stats"][0]["unexpected_recompiles"] == 0
-    assert cold["inductor_cache"].get("fxgraph_cache_miss", 0) >= 4
-    assert warm["inductor_cache"].get("fxgraph_cache_hit", 0) >= 4
-    assert warm["inductor_cache"].get("fxgraph_cache_miss", 0) == 0
-    assert warm["tokens"] == cold["tokens"]
+        assert progress["readiness"] == readiness and run["compile_stats"][0]["unexpected_recompiles"] == 0
+    assert cold["compile_progress"]["compile_workers"] == 2
+    assert (cold["compile_stats"][0]["process_compiles"], cold["compile_stats"][0]["cache_hits"]) == (4, 0)
+    assert (warm["compile_stats"][0]["process_compiles"], warm["compile_stats"][0]["cache_hits"]) == (0, 4)
+    assert warm["tokens"] == cold["tokens"] == [hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
     (folder,) = tmp_path.iterdir()  # one configuration, one folder
     assert any((folder / "inductor").rglob("*"))  # and the artefacts are in it
 

@@ -2,7 +2,7 @@
 
 `CompileRecorder` sits between dynamo and the real backend (neuron; stablehlo, which lowers each graph along
 TorchNeuron's route and runs it on the CPU, vllm_neuron/stablehlo.py; lower-only, which lowers without
-running; eager; inductor). Dynamo hands a
+running; eager; inductor, compiled in separate processes, vllm_neuron/compile_pool.py). Dynamo hands a
 backend one graph per new input signature, so the recorder sees every compile, whatever the backend:
 - it refuses what TorchNeuron's compiler refuses (symbolic shapes, float64, non-contiguous inputs), so CPU
   runs fail where a Neuron compile would;
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vllm_neuron.calls import Call
+from vllm_neuron.compile_pool import OutOfProcessInductor
 
 logger = logging.getLogger("vllm.vllm_neuron.compile")
 
@@ -74,20 +75,30 @@ class CompileRecorder:
     on_unexpected: Callable[[Shapes], None] | None = None
 
     dump_dir: Path | None = None
+    compile_workers: int = 1  # inductor's compile processes
 
     def __post_init__(self) -> None:
         # Per thread: the call about to run (recompile messages, lowered graphs' labels) and whether a new
         # graph is expected there. Serving and background compiles run in different threads.
         self._thread = threading.local()
+        self.compile_pool: OutOfProcessInductor | None = None
         if self.backend_name in ("stablehlo", "lower-only"):
             from vllm_neuron.stablehlo import StableHLOBackend
 
             execute = self.backend_name == "stablehlo"
             self.lowering: StableHLOBackend | None = StableHLOBackend(self.dump_dir, execute=execute)
             self._inner = self.lowering
+            return
+        self.lowering = None
+        if self.backend_name == "inductor":
+            self.compile_pool = self._inner = OutOfProcessInductor(self.compile_workers)
         else:
-            self.lowering = None
             self._inner = torch._dynamo.lookup_backend(self.backend_name)
+
+    def close(self) -> None:
+        """End the backend's compile processes, if it has any."""
+        if self.compile_pool is not None:
+            self.compile_pool.close()
 
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         check_neuron_constraints(graph_module, example_inputs)
@@ -165,11 +176,15 @@ def compile_static(
     *,
     strict: bool = False,
     dump_dir: Path | None = None,
+    compile_workers: int = 1,
 ) -> tuple[Callable, CompileRecorder]:
     """Compile `module` for static shapes: one graph per bucket shape, no graph breaks, default mode (the only
     mode TorchNeuron has). Backend "none" returns the module uncompiled (debugging); nothing is recorded."""
     recorder = CompileRecorder(
-        "eager" if backend_name == "none" else backend_name, strict=strict, dump_dir=dump_dir
+        "eager" if backend_name == "none" else backend_name,
+        strict=strict,
+        dump_dir=dump_dir,
+        compile_workers=compile_workers,
     )
     if backend_name == "none":
         return module, recorder

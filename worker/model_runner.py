@@ -137,6 +137,9 @@ class NeuronModelRunner:
         self._paused_graphs: list[GraphKey] = []  # background compiles stopped by sleep mode
         self.activity = ServingActivity()  # background compiles give way while a step runs
         self._warmup_started = self._seconds_per_graph = 0.0
+        self.compile_workers = compile_workers(
+            envs.VLLM_NEURON_COMPILE_WORKERS, neuron_device.mode() == "neuron", os.cpu_count() or 1
+        )
         self.progress = CompileProgress(total=self.buckets.num_graphs, ready=0, pending=0)
         self._costs = PROFILES[profile_for(neuron_device.target())]
         # Every rank runs every call; only the driver rank (TP rank 0) records traffic series, so that
@@ -164,6 +167,7 @@ class NeuronModelRunner:
             self.buckets.num_graphs,
             strict=envs.VLLM_NEURON_STRICT_SHAPES,
             dump_dir=Path(dump_dir) if dump_dir else None,
+            compile_workers=self.compile_workers,
         )
         logger.info("Model loaded on %s in %.1f s", self.device, time.perf_counter() - start)
 
@@ -217,7 +221,10 @@ class NeuronModelRunner:
             # Every rank must plan the same calls, so they must agree on the ready graphs at each step.
             logger.info("Staged readiness needs one rank; with tensor parallelism every graph compiles first")
             staged = False
-        first = self.buckets.minimal_graphs() if staged else self.buckets.graphs()
+        # Full readiness with several compiles at once: the minimal graphs through warm-up's steps, then the
+        # others in the background threads, all before serving.
+        parallel = not staged and self.compile_workers > 1
+        first = self.buckets.minimal_graphs() if staged or parallel else self.buckets.graphs()
         pending = [graph for graph in self.buckets.graphs() if graph not in first]
         self.progress = CompileProgress(
             total=self.buckets.num_graphs, ready=0, pending=self.buckets.num_graphs
@@ -227,11 +234,19 @@ class NeuronModelRunner:
             "Graph plan: %d graphs (%s); %d before serving%s",
             self.buckets.num_graphs,
             ", ".join(f"{phase} {count}" for phase, count in _by_phase(self.buckets.graphs()).items()),
-            len(first),
-            f", {len(pending)} in the background" if pending else "",
+            len(first) if staged else self.buckets.num_graphs,
+            f", {len(pending)} in the background" if staged and pending else "",
         )
         seconds, graphs = self._warm_up_graphs(first)
         self.ready_graphs = frozenset(first)
+        self._warmup_started, self._seconds_per_graph = start, (time.perf_counter() - start) / len(first)
+        if parallel and pending:
+            self._start_background(pending)
+            self.background.wait()
+            self.background = None
+            if self.progress.failed:
+                raise RuntimeError(f"Warm-up could not compile {'; '.join(self.progress.failed)}")
+            pending = []
         self.recorder.armed = True
         self.recorder.on_unexpected = lambda shapes: metrics.UNEXPECTED_RECOMPILES.inc()
         self.serving = True
@@ -248,7 +263,6 @@ class NeuronModelRunner:
         self.progress.seconds_to_ready = ready_seconds
         self.progress.seconds_to_all = None if pending else ready_seconds
         if pending:
-            self._warmup_started, self._seconds_per_graph = start, ready_seconds / max(1, len(first))
             self._start_background(pending)
         self._log_effective_configuration()
         return ready_seconds
@@ -279,12 +293,11 @@ class NeuronModelRunner:
 
     def _start_background(self, pending: list[GraphKey]) -> None:
         start, seconds_per_graph = self._warmup_started, self._seconds_per_graph
-        workers = compile_workers(
-            envs.VLLM_NEURON_COMPILE_WORKERS, neuron_device.mode() == "neuron", os.cpu_count() or 1
-        )
+        workers = self.compile_workers
         logger.info(
-            "Serving on %d graphs; compiling %d more in the background (%d at once), about %.0f s at the "
+            "%s on %d graphs; compiling %d more in the background (%d at once), about %.0f s at the "
             "warm-up's %.1f s per graph",
+            "Serving" if self.serving else "Warmed up",
             len(self.ready_graphs),
             len(pending),
             workers,
@@ -310,6 +323,7 @@ class NeuronModelRunner:
                 )
             if progress.seconds_to_all is not None:
                 logger.info("Background compiles done %.1f s after warm-up started", progress.seconds_to_all)
+                self.recorder.close()  # no compile processes idle beside serving
             self._publish_progress()
 
         self.background = BackgroundCompiler(
@@ -355,6 +369,7 @@ class NeuronModelRunner:
             "graphs_pending": progress.pending,
             "graphs_failed": list(progress.failed),
             "seconds_to_ready": round(progress.seconds_to_ready, 3),
+            "compile_workers": self.compile_workers,
             "rests_for_serving": self.activity.rests,
             "seconds_to_all_graphs": None
             if progress.seconds_to_all is None
@@ -399,6 +414,8 @@ class NeuronModelRunner:
     def shutdown(self) -> None:
         if self.background is not None:
             self.background.stop()
+        if self.recorder is not None:
+            self.recorder.close()
         if self.trace is not None:
             self.trace.close()
             self.trace = None

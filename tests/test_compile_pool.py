@@ -1,0 +1,119 @@
+"""Inductor's compiles in compile processes (vllm_neuron/compile_pool.py): results equal eager, input
+mutations (the KV cache write) kept, several graphs at once, artefacts reused, no process left behind."""
+
+import multiprocessing
+import os
+import threading
+from concurrent.futures import CancelledError
+from concurrent.futures.process import BrokenProcessPool
+
+import pytest
+import torch
+
+from vllm_neuron.compile import compile_static
+
+
+class CacheWrite(torch.nn.Module):
+    """A weight, and an in-place write into an input, as the model step writes the KV cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.silu(self.proj(x))
+        cache[: x.shape[0]].copy_(hidden)
+        return (hidden * 2).sum(dim=-1)
+
+
+@pytest.fixture
+def inductor_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    yield tmp_path
+    torch._dynamo.reset()
+
+
+def run_shapes(module: torch.nn.Module, compiled, sizes: list[int]) -> None:
+    for size in sizes:
+        x = torch.randn(size, 64)
+        cache, expected_cache = torch.zeros(16, 64), torch.zeros(16, 64)
+        with torch.no_grad():
+            out = compiled(x, cache)
+            expected = module(x, expected_cache)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(cache, expected_cache)
+
+
+@pytest.mark.slow
+def test_compiles_run_in_other_processes_and_a_restart_loads_them(inductor_cache):
+    module = CacheWrite()
+    compiled, recorder = compile_static(module, "inductor", expected_graphs=2, compile_workers=2)
+    try:
+        run_shapes(module, compiled, [4, 8, 4])
+        pool = recorder.compile_pool
+        assert (recorder.num_graphs, pool.compiles, pool.cache_hits) == (2, 2, 0)
+        assert len(pool.reports) == 2 and all(report.pid != os.getpid() for report in pool.reports)
+        assert len(list((inductor_cache / "neuron-graphs").iterdir())) == 2  # no partial folders left
+    finally:
+        recorder.close()
+
+    torch._dynamo.reset()  # a restart: dynamo traces again, and the artefacts are on disk
+    compiled, recorder = compile_static(module, "inductor", expected_graphs=2, compile_workers=2)
+    try:
+        run_shapes(module, compiled, [8, 4])
+        assert (recorder.compile_pool.compiles, recorder.compile_pool.cache_hits) == (0, 2)
+    finally:
+        recorder.close()
+
+
+@pytest.mark.slow
+def test_two_graphs_compile_at_once(inductor_cache):
+    """Dynamo traces one graph at a time; the compiles that follow overlap, in two processes."""
+    module = CacheWrite()
+    compiled, recorder = compile_static(module, "inductor", expected_graphs=2, compile_workers=2)
+    errors: list[BaseException] = []
+
+    def first_call(size: int) -> None:
+        try:
+            run_shapes(module, compiled, [size])
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=first_call, args=(size,)) for size in (4, 8)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors
+        first, second = sorted(recorder.compile_pool.reports, key=lambda report: report.started)
+        assert first.pid != second.pid
+        assert second.started < first.started + first.seconds  # the second began before the first ended
+    finally:
+        recorder.close()
+
+
+def test_close_ends_a_compile_under_way(inductor_cache):
+    module = CacheWrite()
+    _, recorder = compile_static(module, "inductor", expected_graphs=1, compile_workers=1)
+    graph = recorder.compile_pool(*traced(module))
+    recorder.close()
+    with pytest.raises((CancelledError, BrokenProcessPool)):  # not yet started, or ended under way
+        graph(torch.zeros(4, 64), torch.zeros(16, 64))
+    assert multiprocessing.active_children() == []
+
+
+def traced(module: torch.nn.Module) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """The graph and inputs dynamo would hand the backend."""
+    captured = []
+
+    def backend(graph_module, example_inputs):
+        captured.append((graph_module, example_inputs))
+        return graph_module.forward
+
+    with torch.no_grad():
+        torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(
+            torch.zeros(4, 64), torch.zeros(16, 64)
+        )
+    return captured[0]

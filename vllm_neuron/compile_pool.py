@@ -1,0 +1,196 @@
+"""Inductor's compiles out of the serving process: the CPU stand-in for neuronx-cc, which TorchNeuron runs as
+a program of its own beside the process that traces.
+
+Dynamo traces in the serving process, one graph at a time under its lock. `OutOfProcessInductor` pickles the
+traced graph, hands it to a pool of compile processes (AOTAutograd and inductor, through inductor's
+`standalone_compile`, the precompilation API vLLM's own compile cache uses) and returns at once, so the lock
+is free for the next trace while the compile runs: with N background workers N graphs compile at once, and
+the serving thread no longer shares the GIL with inductor's code generation. A graph's first call waits for
+its compile and loads the artefact. Artefacts are kept in inductor's cache folder (the compile cache's, see
+vllm_neuron/compile_cache.py) under a digest of the traced graph and its input shapes, so a restart loads
+them without compiling.
+"""
+
+import concurrent.futures
+import hashlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._graph_pickler import GraphPickler, Options
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils import _pytree as pytree
+
+logger = logging.getLogger("vllm.vllm_neuron.compile_pool")
+
+ARTEFACT_FORMAT = "unpacked"  # a folder, as inductor's cache keeps it
+# Dynamo's graphs call torch functions, not only aten ops (GraphPickler's default filter): the compile
+# processes run the same torch, so every op unpickles there.
+PICKLE_OPTIONS = Options(ops_filter=None, node_metadata_key_filter=None)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a compile needs of a graph input: its layout, not its values."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+    @classmethod
+    def of(cls, value: Any) -> "InputSpec":
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"a static-shape graph takes tensors only, not {type(value).__name__}")
+        return cls(tuple(value.shape), tuple(value.stride()), value.dtype, str(value.device))
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """One compile in a compile process."""
+
+    pid: int
+    started: float  # wall-clock time (time.time)
+    seconds: float
+
+
+def artefact_folder() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "neuron-graphs"
+
+
+def _portable(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a traced graph that pickles: without dynamo's attributes (they hold the traced values), and
+    of each node's metadata only its source line and the layout of its value, as a fresh fake tensor
+    (GraphPickler cannot pickle fake views; AOTAutograd's cache wants a value on every tensor node)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    fake_mode = FakeTensorMode()
+
+    def fresh(value: torch.Tensor) -> torch.Tensor:
+        with fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+    for node in graph.nodes:
+        kept = {key: node.meta[key] for key in ("stack_trace",) if key in node.meta}
+        if "example_value" in node.meta:
+            kept["example_value"] = pytree.tree_map_only(torch.Tensor, fresh, node.meta["example_value"])
+        node.meta = kept
+    return torch.fx.GraphModule(graph_module, graph)
+
+
+def compile_graph(graph: bytes, inputs: list[InputSpec], path: str) -> CompileReport:
+    """In a compile process: compile a pickled traced graph for fake inputs of its traced layout and save
+    the artefact at `path`, atomically (pods may share the cache)."""
+    started, start = time.time(), time.perf_counter()
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    module = GraphPickler.loads(graph, fake_mode)
+    with fake_mode:
+        examples = [
+            torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
+            for spec in inputs
+        ]
+    artefact = torch._inductor.standalone_compile(
+        module, examples, dynamic_shapes="from_example_inputs", fake_mode=fake_mode
+    )
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=target.parent, prefix=".partial-")
+    artefact.save(path=staging, format=ARTEFACT_FORMAT)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process saved the same graph first
+        shutil.rmtree(staging, ignore_errors=True)
+    return CompileReport(os.getpid(), started, time.perf_counter() - start)
+
+
+class DeferredGraph:
+    """A traced graph whose artefact a compile process makes (or made, on an earlier start): the first call
+    waits for it and loads it."""
+
+    def __init__(self, path: Path, compiling: concurrent.futures.Future | None) -> None:
+        self.path = path
+        self._compiling = compiling
+        self._compiled: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any) -> Any:
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    if self._compiling is not None:
+                        self._compiling.result()  # a compile error is raised here
+                    self._compiled = torch._inductor.CompiledArtifact.load(
+                        path=str(self.path), format=ARTEFACT_FORMAT
+                    )
+        return self._compiled(*args)
+
+
+class OutOfProcessInductor:
+    """The inductor backend with its compiles in up to `workers` processes, started on the first compile."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.compiles = 0  # graphs handed to the compile processes
+        self.cache_hits = 0  # graphs whose artefact an earlier start saved
+        self.reports: list[CompileReport] = []  # of the compiles done
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> DeferredGraph:
+        inputs = [InputSpec.of(value) for value in example_inputs]
+        graph = GraphPickler.dumps(_portable(graph_module), PICKLE_OPTIONS)
+        digest = hashlib.sha256(graph + repr(inputs).encode()).hexdigest()[:40]
+        path = artefact_folder() / digest
+        if path.exists():
+            self.cache_hits += 1
+            return DeferredGraph(path, None)
+        self.compiles += 1
+        compiling = self._submit(graph, inputs, path)
+        compiling.add_done_callback(self._done)
+        return DeferredGraph(path, compiling)
+
+    def _done(self, compiling: concurrent.futures.Future) -> None:
+        if not compiling.cancelled() and compiling.exception() is None:
+            report = compiling.result()
+            self.reports.append(report)
+            logger.debug("Compiled a graph in compile process %d in %.1f s", report.pid, report.seconds)
+
+    def _submit(self, graph: bytes, inputs: list[InputSpec], path: Path) -> concurrent.futures.Future:
+        with self._lock:
+            if self._pool is not None:
+                try:
+                    return self._pool.submit(compile_graph, graph, inputs, str(path))
+                except BrokenProcessPool:
+                    # A compile process died (out of memory, killed): later compiles get a fresh pool.
+                    self._pool.shutdown(wait=False)
+            # spawn: a fork of a process with threads (and possibly a device) is unsafe.
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self.workers, mp_context=multiprocessing.get_context("spawn")
+            )
+            return self._pool.submit(compile_graph, graph, inputs, str(path))
+
+    def close(self) -> None:
+        """End the compile processes, including compiles under way (their graphs are never used)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        # A compile under way would otherwise hold this process's exit for its whole length. Python 3.14's
+        # terminate_workers does this; 3.11 keeps the processes in `_processes`.
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        pool.shutdown(wait=True)
