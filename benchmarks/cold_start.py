@@ -6,10 +6,11 @@ compiles; the rest compile without load).
     .venv/bin/python benchmarks/cold_start.py [--scenarios full-eager,staged-eager-cold,...]
         [--serve-args "--max-num-seqs 8"] [--json-out cold_start.json]
 
-Scenarios are `<readiness>-<backend>[-cold|-warm]`: readiness `full` (every graph before 200) or `staged`
-(two graphs before 200, the rest in the background); backend `eager` or `inductor` (CPU mode's stand-in for
-neuronx-cc: an expensive compile per graph, cached on disk); `-warm` restarts on the compile cache the same
-backend's `-cold` run of this invocation left (run it first). Every server serves the default model
+Scenarios are `<readiness>-<backend>[-cold|-warm][-w<N>]`: readiness `full` (every graph before 200) or
+`staged` (two graphs before 200, the rest in the background); backend `eager` or `inductor` (CPU mode's
+stand-in for neuronx-cc: an expensive compile per graph in compile processes, cached on disk); `-warm`
+restarts on the compile cache the same backend's latest `-cold` run of this invocation left (run it first);
+`-w<N>` runs N compiles at once (VLLM_NEURON_COMPILE_WORKERS). Every server serves the default model
 (`make serve`'s) with the CPU mode defaults unless --serve-args says otherwise.
 """
 
@@ -38,6 +39,7 @@ class Scenario:
     readiness: str
     backend: str
     warm: bool
+    workers: int = 0  # VLLM_NEURON_COMPILE_WORKERS; 0: the default
 
 
 @dataclass
@@ -68,11 +70,14 @@ class StreamStats:
 
 
 def parse_scenario(name: str) -> Scenario:
-    readiness, _, rest = name.partition("-")
-    backend, _, cache = rest.partition("-")
+    parts = name.split("-")
+    workers = 0
+    if len(parts) > 2 and parts[-1].startswith("w") and parts[-1][1:].isdigit():
+        workers = int(parts.pop()[1:])
+    readiness, backend, cache = (*parts, "", "")[:3] if len(parts) <= 3 else ("", "", "")
     if readiness not in ("full", "staged") or not backend or cache not in ("", "cold", "warm"):
-        raise SystemExit(f"scenario {name!r}: use <full|staged>-<backend>[-cold|-warm]")
-    return Scenario(name, readiness, backend, cache == "warm")
+        raise SystemExit(f"scenario {name!r}: use <full|staged>-<backend>[-cold|-warm][-w<workers>]")
+    return Scenario(name, readiness, backend, cache == "warm", workers)
 
 
 def stream_once(base: str, prompt: str) -> list[float]:
@@ -112,6 +117,7 @@ def run(
         VLLM_NEURON_COMPILE_BACKEND=scenario.backend,
         VLLM_NEURON_READINESS=scenario.readiness,
         VLLM_NEURON_CACHE_ROOT=str(cache_root),
+        VLLM_NEURON_COMPILE_WORKERS=str(scenario.workers),
         VLLM_HOST_IP="127.0.0.1",
         HF_HUB_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",

@@ -46,30 +46,9 @@ def run_shapes(module: torch.nn.Module, compiled, sizes: list[int]) -> None:
 
 
 @pytest.mark.slow
-def test_compiles_run_in_other_processes_and_a_restart_loads_them(inductor_cache):
-    module = CacheWrite()
-    compiled, recorder = compile_static(module, "inductor", expected_graphs=2, compile_workers=2)
-    try:
-        run_shapes(module, compiled, [4, 8, 4])
-        pool = recorder.compile_pool
-        assert (recorder.num_graphs, pool.compiles, pool.cache_hits) == (2, 2, 0)
-        assert len(pool.reports) == 2 and all(report.pid != os.getpid() for report in pool.reports)
-        assert len(list((inductor_cache / "neuron-graphs").iterdir())) == 2  # no partial folders left
-    finally:
-        recorder.close()
-
-    torch._dynamo.reset()  # a restart: dynamo traces again, and the artefacts are on disk
-    compiled, recorder = compile_static(module, "inductor", expected_graphs=2, compile_workers=2)
-    try:
-        run_shapes(module, compiled, [8, 4])
-        assert (recorder.compile_pool.compiles, recorder.compile_pool.cache_hits) == (0, 2)
-    finally:
-        recorder.close()
-
-
-@pytest.mark.slow
-def test_two_graphs_compile_at_once(inductor_cache):
-    """Dynamo traces one graph at a time; the compiles that follow overlap, in two processes."""
+def test_compiles_run_at_once_in_other_processes_and_a_restart_loads_them(inductor_cache):
+    """Two threads' first calls: dynamo traces one graph at a time, and the two compiles that follow overlap,
+    each in a compile process. A restart traces again and loads both artefacts without compiling."""
     module = CacheWrite()
     compiled, recorder = compile_static(module, "inductor", expected_graphs=2, compile_workers=2)
     errors: list[BaseException] = []
@@ -87,9 +66,21 @@ def test_two_graphs_compile_at_once(inductor_cache):
         for thread in threads:
             thread.join()
         assert not errors
-        first, second = sorted(recorder.compile_pool.reports, key=lambda report: report.started)
-        assert first.pid != second.pid
+        run_shapes(module, compiled, [8, 4])  # and again, from another thread
+        pool = recorder.compile_pool
+        assert (recorder.num_graphs, pool.compiles, pool.cache_hits) == (2, 2, 0)
+        first, second = sorted(pool.reports, key=lambda report: report.started)
+        assert os.getpid() != first.pid != second.pid != os.getpid()
         assert second.started < first.started + first.seconds  # the second began before the first ended
+        assert len(list((inductor_cache / "neuron-graphs").iterdir())) == 2  # no partial folders left
+    finally:
+        recorder.close()
+
+    torch._dynamo.reset()
+    compiled, recorder = compile_static(module, "inductor", expected_graphs=2, compile_workers=2)
+    try:
+        run_shapes(module, compiled, [8, 4])
+        assert (recorder.compile_pool.compiles, recorder.compile_pool.cache_hits) == (0, 2)
     finally:
         recorder.close()
 

@@ -16,8 +16,6 @@ import hashlib
 import logging
 import multiprocessing
 import os
-import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -33,7 +31,9 @@ from torch.utils import _pytree as pytree
 
 logger = logging.getLogger("vllm.vllm_neuron.compile_pool")
 
-ARTEFACT_FORMAT = "unpacked"  # a folder, as inductor's cache keeps it
+# One file: loading it puts its entries into inductor's cache, where the compile process left the kernels it
+# built, so nothing is built twice.
+ARTEFACT_FORMAT = "binary"
 # Dynamo's graphs call torch functions, not only aten ops (GraphPickler's default filter): the compile
 # processes run the same torch, so every op unpickles there.
 PICKLE_OPTIONS = Options(ops_filter=None, node_metadata_key_filter=None)
@@ -92,7 +92,7 @@ def _portable(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def compile_graph(graph: bytes, inputs: list[InputSpec], path: str) -> CompileReport:
     """In a compile process: compile a pickled traced graph for fake inputs of its traced layout and save
-    the artefact at `path`, atomically (pods may share the cache)."""
+    the artefact at `path` (atomically: pods may share the cache)."""
     started, start = time.time(), time.perf_counter()
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     module = GraphPickler.loads(graph, fake_mode)
@@ -104,15 +104,21 @@ def compile_graph(graph: bytes, inputs: list[InputSpec], path: str) -> CompileRe
     artefact = torch._inductor.standalone_compile(
         module, examples, dynamic_shapes="from_example_inputs", fake_mode=fake_mode
     )
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=target.parent, prefix=".partial-")
-    artefact.save(path=staging, format=ARTEFACT_FORMAT)
-    try:
-        os.rename(staging, target)
-    except OSError:  # another process saved the same graph first
-        shutil.rmtree(staging, ignore_errors=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    artefact.save(path=path, format=ARTEFACT_FORMAT)  # written to a temporary file and renamed
     return CompileReport(os.getpid(), started, time.perf_counter() - start)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """In a compile process: exit as soon as the process that started it is gone (killed, out of memory),
+    instead of finishing a compile nobody will load."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 class DeferredGraph:
@@ -177,7 +183,10 @@ class OutOfProcessInductor:
                     self._pool.shutdown(wait=False)
             # spawn: a fork of a process with threads (and possibly a device) is unsafe.
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.workers, mp_context=multiprocessing.get_context("spawn")
+                self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_exit_with_parent,
+                initargs=(os.getpid(),),
             )
             return self._pool.submit(compile_graph, graph, inputs, str(path))
 

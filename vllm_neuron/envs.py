@@ -121,8 +121,9 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     ),
     "VLLM_NEURON_COMPILE_WORKERS": (
         _non_negative_int("VLLM_NEURON_COMPILE_WORKERS"),
-        "Background compiles run at once (staged readiness); 0: one per 16 host CPUs, at least 1 and at most "
-        "8 on Trainium, 1 in CPU mode.",
+        "Compiles run at once: staged readiness's background compiles, and with full readiness those after "
+        "the first two graphs (inductor: in that many compile processes); 0: one per 16 host CPUs, at least "
+        "1 and at most 8 on Trainium, 1 in CPU mode.",
     ),
     "VLLM_NEURON_STEP_TRACE": (
         lambda: os.environ.get("VLLM_NEURON_STEP_TRACE", ""),

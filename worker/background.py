@@ -3,9 +3,9 @@ serving, each joining the runner's usable set once it has run.
 
 The order follows the traffic: the serving thread reports, per step, the work each pending graph would have
 saved (`add_demand`), and the next compile is the pending graph with the most saved so far (the bucket set's
-order breaks ties, smallest shapes first). Several workers compile at once where the compiler allows it
-(`VLLM_NEURON_COMPILE_WORKERS`): dynamo traces one graph at a time, and the backend's compile (neuronx-cc,
-inductor) runs in parallel.
+order breaks ties, smallest shapes first). Several workers compile at once (`VLLM_NEURON_COMPILE_WORKERS`):
+dynamo traces one graph at a time, and the backend's compile runs in another process, in parallel
+(neuronx-cc; in CPU mode inductor, vllm_neuron/compile_pool.py).
 
 Tracing a graph is Python, and a thread running Python holds the GIL for the interpreter's switch interval
 (5 ms) whenever another thread asks for it: the serving thread, which takes and releases the GIL around every
@@ -175,8 +175,8 @@ class BackgroundCompiler:
 
 
 def compile_workers(requested: int, neuron: bool, cpus: int) -> int:
-    """Background compiles at once: `requested`, or by default one per 16 host CPUs (1 to 8) on Trainium,
-    where each is a neuronx-cc process, and 1 in CPU mode, where compiles share the cores serving uses."""
+    """Compiles at once: `requested`, or by default one per 16 host CPUs (1 to 8) on Trainium, where each is
+    a neuronx-cc process, and 1 in CPU mode, where compiles share the cores serving uses."""
     if requested:
         return requested
     return min(8, max(1, cpus // 16)) if neuron else 1
