@@ -23,7 +23,8 @@ class Scale(torch.nn.Module):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_one_graph_per_shape_for_every_backend(backend):
+def test_one_graph_per_shape_for_every_backend(backend, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # inductor's artefacts: this test's own
     compiled, recorder = compile_static(Scale(), backend, expected_graphs=2)
     for _ in range(3):
         assert torch.equal(compiled(torch.ones(4)), torch.full((4,), 3.0))

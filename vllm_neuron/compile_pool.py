@@ -158,7 +158,7 @@ class OutOfProcessInductor:
         inputs = [InputSpec.of(value) for value in example_inputs]
         graph = GraphPickler.dumps(_portable(graph_module), PICKLE_OPTIONS)
         digest = hashlib.sha256(graph + repr(inputs).encode()).hexdigest()[:40]
-        path = artefact_folder() / digest
+        path = artefact_folder() / f"{digest}.bin"
         if path.exists():
             self.cache_hits += 1
             return DeferredGraph(path, None)
@@ -202,4 +202,9 @@ class OutOfProcessInductor:
         pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             process.terminate()
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
         pool.shutdown(wait=True)

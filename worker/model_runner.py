@@ -289,6 +289,13 @@ class NeuronModelRunner:
             self.progress.ready += 1
             self.progress.pending -= 1
             self._publish_progress()
+            logger.info(
+                "Graph %d/%d ready: %s (%.1f s)",
+                self.progress.ready,
+                self.progress.total,
+                _describe((item.phase, *item.shape)),
+                time.perf_counter() - start,
+            )
         return seconds, compiled
 
     def _start_background(self, pending: list[GraphKey]) -> None:
@@ -317,12 +324,13 @@ class NeuronModelRunner:
                     progress.failed.append(f"{_describe(graph)}: {error}")
                 if not progress.pending:
                     progress.seconds_to_all = time.perf_counter() - start
+            where = "background" if self.serving else f"{workers} at once"
             if error is None:
                 logger.info(
-                    "Graph %d/%d ready: %s (background)", progress.ready, progress.total, _describe(graph)
+                    "Graph %d/%d ready: %s (%s)", progress.ready, progress.total, _describe(graph), where
                 )
             if progress.seconds_to_all is not None:
-                logger.info("Background compiles done %.1f s after warm-up started", progress.seconds_to_all)
+                logger.info("Compiles done %.1f s after warm-up started", progress.seconds_to_all)
                 self.recorder.close()  # no compile processes idle beside serving
             self._publish_progress()
 
@@ -361,7 +369,7 @@ class NeuronModelRunner:
 
     def compile_progress(self) -> dict[str, object]:
         """Graphs ready and pending (/v1/neuron/info), as this rank compiled them."""
-        progress = self.progress
+        progress, pool = self.progress, self.recorder.compile_pool if self.recorder else None
         return {
             "readiness": "staged" if self.background is not None else "full",
             "graphs_total": progress.total,
@@ -370,6 +378,9 @@ class NeuronModelRunner:
             "graphs_failed": list(progress.failed),
             "seconds_to_ready": round(progress.seconds_to_ready, 3),
             "compile_workers": self.compile_workers,
+            # inductor (CPU mode): graphs loaded from the compile cache, and compiled in compile processes
+            "graphs_from_cache": pool.cache_hits if pool else None,
+            "graphs_compiled_in_processes": pool.compiles if pool else None,
             "rests_for_serving": self.activity.rests,
             "seconds_to_all_graphs": None
             if progress.seconds_to_all is None

@@ -104,9 +104,6 @@ class NeuronWorker(WorkerBase):
             "kv_cache_shape": list(caches[0].shape) if caches else [],
             "lowered_graphs": len(self.model_runner.lowered_graphs()),
             "collectives_per_graph": [graph["collectives"] for graph in self.model_runner.lowered_graphs()],
-            # inductor (CPU mode): graphs compiled in compile processes, and loaded from the compile cache
-            "process_compiles": recorder.compile_pool.compiles if recorder.compile_pool else None,
-            "cache_hits": recorder.compile_pool.cache_hits if recorder.compile_pool else None,
         }
 
     def compile_progress(self) -> dict[str, object]:
