@@ -29,6 +29,7 @@ def test_one_graph_per_shape_for_every_backend(backend, tmp_path, monkeypatch):
     for _ in range(3):
         assert torch.equal(compiled(torch.ones(4)), torch.full((4,), 3.0))
         compiled(torch.ones(8))
+    recorder.close()  # inductor's compile processes
     assert recorder.num_graphs == 2
     assert recorder.graphs == [((4,),), ((8,),)]
 
