@@ -217,13 +217,15 @@ class NeuronModelRunner:
         the seconds until serving may start."""
         start = time.perf_counter()
         staged = envs.VLLM_NEURON_READINESS == "staged"
-        if staged and self.vllm_config.parallel_config.tensor_parallel_size > 1:
+        one_rank = self.vllm_config.parallel_config.tensor_parallel_size == 1
+        if staged and not one_rank:
             # Every rank must plan the same calls, so they must agree on the ready graphs at each step.
             logger.info("Staged readiness needs one rank; with tensor parallelism every graph compiles first")
             staged = False
         # Full readiness with several compiles at once: the minimal graphs through warm-up's steps, then the
-        # others in the background threads, all before serving.
-        parallel = not staged and self.compile_workers > 1
+        # others in the background threads, all before serving. One rank only: ranks running graphs in
+        # several threads could order their collectives differently and wait on each other for ever.
+        parallel = not staged and one_rank and self.compile_workers > 1
         first = self.buckets.minimal_graphs() if staged or parallel else self.buckets.graphs()
         pending = [graph for graph in self.buckets.graphs() if graph not in first]
         self.progress = CompileProgress(
