@@ -11,8 +11,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from vllm_neuron import device
+from vllm_neuron import device, envs
 from vllm_neuron.config import NeuronConfig
+from worker import sampling_rows
 
 ENDPOINT_PLUGIN_NAME = "neuron-info"
 
@@ -64,6 +65,9 @@ def describe(vllm_config) -> dict[str, Any]:
         },
         "graphs": buckets.num_graphs,
         "prefill_tokens_while_decoding": neuron_config.prefill_tokens_while_decoding,
+        "sampling": sampling_rows.summary(
+            envs.VLLM_NEURON_SAMPLER == "host" or bool(vllm_config.model_config.logits_processors)
+        ),
         "kv_cache": {"block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks},
         "versions": device.versions(),
     }

@@ -283,6 +283,9 @@ def test_neuron_info_endpoint(server):
     # This server compiled every graph before serving (the suite's engines run VLLM_NEURON_READINESS=full).
     assert info["compile"]["readiness"] == "full"
     assert (info["compile"]["graphs_ready"], info["compile"]["graphs_pending"]) == (EXPECTED_GRAPHS, 0)
+    sampling = info["sampling"]
+    assert sampling["sampler"] == "device" and sampling["top_k_cap"] == 256 and sampling["logprobs_cap"] == 20
+    assert "top_p" in sampling["on_device"] and "logit_bias" in sampling["on_host"]
 
 
 # ---- /metrics -------------------------------------------------------------------------------------------
@@ -309,6 +312,8 @@ PLUGIN_SERIES = {  # name on /metrics -> how it is exported
     "vllm_neuron:padding_slots": "counter",
     "vllm_neuron:bucket_calls": "counter",
     "vllm_neuron:step_seconds": "histogram",
+    "vllm_neuron:step_device_to_host_bytes": "histogram",
+    "vllm_neuron:sampled_steps": "counter",
     "vllm_neuron:kv_blocks_total": "gauge",
     "vllm_neuron:kv_blocks_used": "gauge",
     "vllm_neuron:device_memory_used_bytes": "gauge",
@@ -349,10 +354,20 @@ def test_plugin_series_on_metrics_after_traffic(server, client):
     assert set(metric_values(text, "vllm_neuron:warmup_seconds")) == phases
     steps = metric_values(text, "vllm_neuron:step_seconds_count")
     seconds = metric_values(text, "vllm_neuron:step_seconds_sum")
-    assert set(steps) == {'{part="prepare"}', '{part="forward"}', '{part="sample"}'}
+    parts = ("schedule", "prepare", "forward", "sample", "host")
+    assert set(steps) == {f'{{part="{part}"}}' for part in parts}
     assert all(count > 0 for count in steps.values())
     # Sane: each part of a tiny model's step is a fraction of a second (a clock mix-up once gave hours).
     assert all(0 < seconds[part] / steps[part] < 1.0 for part in steps)
+    # The host's share is schedule + prepare + sample of the same steps (schedule: those after another).
+    host, prepare = '{part="host"}', '{part="prepare"}'
+    assert steps[host] == steps[prepare] and seconds[host] >= seconds[prepare]
+    # Greedy steps sampled in the graph: an int32 token per row left the device.
+    assert metric_values(text, "vllm_neuron:sampled_steps_total")['{sampler="device"}'] > 0
+    moved = one("vllm_neuron:step_device_to_host_bytes_sum") / one(
+        "vllm_neuron:step_device_to_host_bytes_count"
+    )
+    assert 0 < moved < 1024
     total = one("vllm_neuron:kv_blocks_total")
     assert total > 0 and 0 <= one("vllm_neuron:kv_blocks_used") <= total
     assert one("vllm_neuron:device_memory_used_bytes") > 0

@@ -125,6 +125,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "the first two graphs (inductor: in that many compile processes); 0: one per 16 host CPUs, at least "
         "1 and at most 8 on Trainium, 1 in CPU mode.",
     ),
+    "VLLM_NEURON_SAMPLER": (
+        _choice("VLLM_NEURON_SAMPLER", "device", ("device", "host")),
+        "device (default): the compiled graph samples every request it can (greedy, temperature, top-k up to "
+        "256, top-p, min-p, seeds, logprobs up to 20) and only token ids leave the device; other requests "
+        "take vLLM's host sampler on the steps they are in. host: every step copies its logits to the host "
+        "for vLLM's sampler (to compare, or to rule the device sampler out).",
+    ),
     "VLLM_NEURON_STEP_TRACE": (
         lambda: os.environ.get("VLLM_NEURON_STEP_TRACE", ""),
         "Path of a JSON-lines file that gets one line per served step (wall time, compiled calls, decode "

@@ -64,10 +64,24 @@ COMPILE_SECONDS = Counter(
 )
 STEP_SECONDS = Histogram(
     "vllm_neuron:step_seconds",
-    "Seconds of each scheduler step by part: prepare (host: batch update, padding, inputs to device), "
-    "forward (compiled model calls, logits back to host), sample (vLLM's sampler on the host).",
+    "Seconds of each scheduler step by part: schedule (the engine between two steps of running requests: "
+    "output processing and scheduling), prepare (host: batch update, padding, inputs to device), forward "
+    "(compiled calls: the model and its sampler), sample (outputs to host, and vLLM's sampler on a step that "
+    "needs it), and host: schedule + prepare + sample, the host's share of the step.",
     ["part"],
-    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    buckets=(0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+DEVICE_TO_HOST_BYTES = Histogram(
+    "vllm_neuron:step_device_to_host_bytes",
+    "Bytes each scheduler step copies from the device to the host: token ids, the logprobs asked for, and "
+    "the logits of a step that takes vLLM's host sampler.",
+    buckets=(256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864),
+)
+SAMPLED_STEPS = Counter(
+    "vllm_neuron:sampled_steps",
+    "Scheduler steps by where their tokens were sampled: device (the compiled graph only) or host (some row "
+    "needed vLLM's host sampler; see /v1/neuron/info's sampling for which features take it).",
+    ["sampler"],
 )
 KV_BLOCKS_TOTAL = Gauge(
     "vllm_neuron:kv_blocks_total",

@@ -2,7 +2,8 @@
 
 Follows the protocol of vLLM's GPU runner (finished requests leave, unscheduled ones are parked, new and
 resumed ones join, sampled tokens are appended here because the scheduler does not send them back),
-without the parts we do not support (speculative decoding, pipeline parallelism, async scheduling).
+without the parts we do not support (speculative decoding, pipeline parallelism, async scheduling). Each
+request's sampling row (worker/sampling_rows.py) is worked out once, when it joins.
 """
 
 from typing import TYPE_CHECKING
@@ -13,6 +14,8 @@ from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from vllm_neuron.buckets import ceil_div
+from worker import sampling_rows
+from worker.sampling_rows import RowSampling
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,6 +31,9 @@ class PersistentBatch:
         host = torch.device("cpu")
         custom_logitsprocs = tuple(model_config.logits_processors or ())
         self.requests: dict[str, CachedRequestState] = {}
+        self.sampling: dict[str, RowSampling] = {}
+        self.vocab_size = model_config.get_vocab_size()
+        self.logprobs_mode = model_config.logprobs_mode
         self.batch = InputBatch(
             max_num_reqs=scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -49,6 +55,7 @@ class PersistentBatch:
         batch = self.batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.sampling.pop(req_id, None)
             batch.remove_request(req_id)
 
         # Requests not scheduled this step (preempted, or waiting their turn) leave the batch but keep their
@@ -80,6 +87,7 @@ class PersistentBatch:
                 lora_request=new.lora_request,
             )
             self.requests[new.req_id] = state
+            self.sampling[new.req_id] = sampling_rows.describe(params, self.vocab_size, self.logprobs_mode)
             to_add.append(state)
 
         for i, req_id in enumerate(cached.req_ids):

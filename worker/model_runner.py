@@ -1,5 +1,6 @@
 """One scheduler step on static shapes: update the persistent batch, split the step into bucketed calls,
-run the compiled model, and sample on the host with vLLM's Sampler.
+run the compiled model and its sampler (vllm_neuron/sampling.py), and bring the token ids to the host; a step
+with a request the graph cannot sample copies its logits to the host for vLLM's Sampler.
 
 Warm-up compiles every graph before serving (VLLM_NEURON_READINESS=full), or (staged, the default) only the
 bucket set's minimal graphs, which serve every step; the others then compile in background threads
@@ -26,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.utils import bind_kv_cache
@@ -34,12 +35,12 @@ from vllm.v1.worker.utils import bind_kv_cache
 from kv_cache import layout
 from vllm_neuron import compile as neuron_compile
 from vllm_neuron import device as neuron_device
-from vllm_neuron import envs, fused_moe, metrics
+from vllm_neuron import envs, fused_moe, metrics, sampling
 from vllm_neuron.buckets import GraphKey
 from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call, CallPlan, plan_step
 from vllm_neuron.config import NeuronConfig
-from worker import call_inputs, warmup
+from worker import call_inputs, sampling_rows, warmup
 from worker.background import BackgroundCompiler, CompileProgress, ServingActivity, compile_workers
 from worker.call_inputs import CallInputs, Chunk
 from worker.input_batch import PersistentBatch
@@ -63,8 +64,10 @@ def _full_attention(spec: KVCacheSpec) -> KVCacheSpec:
     return FullAttentionSpec(**shared, sliding_window=spec.sliding_window)
 
 
-class ForwardWithLogits(torch.nn.Module):
-    """What gets compiled: the model forward and the logits of the rows we keep."""
+class ForwardAndSample(torch.nn.Module):
+    """What gets compiled: the model forward, the logits of the rows we keep, and a token sampled from each
+    (with each row's parameters, vllm_neuron/sampling.py). The logits stay on the device unless a step needs
+    vLLM's host sampler."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -75,24 +78,55 @@ class ForwardWithLogits(torch.nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         logits_indices: torch.Tensor,
+        sampling_params: torch.Tensor,
         forward_context: ForwardContext,
-    ):
+    ) -> tuple[torch.Tensor, ...]:
         # vLLM's layers read the forward context from a global; set here, in the traced code, dynamo takes
         # the attention metadata from this argument, so serving and a background compile, in two threads,
         # each run with their own.
         with override_forward_context(forward_context):
             hidden = self.model(input_ids=input_ids, positions=positions)
-            return self.model.compute_logits(hidden.index_select(0, logits_indices))
+            logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        sampled = sampling.sample(logits, sampling_params)
+        return logits, sampled.token_ids, sampled.logprob_token_ids, sampled.logprobs, sampled.ranks
+
+
+@dataclass
+class CallOutputs:
+    """A compiled call's outputs (device tensors), for the batch rows its first rows are."""
+
+    batch_rows: list[int]
+    logits: torch.Tensor
+    token_ids: torch.Tensor
+    logprob_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+    def real(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[: len(self.batch_rows)]
+
+
+class _ToHost:
+    """Device-to-host copies of one step, counted in bytes."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes += tensor.numel() * tensor.element_size()
+        return neuron_device.to_host(tensor)
 
 
 @dataclass
 class _PendingStep:
-    """Logits of a step between execute_model and sample_tokens (the grammar bitmask arrives in between)."""
+    """A step's call outputs between execute_model and sample_tokens (the grammar bitmask arrives in
+    between)."""
 
     scheduler_output: "SchedulerOutput"
-    logits: torch.Tensor
+    outputs: list[CallOutputs]  # in call order: a later call's rows replace an earlier one's
     partial_prefill_rows: list[int]
     started: float  # time.perf_counter() at the start of execute_model
+    schedule_seconds: float | None  # the engine's time since the previous step (None: it may have idled)
     prepare_seconds: float
     forward_seconds: float
 
@@ -119,6 +153,10 @@ class NeuronModelRunner:
         self.block_size = vllm_config.cache_config.block_size
         self.batch = PersistentBatch(vllm_config, self.block_size)
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
+        # Every step through vLLM's host sampler: the switch, or logits processors the graph cannot apply.
+        self.host_sampler_only = envs.VLLM_NEURON_SAMPLER == "host" or bool(
+            self.model_config.logits_processors
+        )
         self.model: torch.nn.Module | None = None
         self.compiled_step = None
         self.recorder: neuron_compile.CompileRecorder | None = None
@@ -148,6 +186,7 @@ class NeuronModelRunner:
         self.records_traffic = self.tp_rank == 0
         self._pending: _PendingStep | None = None
         self._forward_seconds = 0.0  # of the step being executed
+        self._step_ended = 0.0  # time.perf_counter() when the latest step's sample_tokens returned
         self._memory_sampled_at = 0.0
         trace_path = envs.VLLM_NEURON_STEP_TRACE
         self.trace = StepTrace(trace_path) if trace_path and self.records_traffic else None
@@ -162,7 +201,7 @@ class NeuronModelRunner:
         if dump_dir and self.vllm_config.parallel_config.tensor_parallel_size > 1:
             dump_dir = f"{dump_dir}/rank-{self.tp_rank}"
         self.compiled_step, self.recorder = neuron_compile.compile_static(
-            ForwardWithLogits(self.model),
+            ForwardAndSample(self.model),
             neuron_device.compile_backend(),
             self.buckets.num_graphs,
             strict=envs.VLLM_NEURON_STRICT_SHAPES,
@@ -357,8 +396,9 @@ class NeuronModelRunner:
             blocks_per_request=self.batch.block_table.shape[1],
         )
         start = time.perf_counter()
+        inputs = self._inputs(call, parts, rows)
         with self.recorder.expecting(call):
-            self._forward(self._inputs(call, parts, rows))
+            self._forward(inputs, self._greedy_rows(len(inputs.logits_indices)))
         neuron_device.synchronize()
         seconds = time.perf_counter() - start
         metrics.COMPILE_SECONDS.labels(phase=call.phase).inc(seconds)
@@ -423,6 +463,17 @@ class NeuronModelRunner:
             self.vllm_config.scheduler_config.max_num_seqs,
             self.neuron_config.prefill_tokens_while_decoding or "unlimited",
         )
+        if self.host_sampler_only:
+            logger.info(
+                "Sampling: every step on the host, with vLLM's sampler (VLLM_NEURON_SAMPLER=host "
+                "or logits processors)"
+            )
+        else:
+            logger.info(
+                "Sampling in the compiled graph: %s; with vLLM's host sampler, on the steps they are in: %s",
+                ", ".join(sampling_rows.ON_DEVICE),
+                "; ".join(sampling_rows.ON_HOST),
+            )
 
     def shutdown(self) -> None:
         if self.background is not None:
@@ -507,6 +558,9 @@ class NeuronModelRunner:
     @torch.no_grad()
     def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput | None:
         step_start = time.perf_counter()
+        # The engine's time since the previous step, while requests kept running (not an idle wait).
+        continuing = bool(scheduler_output.scheduled_cached_reqs.req_ids) and self._step_ended > 0
+        schedule = step_start - self._step_ended if continuing else None
         self.activity.busy.set()  # until sample_tokens returns
         self.step_calls = []
         self._forward_seconds = 0.0
@@ -526,17 +580,37 @@ class NeuronModelRunner:
             if start + count < batch.num_tokens_no_spec[row]:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
-        logits = torch.empty(batch.num_reqs, self.model_config.get_vocab_size(), dtype=torch.float32)
-        self._run_calls(decode, prefill, logits)
+        outputs = self._run_calls(decode, prefill, self._sampling_parameters(partial))
         prepare = time.perf_counter() - step_start - self._forward_seconds
         self._pending = _PendingStep(
-            scheduler_output, logits, partial, step_start, prepare, self._forward_seconds
+            scheduler_output, outputs, partial, step_start, schedule, prepare, self._forward_seconds
         )
         if self.serving and self.records_traffic:
             metrics.STEP_SECONDS.labels(part="forward").observe(self._forward_seconds)
             metrics.STEP_SECONDS.labels(part="prepare").observe(prepare)
+            if schedule is not None:
+                metrics.STEP_SECONDS.labels(part="schedule").observe(schedule)
             self._sample_usage(step_start)
         return None
+
+    def _sampling_parameters(self, partial_prefill_rows: list[int]) -> np.ndarray:
+        """[rows, sampling.PARAMS]: each batch row's sampling parameters and uniform draw. A row the host
+        samples, or whose sample is discarded, draws nothing: a seeded request's generator advances once per
+        token the graph samples for it."""
+        batch = self.batch.batch
+        rows = [self.batch.sampling[req_id] for req_id in batch.req_ids]
+        skip = set(partial_prefill_rows)
+        draw_from = [
+            False
+            if self.host_sampler_only or row.host_reason or index in skip
+            else batch.generators.get(index, True)
+            for index, row in enumerate(rows)
+        ]
+        return sampling_rows.parameter_rows(rows, draw_from)
+
+    def _greedy_rows(self, rows: int) -> torch.Tensor:
+        """Sampling parameters of `rows` greedy rows (warm-up's synthetic calls, padding)."""
+        return torch.zeros(rows, sampling.PARAMS, dtype=torch.float32, device=self.device)
 
     def _sample_usage(self, now: float) -> None:
         """KV blocks held by the batch's requests, and device memory (at most once a second)."""
@@ -548,10 +622,10 @@ class NeuronModelRunner:
             metrics.DEVICE_MEMORY_USED.set(neuron_device.memory_in_use())
 
     def _run_calls(
-        self, decode: list[tuple[int, Chunk]], prefill: list[tuple[int, Chunk]], logits: torch.Tensor
-    ) -> None:
-        """Run the step's calls as `calls.plan_step` plans them; each fills the logits rows of its requests
-        (a sub-chunk's row is overwritten by the next: the last part of a chunk gives its logits)."""
+        self, decode: list[tuple[int, Chunk]], prefill: list[tuple[int, Chunk]], parameters: np.ndarray
+    ) -> list[CallOutputs]:
+        """Run the step's calls as `calls.plan_step` plans them; each samples the rows of its requests (a
+        sub-chunk's row is sampled again by the next: the last part of a chunk gives its token)."""
         contexts = [chunk.start + 1 for _, chunk in decode]
         chunks = [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill]
         ready = self.ready_graphs
@@ -559,6 +633,7 @@ class NeuronModelRunner:
         plans = plan_step(contexts, chunks, self.buckets, self.block_size, ready if staging else None)
         if staging and self.serving:
             self._report_demand(plans, plan_step(contexts, chunks, self.buckets, self.block_size), ready)
+        outputs = []
         for plan in plans:
             parts = []
             for index, start, length in plan.parts:
@@ -566,10 +641,16 @@ class NeuronModelRunner:
                 offset = start - chunk.start
                 parts.append(Chunk(chunk.token_ids[offset : offset + length], start, chunk.block_row))
             rows = [decode[index][1] for index in plan.decode_rows]
-            out = self._run(self._inputs(plan.call, parts, rows), plan.call)
-            # Logits rows come in call order: the prefill parts' first, then the decode rows'.
+            inputs = self._inputs(plan.call, parts, rows)
+            # Logits rows come in call order: the prefill parts' first, then the decode rows'; padding rows
+            # are greedy.
             batch_rows = [prefill[index][0] for index, _, _ in plan.parts]
-            logits[batch_rows + [decode[index][0] for index in plan.decode_rows]] = out
+            batch_rows += [decode[index][0] for index in plan.decode_rows]
+            table = np.zeros((len(inputs.logits_indices), sampling.PARAMS), dtype=np.float32)
+            table[: len(batch_rows)] = parameters[batch_rows]
+            params = torch.from_numpy(table).to(self.device)
+            outputs.append(CallOutputs(batch_rows, *self._run(inputs, params, plan.call)))
+        return outputs
 
     def _report_demand(
         self, plans: list[CallPlan], ideal: list[CallPlan], ready: frozenset[GraphKey]
@@ -618,27 +699,26 @@ class NeuronModelRunner:
         )
 
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
-    def _run(self, inputs: CallInputs, call: Call) -> torch.Tensor:
-        """One compiled call; returns the float32 host logits of its real rows."""
+    def _run(self, inputs: CallInputs, params: torch.Tensor, call: Call) -> tuple[torch.Tensor, ...]:
+        """One compiled call; returns its outputs (ForwardAndSample's)."""
         self.step_calls.append(call)
         self.recorder.current_call = call
         if self.serving and self.records_traffic:
             self.stats.record(call)
         start, graphs = time.perf_counter(), self.recorder.num_graphs
-        logits = self._forward(inputs)
+        outputs = self._forward(inputs, params)
         seconds = time.perf_counter() - start
         self._forward_seconds += seconds
         if self.recorder.num_graphs > graphs:
             metrics.COMPILE_SECONDS.labels(phase=call.phase).inc(seconds)
-        return logits
+        return outputs
 
-    def _forward(self, inputs: CallInputs) -> torch.Tensor:
-        """The compiled model on one call's inputs: the float32 host logits of its real rows."""
+    def _forward(self, inputs: CallInputs, params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The compiled model and sampler on one call's inputs; its outputs stay on the device."""
         context = create_forward_context(
             dict.fromkeys(self.attention_layers, inputs.metadata), self.vllm_config
         )
-        out = self.compiled_step(inputs.input_ids, inputs.positions, inputs.logits_indices, context)
-        return out[: inputs.num_real_rows].to("cpu", torch.float32)
+        return self.compiled_step(inputs.input_ids, inputs.positions, inputs.logits_indices, params, context)
 
     @torch.no_grad()
     def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput:
@@ -653,48 +733,115 @@ class NeuronModelRunner:
     def _sample(self, pending: _PendingStep, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput:
         start = time.perf_counter()
         batch = self.batch.batch
-        if grammar_output is not None:
-            apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, pending.logits)
-        # A discarded sample must not advance a seeded request's generator, or its output would depend on
-        # how its prompt was chunked.
-        saved_rng = {
-            row: batch.generators[row].get_state()
-            for row in pending.partial_prefill_rows
-            if row in batch.generators
-        }
-        sampler_output = self.sampler(logits=pending.logits, sampling_metadata=batch.sampling_metadata)
-        for row, state in saved_rng.items():
-            batch.generators[row].set_state(state)
+        to_host = _ToHost()
+        tokens = np.empty(batch.num_reqs, dtype=np.int64)
+        for out in pending.outputs:
+            tokens[out.batch_rows] = to_host(out.real(out.token_ids)).numpy()
+        discarded = set(pending.partial_prefill_rows)
+        on_host = [
+            self.host_sampler_only
+            or self.batch.sampling[req_id].host_reason is not None
+            or (tokens[row] == sampling.NO_TOKEN and row not in discarded)
+            for row, req_id in enumerate(batch.req_ids)
+        ]
+        num_logprobs = batch.sampling_metadata.max_num_logprobs
+        device_logprobs = self._device_logprobs(pending, num_logprobs, to_host)
+        if any(on_host):
+            sampled, logprobs = self._sample_on_host(pending, grammar_output, on_host, to_host)
+            device_rows = [row for row, host in enumerate(on_host) if not host]
+            sampled[device_rows] = tokens[device_rows]
+            if logprobs is not None and device_logprobs is not None and num_logprobs >= 0:
+                # The top logprobs are the same raw ones; the sampled token's come from the graph.
+                ids, values, ranks = device_logprobs
+                for host_values, graph_values in zip(logprobs[:2], (ids, values), strict=True):
+                    host_values[device_rows, 0] = graph_values[device_rows, 0].to(host_values.dtype)
+                host_ranks = logprobs.selected_token_ranks
+                host_ranks[device_rows] = ranks[device_rows].to(host_ranks.dtype)
+        else:
+            if grammar_output is not None:
+                raise RuntimeError("a grammar bitmask for a step the graph sampled: its rows take the host")
+            sampled = tokens
+            logprobs = None if device_logprobs is None else LogprobsTensors(*device_logprobs)
 
-        sampled = sampler_output.sampled_token_ids.tolist()
+        sampled_ids = [[token] for token in sampled.tolist()]
         for row in pending.partial_prefill_rows:
-            sampled[row] = []
-        logprobs = sampler_output.logprobs_tensors
+            sampled_ids[row] = []
         output = ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
-            sampled_token_ids=sampled,
+            sampled_token_ids=sampled_ids,
             logprobs=logprobs.tolists() if logprobs is not None else None,
             prompt_logprobs_dict={},
         )
-        self.batch.append_sampled(sampled)
+        self.batch.append_sampled(sampled_ids)
+        self._step_ended = time.perf_counter()
         if self.serving and self.records_traffic:
-            sample_seconds = time.perf_counter() - start
+            sample_seconds = self._step_ended - start
+            host_seconds = (pending.schedule_seconds or 0.0) + pending.prepare_seconds + sample_seconds
             metrics.STEP_SECONDS.labels(part="sample").observe(sample_seconds)
+            metrics.STEP_SECONDS.labels(part="host").observe(host_seconds)
+            metrics.DEVICE_TO_HOST_BYTES.observe(to_host.bytes)
+            metrics.SAMPLED_STEPS.labels(sampler="host" if any(on_host) else "device").inc()
             if self.trace is not None:
-                self._trace_step(pending, sample_seconds)
+                self._trace_step(pending, sample_seconds, to_host.bytes, any(on_host))
         return output
 
-    def _trace_step(self, step: _PendingStep, sample_seconds: float) -> None:
+    def _device_logprobs(
+        self, pending: _PendingStep, num_logprobs: int | None, to_host: _ToHost
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The graph's logprobs of each row (token ids, logprobs, ranks), as many as the batch asks for (the
+        sampled token's and up to LOGPROBS_CAP top ones); None if no request asked."""
+        if num_logprobs is None:
+            return None
+        columns = 1 + min(max(num_logprobs, 0), sampling.LOGPROBS_CAP)
+        rows = self.batch.batch.num_reqs
+        ids = torch.zeros(rows, columns, dtype=torch.int64)
+        values = torch.zeros(rows, columns, dtype=torch.float32)
+        ranks = torch.zeros(rows, dtype=torch.int64)
+        for out in pending.outputs:
+            ids[out.batch_rows] = to_host(out.real(out.logprob_token_ids)[:, :columns]).long()
+            values[out.batch_rows] = to_host(out.real(out.logprobs)[:, :columns])
+            ranks[out.batch_rows] = to_host(out.real(out.ranks)).long()
+        return ids, values, ranks
+
+    def _sample_on_host(
+        self,
+        pending: _PendingStep,
+        grammar_output: "GrammarOutput | None",
+        on_host: list[bool],
+        to_host: _ToHost,
+    ) -> tuple[np.ndarray, LogprobsTensors | None]:
+        """vLLM's Sampler over the step's logits, copied to the host; returns every row's token and logprobs
+        (the rows the graph sampled keep its tokens: the caller puts them back)."""
+        batch = self.batch.batch
+        logits = torch.empty(batch.num_reqs, self.model_config.get_vocab_size(), dtype=torch.float32)
+        for out in pending.outputs:
+            logits[out.batch_rows] = to_host(out.real(out.logits)).float()
+        if grammar_output is not None:
+            apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, logits)
+        # Generators of the rows whose tokens are not the host's must not advance here: a discarded sample
+        # (a prompt chunked differently), or a token the graph sampled (drawn from the generator already).
+        kept = set(pending.partial_prefill_rows) | {row for row, host in enumerate(on_host) if not host}
+        saved_rng = {row: batch.generators[row].get_state() for row in kept if row in batch.generators}
+        sampler_output = self.sampler(logits=logits, sampling_metadata=batch.sampling_metadata)
+        for row, state in saved_rng.items():
+            batch.generators[row].set_state(state)
+        sampled = sampler_output.sampled_token_ids[:, 0].numpy().astype(np.int64)
+        return sampled, sampler_output.logprobs_tensors
+
+    def _trace_step(self, step: _PendingStep, sample_seconds: float, to_host_bytes: int, host: bool) -> None:
         scheduled = step.scheduler_output.num_scheduled_tokens.values()
         self.trace.record(
             step.started,
             [str(call) for call in self.step_calls],
             decode_rows=sum(1 for count in scheduled if count == 1),
             prefill_tokens=sum(count for count in scheduled if count > 1),
+            schedule_s=step.schedule_seconds,
             prepare_s=step.prepare_seconds,
             forward_s=step.forward_seconds,
             sample_s=sample_seconds,
+            to_host_bytes=to_host_bytes,
+            sampler="host" if host else "device",
         )
 
 

@@ -1,9 +1,11 @@
 """A JSON-lines trace of scheduler steps (VLLM_NEURON_STEP_TRACE), for finding what makes a slow token.
 
 Each served step appends one line: when it ended (wall clock, so it lines up with client-side token
-times), its compiled calls, its decode rows and prefill tokens, the milliseconds of each part, and the
+times), its compiled calls, its decode rows and prefill tokens, the milliseconds of each part, the
 milliseconds between the end of the previous step and the start of this one (the engine's own work:
-scheduling, output processing, messages to the API server, and any wait for the CPU).
+scheduling, output processing, messages to the API server, and any wait for the CPU or for requests), the
+host's share (that gap while requests kept running, prepare and sample), the bytes copied from the device,
+and where the step sampled (device: the graph; host: vLLM's sampler).
 """
 
 import json
@@ -23,9 +25,12 @@ class StepTrace:
         calls: list[str],
         decode_rows: int,
         prefill_tokens: int,
+        schedule_s: float | None,
         prepare_s: float,
         forward_s: float,
         sample_s: float,
+        to_host_bytes: int,
+        sampler: str,
     ) -> None:
         """One step that started at `start` (time.perf_counter()) and ends now."""
         end = time.perf_counter()
@@ -41,6 +46,9 @@ class StepTrace:
             "sample_ms": round(1e3 * sample_s, 2),
             "step_ms": round(1e3 * (end - start), 2),
             "since_previous_ms": None if between is None else round(between, 2),
+            "host_ms": round(1e3 * ((schedule_s or 0.0) + prepare_s + sample_s), 3),
+            "to_host_bytes": to_host_bytes,
+            "sampler": sampler,
         }
         self._file.write(json.dumps(line) + "\n")
 
