@@ -394,6 +394,11 @@ def test_step_trace_gives_each_step_of_a_request(server, client):
         assert 0 < step["forward_ms"] <= parts <= step["step_ms"] + 0.1
     # The engine's own work between two steps of one request (the first served step has no previous one).
     assert all(step["since_previous_ms"] >= 0 for step in steps[1:])
+    # The host's share of a decode step: that gap, prepare and sample; an int32 token from the graph.
+    for step in steps[1:]:
+        own = step["prepare_ms"] + step["sample_ms"]
+        assert own <= step["host_ms"] <= own + step["since_previous_ms"] + 0.01
+        assert (step["to_host_bytes"], step["sampler"]) == (4, "device")
 
 
 def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server, client):
