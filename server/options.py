@@ -13,6 +13,7 @@ NEURON_OPTIONS: dict[str, tuple[str, dict]] = {
     "--dump-graphs": ("VLLM_NEURON_DUMP_GRAPHS", {"metavar": "DIR"}),
     "--strict-shapes": ("VLLM_NEURON_STRICT_SHAPES", {"action": "store_true"}),
     "--readiness": ("VLLM_NEURON_READINESS", {"choices": ["staged", "full"]}),
+    "--sampler": ("VLLM_NEURON_SAMPLER", {"choices": ["device", "host"]}),
     "--compile-workers": ("VLLM_NEURON_COMPILE_WORKERS", {"metavar": "N", "type": int}),
     "--compile-cache-root": ("VLLM_NEURON_CACHE_ROOT", {"metavar": "PATH"}),
     "--prefill-buckets": ("VLLM_NEURON_PREFILL_BUCKETS", {"metavar": "N,N,..."}),

@@ -39,12 +39,12 @@ def main() -> None:
     all_graphs = runner.buckets.graphs()
     run = runner._run
 
-    def recording_run(inputs, call):
+    def recording_run(inputs, params, call):
         ready = runner.ready_graphs
         calls.append(
             {"graph": list(call.graph), "ready": call.graph in ready, "pending": len(ready) < len(all_graphs)}
         )
-        return run(inputs, call)
+        return run(inputs, params, call)
 
     runner._run = recording_run
     params = greedy(request["max_tokens"])

@@ -21,6 +21,8 @@ def sampling_variant(rng: random.Random, max_tokens: int) -> SamplingParams:
         dict(temperature=0.7, repetition_penalty=1.2, presence_penalty=0.4, frequency_penalty=0.3),
         dict(temperature=0.0, logprobs=3),
         dict(temperature=1.0, n=rng.choice([2, 3]), seed=rng.randrange(1000)),
+        dict(temperature=1.1, top_p=0.5, min_p=0.1, logprobs=2),
+        dict(temperature=0.8, top_k=400, logit_bias={7: 2.0}),  # host: top-k above the cap, a bias
     ]
     return SamplingParams(max_tokens=max_tokens, ignore_eos=rng.random() < 0.7, **rng.choice(variants))
 
@@ -95,5 +97,5 @@ def test_off_bucket_call_is_refused_in_strict_mode(llm):
         device=runner.device,
     )
     with pytest.raises(Exception, match="decode of 1 requests: batch 3 x context 128.*decode_batch_buckets"):
-        runner._run(inputs, Call.decode(rows=1, batch=odd_batch, context=128))
+        runner._run(inputs, runner._greedy_rows(odd_batch), Call.decode(rows=1, batch=odd_batch, context=128))
     assert runner.recorder.num_graphs == EXPECTED_GRAPHS

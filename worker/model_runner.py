@@ -774,9 +774,8 @@ class NeuronModelRunner:
             prompt_logprobs_dict={},
         )
         self.batch.append_sampled(sampled_ids)
-        self._step_ended = time.perf_counter()
         if self.serving and self.records_traffic:
-            sample_seconds = self._step_ended - start
+            sample_seconds = time.perf_counter() - start
             host_seconds = (pending.schedule_seconds or 0.0) + pending.prepare_seconds + sample_seconds
             metrics.STEP_SECONDS.labels(part="sample").observe(sample_seconds)
             metrics.STEP_SECONDS.labels(part="host").observe(host_seconds)
@@ -784,6 +783,9 @@ class NeuronModelRunner:
             metrics.SAMPLED_STEPS.labels(sampler="host" if any(on_host) else "device").inc()
             if self.trace is not None:
                 self._trace_step(pending, sample_seconds, to_host.bytes, any(on_host))
+        self._step_ended = (
+            time.perf_counter()
+        )  # after the trace's line: the next gap is no longer than its own
         return output
 
     def _device_logprobs(

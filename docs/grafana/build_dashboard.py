@@ -108,6 +108,27 @@ NEURON_PANELS = [
         ],
     ),
     (
+        "Bytes to host per step (p50, p99)",
+        "bytes",
+        [
+            (
+                "histogram_quantile(0.5, sum(rate(vllm_neuron:step_device_to_host_bytes_bucket[5m]))"
+                " by (le))",
+                "to host p50",
+            ),
+            (
+                "histogram_quantile(0.99, sum(rate(vllm_neuron:step_device_to_host_bytes_bucket[5m]))"
+                " by (le))",
+                "to host p99",
+            ),
+        ],
+    ),
+    (
+        "Steps by sampler",
+        "ops",
+        [("sum(rate(vllm_neuron:sampled_steps_total[1m])) by (sampler)", "{{sampler}}")],
+    ),
+    (
         "KV blocks",
         "short",
         [("max(vllm_neuron:kv_blocks_used)", "used"), ("max(vllm_neuron:kv_blocks_total)", "total")],
