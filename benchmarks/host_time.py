@@ -1,16 +1,20 @@
-"""The host's share of a decode step, with vLLM's host sampler against the graph's sampler, side by side in
-one run: SmolLM2-135M-Instruct (bfloat16) served by `vllm-neuron serve` in CPU mode, B streams decoding at
-once (B = 1, 8, 32), greedy and sampled (temperature 0.8, top-k 50, top-p 0.9) traffic.
+"""The host's share of a decode step, before and after, side by side in one run: vLLM's host sampler with
+async scheduling off (before), the graph's sampler with async scheduling off, and the graph's sampler with
+vLLM's async scheduling (after). SmolLM2-135M-Instruct (bfloat16) served by `vllm-neuron serve` in CPU
+mode, B streams decoding at once (B = 1, 8, 32), greedy and sampled (temperature 0.8, top-k 50, top-p 0.9)
+traffic.
 
     .venv/bin/python benchmarks/host_time.py [--output-tokens 64] [--json-out host_time.json]
 
 From the server's step trace (VLLM_NEURON_STEP_TRACE), over the steps that decode exactly B rows and
-prefill nothing, medians of: schedule (the engine between two steps: output processing and scheduling),
-prepare, forward (the compiled calls, which sample too with the device sampler), sample (outputs to the
-host, and vLLM's sampler where used), host = schedule + prepare + sample (none of it overlaps the device
-call: async scheduling is off), and the bytes copied from the device per step, with the share of steps that
-took the host sampler. In CPU mode the "device" is the host: a copy costs no transfer here, so the bytes are
-what a Trainium step would move. Prints markdown; asserts nothing. Takes about 10 minutes on 2 cores.
+prefill nothing, medians of: schedule (the engine between two steps' outputs: output processing and
+scheduling; with async scheduling it runs during the calls), prepare, forward (the compiled calls, which
+sample too with the device sampler), sample (outputs to the host, and vLLM's sampler where used), host (the
+device's idle time between two steps' calls: the host time not overlapped with the device; without async
+scheduling about schedule + prepare + sample), and the bytes copied from the device per step, with the
+share of steps that took the host sampler. In CPU mode the "device" is the host: a copy costs no transfer
+here, so the bytes are what a Trainium step would move, and the host's work competes with the calls for the
+same cores. Prints markdown; asserts nothing. Takes about 15 minutes on 2 cores.
 
 Targets (issue 22), per decode step at batch 32: host time not overlapped with the device call under 1 ms;
 under 64 KB to the host for greedy/top-k/top-p traffic.
@@ -38,6 +42,12 @@ TRAFFIC = {
     "sampled": {"temperature": 0.8, "top_p": 0.9, "extra_body": {"top_k": 50}},
 }
 PARTS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "host_ms")
+# name -> (VLLM_NEURON_SAMPLER, serve arguments)
+VARIANTS = {
+    "host sampler, sync": ("host", ["--no-async-scheduling"]),
+    "device sampler, sync": ("device", ["--no-async-scheduling"]),
+    "device sampler, async": ("device", ["--async-scheduling"]),
+}
 
 
 def run_batch(base: str, batch: int, output_tokens: int, sampling: dict, rng: random.Random) -> None:
@@ -65,9 +75,13 @@ def run_batch(base: str, batch: int, output_tokens: int, sampling: dict, rng: ra
 
 def summarise(steps: list[dict], batch: int) -> dict[str, float]:
     """Medians over the steps that decode `batch` rows and prefill nothing (the steady state)."""
-    decode = [s for s in steps if s["decode_rows"] == batch and s["prefill_tokens"] == 0]
+    decode = [
+        s
+        for s in steps
+        if s["decode_rows"] == batch and s["prefill_tokens"] == 0 and s["host_ms"] is not None
+    ]
     for step in decode:
-        step["schedule_ms"] = step["host_ms"] - step["prepare_ms"] - step["sample_ms"]
+        step["schedule_ms"] = step["since_previous_ms"]
     figures = {part: statistics.median(s[part] for s in decode) for part in PARTS} if decode else {}
     figures["steps"] = len(decode)
     if decode:
@@ -76,16 +90,18 @@ def summarise(steps: list[dict], batch: int) -> dict[str, float]:
     return figures
 
 
-def measure(sampler: str, model: str, output_tokens: int, workdir: Path) -> dict:
-    trace = workdir / f"steps-{sampler}.jsonl"
+def measure(variant: str, model: str, output_tokens: int, workdir: Path) -> dict:
+    sampler, serve_args = VARIANTS[variant]
+    name = variant.replace(", ", "-").replace(" ", "-")
+    trace = workdir / f"steps-{name}.jsonl"
     config = Config(
-        f"sampler-{sampler}",
+        name,
         model,
-        ["--dtype", "bfloat16"],
+        ["--dtype", "bfloat16", *serve_args],
         MAX_MODEL_LEN,
         env={"VLLM_NEURON_SAMPLER": sampler, "VLLM_NEURON_STEP_TRACE": str(trace)},
     )
-    server = Server(config, str(workdir / "compile-cache"), workdir / f"server-{sampler}.log")
+    server = Server(config, str(workdir / "compile-cache"), workdir / f"server-{name}.log")
     results: dict = {}
     try:
         server.wait_healthy()
@@ -97,7 +113,7 @@ def measure(sampler: str, model: str, output_tokens: int, workdir: Path) -> dict
                 run_batch(server.base, batch, output_tokens, sampling, rng)
                 steps = [json.loads(line) for line in trace.read_text().splitlines()[before:]]
                 results[f"{traffic}/{batch}"] = summarise(steps, batch)
-                print(sampler, traffic, batch, results[f"{traffic}/{batch}"], flush=True)
+                print(variant, traffic, batch, results[f"{traffic}/{batch}"], flush=True)
     finally:
         server.stop()
     return results
@@ -105,19 +121,19 @@ def measure(sampler: str, model: str, output_tokens: int, workdir: Path) -> dict
 
 def markdown(doc: dict) -> str:
     lines = [
-        "| traffic | batch | sampler | schedule ms | prepare ms | forward ms | sample ms | **host ms** | "
+        "| traffic | batch | variant | schedule ms | prepare ms | forward ms | sample ms | **host ms** | "
         "bytes to host | host-sampled steps | steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key in doc["host"]:
+    for key in doc["results"][next(iter(VARIANTS))]:
         traffic, batch = key.split("/")
-        for sampler in ("host", "device"):
-            f = doc[sampler][key]
+        for variant in VARIANTS:
+            f = doc["results"][variant][key]
             if not f.get("steps"):
-                lines.append(f"| {traffic} | {batch} | {sampler} | no steady decode steps | | | | | | | 0 |")
+                lines.append(f"| {traffic} | {batch} | {variant} | no steady decode steps | | | | | | | 0 |")
                 continue
             lines.append(
-                f"| {traffic} | {batch} | {sampler} | {f['schedule_ms']:.2f} | {f['prepare_ms']:.2f} | "
+                f"| {traffic} | {batch} | {variant} | {f['schedule_ms']:.2f} | {f['prepare_ms']:.2f} | "
                 f"{f['forward_ms']:.2f} | {f['sample_ms']:.2f} | **{f['host_ms']:.2f}** | "
                 f"{f['to_host_bytes']:,.0f} | {100 * f['host_sampled_share']:.0f}% | {f['steps']} |"
             )
@@ -144,8 +160,7 @@ def main() -> None:
         "commit": commit.stdout.strip(),
         "command": " ".join(sys.argv),
     }
-    for sampler in ("host", "device"):
-        doc[sampler] = measure(sampler, model, args.output_tokens, workdir)
+    doc["results"] = {variant: measure(variant, model, args.output_tokens, workdir) for variant in VARIANTS}
     print(f"\n{doc['date']}, commit {doc['commit']}: `{doc['command']}`\n")
     print(markdown(doc))
     if args.json_out:

@@ -56,6 +56,7 @@ def describe(vllm_config) -> dict[str, Any]:
         "max_model_len": vllm_config.model_config.max_model_len,
         "max_num_seqs": scheduler.max_num_seqs,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "async_scheduling": bool(scheduler.async_scheduling),
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
         "buckets": {
             "prefill_tokens": list(buckets.prefill_tokens),

@@ -66,6 +66,7 @@ def main() -> None:
             raise TimeoutError("background compiles did not finish")
     result = {
         "platform": type(current_platform).__name__,
+        "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
         "compile_stats": llm.collective_rpc("compile_stats") if ours else None,
         "compile_progress": llm.collective_rpc("compile_progress")[0] if ours else None,
         "churn": churn,

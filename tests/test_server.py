@@ -3,6 +3,7 @@ rely on, bad requests that get a 4xx OpenAI-style error while the server keeps s
 request size limit, /v1/neuron/info and the plugin's /metrics series."""
 
 import contextlib
+import itertools
 import json
 import socket
 import threading
@@ -394,10 +395,11 @@ def test_step_trace_gives_each_step_of_a_request(server, client):
         assert 0 < step["forward_ms"] <= parts <= step["step_ms"] + 0.1
     # The engine's own work between two steps of one request (the first served step has no previous one).
     assert all(step["since_previous_ms"] >= 0 for step in steps[1:])
-    # The host's share of a decode step: that gap, prepare and sample; an int32 token from the graph.
-    for step in steps[1:]:
-        own = step["prepare_ms"] + step["sample_ms"]
-        assert own <= step["host_ms"] <= own + step["since_previous_ms"] + 0.01
+    # The host's share of a decode step, the device idle since the previous step's calls: at least this
+    # step's input preparation, at most the time since the previous step started. An int32 token leaves.
+    for previous, step in itertools.pairwise(steps):
+        since_start = previous["step_ms"] + step["since_previous_ms"] + step["prepare_ms"]
+        assert step["prepare_ms"] - 0.01 <= step["host_ms"] <= since_start + 0.1
         assert (step["to_host_bytes"], step["sampler"]) == (4, "device")
 
 

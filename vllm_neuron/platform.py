@@ -24,6 +24,7 @@ logger = init_logger("vllm.vllm_neuron.platform")
 
 WORKER_CLS = "worker.neuron_worker.NeuronWorker"
 SCHEDULER_CLS = "vllm_neuron.scheduler.NeuronScheduler"
+ASYNC_SCHEDULER_CLS = "vllm_neuron.scheduler.NeuronAsyncScheduler"
 ATTENTION_BACKEND_CLS = "kv_cache.backend.NeuronAttentionBackend"
 
 
@@ -171,10 +172,13 @@ class NeuronPlatform(Platform):
         compilation_config.mode = CompilationMode.NONE
         compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         compilation_config.cudagraph_capture_sizes = []
+        # Async scheduling (vLLM's default; --no-async-scheduling turns it off): the engine schedules a step
+        # while the previous one runs, with the prefill share either way.
         scheduler_config = vllm_config.scheduler_config
-        scheduler_config.async_scheduling = False
         if scheduler_config.scheduler_cls is None:
-            scheduler_config.scheduler_cls = SCHEDULER_CLS
+            scheduler_config.scheduler_cls = (
+                ASYNC_SCHEDULER_CLS if scheduler_config.async_scheduling else SCHEDULER_CLS
+            )
 
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":

@@ -12,6 +12,7 @@ prefix caching, preemption) is vLLM's own scheduler, unchanged.
 
 import copy
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -33,7 +34,10 @@ def prefill_share(decoding: int, prefilling: int, max_num_seqs: int, share: int,
     return min(share, full_budget)
 
 
-class NeuronScheduler(Scheduler):
+class PrefillShare:
+    """The prefill share, over vLLM's Scheduler or its AsyncScheduler (which schedules a step while the
+    previous one runs); mixed in before either."""
+
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.prefill_tokens_while_decoding = NeuronConfig.from_vllm_config(
@@ -63,3 +67,12 @@ class NeuronScheduler(Scheduler):
             self.max_num_scheduled_tokens = self.full_token_budget
             self.scheduler_config.long_prefill_token_threshold = self.configured_prefill_cap
         return super().schedule(throttle_prefills)
+
+
+class NeuronScheduler(PrefillShare, Scheduler):
+    """vLLM's scheduler with the prefill share (async scheduling off)."""
+
+
+class NeuronAsyncScheduler(PrefillShare, AsyncScheduler):
+    """vLLM's async scheduler with the prefill share: the engine schedules a step while the previous one runs
+    on the device, and the runner feeds the previous step's tokens to the next itself."""

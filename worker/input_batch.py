@@ -2,8 +2,10 @@
 
 Follows the protocol of vLLM's GPU runner (finished requests leave, unscheduled ones are parked, new and
 resumed ones join, sampled tokens are appended here because the scheduler does not send them back),
-without the parts we do not support (speculative decoding, pipeline parallelism, async scheduling). Each
-request's sampling row (worker/sampling_rows.py) is worked out once, when it joins.
+without the parts we do not support (speculative decoding, pipeline parallelism). With async scheduling
+the runner appends a step's tokens before the next step updates the batch, so the scheduler's token counts,
+which include the tokens still being sampled, match the batch's. Each request's sampling row
+(worker/sampling_rows.py) is worked out once, when it joins.
 """
 
 from typing import TYPE_CHECKING

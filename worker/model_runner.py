@@ -9,7 +9,8 @@ bucket set's minimal graphs, which serve every step; the others then compile in 
 import os
 import threading
 import time
-from dataclasses import dataclass, fields
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,7 @@ from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call, CallPlan, plan_step
 from vllm_neuron.config import NeuronConfig
 from worker import call_inputs, sampling_rows, warmup
+from worker.async_steps import DeviceThread, StepOutput
 from worker.background import BackgroundCompiler, CompileProgress, ServingActivity, compile_workers
 from worker.call_inputs import CallInputs, Chunk
 from worker.input_batch import PersistentBatch
@@ -118,17 +120,35 @@ class _ToHost:
 
 
 @dataclass
-class _PendingStep:
-    """A step's call outputs between execute_model and sample_tokens (the grammar bitmask arrives in
-    between)."""
+class _PlannedCall:
+    """One compiled call of a step, its inputs on the device, and the batch rows of its first logits rows."""
+
+    call: Call
+    inputs: CallInputs
+    params: torch.Tensor
+    batch_rows: list[int]
+
+
+@dataclass
+class _Step:
+    """A step from execute_model until its output is made: its calls run (on the device thread with async
+    scheduling), then sample_tokens or, with async scheduling, the engine or the next step asks for its
+    output (the grammar bitmask arrives in between). Times are time.perf_counter()."""
 
     scheduler_output: "SchedulerOutput"
-    outputs: list[CallOutputs]  # in call order: a later call's rows replace an earlier one's
+    planned: list[_PlannedCall]
     partial_prefill_rows: list[int]
-    started: float  # time.perf_counter() at the start of execute_model
+    host_bound: bool  # a row needs vLLM's host sampler: its logits come to the host
+    started: float  # execute_model, after the previous step's output was made
     schedule_seconds: float | None  # the engine's time since the previous step (None: it may have idled)
-    prepare_seconds: float
-    forward_seconds: float
+    prepare_seconds: float = 0.0
+    outputs: list[CallOutputs] | Future = field(default_factory=list)  # in call order: later rows win
+    forward_seconds: float = 0.0
+    device_started: float = 0.0
+    device_ended: float = 0.0
+    grammar_output: "GrammarOutput | None" = None
+    result: ModelRunnerOutput | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -184,9 +204,13 @@ class NeuronModelRunner:
         # Prometheus counters count steps once, not once per rank.
         self.tp_rank = get_tensor_model_parallel_rank()
         self.records_traffic = self.tp_rank == 0
-        self._pending: _PendingStep | None = None
-        self._forward_seconds = 0.0  # of the step being executed
-        self._step_ended = 0.0  # time.perf_counter() when the latest step's sample_tokens returned
+        self._pending: _Step | None = None  # between execute_model and sample_tokens
+        self._in_flight: _Step | None = None  # async scheduling: sampled on the device, output not yet made
+        # Async scheduling (vLLM's default): a step's calls run on this thread while the engine schedules the
+        # next one and processes the previous one's output.
+        self.device_thread = DeviceThread() if vllm_config.scheduler_config.async_scheduling else None
+        self._step_ended = 0.0  # when the latest step's output was made
+        self._device_ended = 0.0  # when the latest step's calls finished
         self._memory_sampled_at = 0.0
         trace_path = envs.VLLM_NEURON_STEP_TRACE
         self.trace = StepTrace(trace_path) if trace_path and self.records_traffic else None
@@ -476,6 +500,8 @@ class NeuronModelRunner:
             )
 
     def shutdown(self) -> None:
+        if self.device_thread is not None:
+            self.device_thread.close()
         if self.background is not None:
             self.background.stop()
         if self.recorder is not None:
@@ -494,6 +520,7 @@ class NeuronModelRunner:
         devices only, so wake_up's tensors run them as they are: no recompile."""
         if level not in (1, 2):
             raise ValueError(f"sleep level {level}: the worker sleeps at level 1 or 2")
+        self._finish_in_flight()
         # Background compiles run the model on its weights and KV cache: finish the one under way, and
         # take up the others at wake-up.
         if self.background is not None and not self.background.done.is_set():
@@ -557,13 +584,12 @@ class NeuronModelRunner:
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput | None:
+        self._finish_in_flight()  # its tokens are the inputs of this step's decode rows
         step_start = time.perf_counter()
         # The engine's time since the previous step, while requests kept running (not an idle wait).
         continuing = bool(scheduler_output.scheduled_cached_reqs.req_ids) and self._step_ended > 0
         schedule = step_start - self._step_ended if continuing else None
-        self.activity.busy.set()  # until sample_tokens returns
-        self.step_calls = []
-        self._forward_seconds = 0.0
+        self.activity.busy.set()  # until the step's output is made
         self.batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.activity.busy.clear()
@@ -580,16 +606,19 @@ class NeuronModelRunner:
             if start + count < batch.num_tokens_no_spec[row]:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
-        outputs = self._run_calls(decode, prefill, self._sampling_parameters(partial))
-        prepare = time.perf_counter() - step_start - self._forward_seconds
-        self._pending = _PendingStep(
-            scheduler_output, outputs, partial, step_start, schedule, prepare, self._forward_seconds
+        planned = self._plan_calls(decode, prefill, self._sampling_parameters(partial))
+        host_bound = self.host_sampler_only or any(
+            self.batch.sampling[req_id].host_reason is not None for req_id in batch.req_ids
         )
+        step = _Step(scheduler_output, planned, partial, host_bound, step_start, schedule)
+        self.step_calls = [item.call for item in planned]
+        step.prepare_seconds = time.perf_counter() - step_start
+        if self.device_thread is not None and self.serving:
+            step.outputs = self.device_thread.submit(lambda: self._run_step(step))
+        else:
+            step.outputs = self._run_step(step)
+        self._pending = step
         if self.serving and self.records_traffic:
-            metrics.STEP_SECONDS.labels(part="forward").observe(self._forward_seconds)
-            metrics.STEP_SECONDS.labels(part="prepare").observe(prepare)
-            if schedule is not None:
-                metrics.STEP_SECONDS.labels(part="schedule").observe(schedule)
             self._sample_usage(step_start)
         return None
 
@@ -621,11 +650,12 @@ class NeuronModelRunner:
             self._memory_sampled_at = now
             metrics.DEVICE_MEMORY_USED.set(neuron_device.memory_in_use())
 
-    def _run_calls(
+    def _plan_calls(
         self, decode: list[tuple[int, Chunk]], prefill: list[tuple[int, Chunk]], parameters: np.ndarray
-    ) -> list[CallOutputs]:
-        """Run the step's calls as `calls.plan_step` plans them; each samples the rows of its requests (a
-        sub-chunk's row is sampled again by the next: the last part of a chunk gives its token)."""
+    ) -> list[_PlannedCall]:
+        """The step's calls as `calls.plan_step` plans them, with their inputs on the device; each samples
+        the rows of its requests (a sub-chunk's row is sampled again by the next: the last part of a chunk
+        gives its token)."""
         contexts = [chunk.start + 1 for _, chunk in decode]
         chunks = [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill]
         ready = self.ready_graphs
@@ -633,7 +663,7 @@ class NeuronModelRunner:
         plans = plan_step(contexts, chunks, self.buckets, self.block_size, ready if staging else None)
         if staging and self.serving:
             self._report_demand(plans, plan_step(contexts, chunks, self.buckets, self.block_size), ready)
-        outputs = []
+        planned = []
         for plan in plans:
             parts = []
             for index, start, length in plan.parts:
@@ -649,7 +679,18 @@ class NeuronModelRunner:
             table = np.zeros((len(inputs.logits_indices), sampling.PARAMS), dtype=np.float32)
             table[: len(batch_rows)] = parameters[batch_rows]
             params = torch.from_numpy(table).to(self.device)
-            outputs.append(CallOutputs(batch_rows, *self._run(inputs, params, plan.call)))
+            planned.append(_PlannedCall(plan.call, inputs, params, batch_rows))
+        return planned
+
+    def _run_step(self, step: _Step) -> list[CallOutputs]:
+        """Run a step's calls (in the device thread with async scheduling); their outputs stay on the
+        device."""
+        step.device_started = time.perf_counter()
+        outputs = []
+        for item in step.planned:
+            outputs.append(CallOutputs(item.batch_rows, *self._run(item.inputs, item.params, item.call)))
+        step.device_ended = time.perf_counter()
+        step.forward_seconds = step.device_ended - step.device_started
         return outputs
 
     def _report_demand(
@@ -701,14 +742,12 @@ class NeuronModelRunner:
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
     def _run(self, inputs: CallInputs, params: torch.Tensor, call: Call) -> tuple[torch.Tensor, ...]:
         """One compiled call; returns its outputs (ForwardAndSample's)."""
-        self.step_calls.append(call)
         self.recorder.current_call = call
         if self.serving and self.records_traffic:
             self.stats.record(call)
         start, graphs = time.perf_counter(), self.recorder.num_graphs
         outputs = self._forward(inputs, params)
         seconds = time.perf_counter() - start
-        self._forward_seconds += seconds
         if self.recorder.num_graphs > graphs:
             metrics.COMPILE_SECONDS.labels(phase=call.phase).inc(seconds)
         return outputs
@@ -721,23 +760,45 @@ class NeuronModelRunner:
         return self.compiled_step(inputs.input_ids, inputs.positions, inputs.logits_indices, params, context)
 
     @torch.no_grad()
-    def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput:
-        pending, self._pending = self._pending, None
-        if pending is None:
+    def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput | StepOutput:
+        step, self._pending = self._pending, None
+        if step is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        try:
-            return self._sample(pending, grammar_output)
-        finally:
-            self.activity.busy.clear()
+        step.grammar_output = grammar_output
+        if isinstance(step.outputs, Future) and not step.host_bound and grammar_output is None:
+            # Sampled in the graph: the engine goes on while the calls run, and asks for the output later.
+            self._in_flight = step
+            return StepOutput(lambda: self._finish(step))
+        return self._finish(step)
 
-    def _sample(self, pending: _PendingStep, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput:
-        start = time.perf_counter()
+    def _finish_in_flight(self) -> None:
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._finish(step)
+
+    @torch.no_grad()
+    def _finish(self, step: _Step) -> ModelRunnerOutput:
+        """Make the step's output once, whoever asks first: the engine (in its output thread with several
+        ranks) or the next step."""
+        with step.lock:
+            if step.result is None:
+                try:
+                    if isinstance(step.outputs, Future):
+                        step.outputs = step.outputs.result()
+                    step.result = self._sample(step)
+                finally:
+                    self.activity.busy.clear()
+            return step.result
+
+    def _sample(self, step: _Step) -> ModelRunnerOutput:
+        """The step's tokens to the host, vLLM's sampler where a row needs it, and the step's output."""
+        start, grammar_output = time.perf_counter(), step.grammar_output
         batch = self.batch.batch
         to_host = _ToHost()
         tokens = np.empty(batch.num_reqs, dtype=np.int64)
-        for out in pending.outputs:
+        for out in step.outputs:
             tokens[out.batch_rows] = to_host(out.real(out.token_ids)).numpy()
-        discarded = set(pending.partial_prefill_rows)
+        discarded = set(step.partial_prefill_rows)
         on_host = [
             self.host_sampler_only
             or self.batch.sampling[req_id].host_reason is not None
@@ -745,9 +806,9 @@ class NeuronModelRunner:
             for row, req_id in enumerate(batch.req_ids)
         ]
         num_logprobs = batch.sampling_metadata.max_num_logprobs
-        device_logprobs = self._device_logprobs(pending, num_logprobs, to_host)
+        device_logprobs = self._device_logprobs(step, num_logprobs, to_host)
         if any(on_host):
-            sampled, logprobs = self._sample_on_host(pending, grammar_output, on_host, to_host)
+            sampled, logprobs = self._sample_on_host(step, grammar_output, on_host, to_host)
             device_rows = [row for row, host in enumerate(on_host) if not host]
             sampled[device_rows] = tokens[device_rows]
             if logprobs is not None and device_logprobs is not None and num_logprobs >= 0:
@@ -764,7 +825,7 @@ class NeuronModelRunner:
             logprobs = None if device_logprobs is None else LogprobsTensors(*device_logprobs)
 
         sampled_ids = [[token] for token in sampled.tolist()]
-        for row in pending.partial_prefill_rows:
+        for row in step.partial_prefill_rows:
             sampled_ids[row] = []
         output = ModelRunnerOutput(
             req_ids=list(batch.req_ids),
@@ -775,21 +836,44 @@ class NeuronModelRunner:
         )
         self.batch.append_sampled(sampled_ids)
         if self.serving and self.records_traffic:
-            sample_seconds = time.perf_counter() - start
-            host_seconds = (pending.schedule_seconds or 0.0) + pending.prepare_seconds + sample_seconds
-            metrics.STEP_SECONDS.labels(part="sample").observe(sample_seconds)
-            metrics.STEP_SECONDS.labels(part="host").observe(host_seconds)
-            metrics.DEVICE_TO_HOST_BYTES.observe(to_host.bytes)
-            metrics.SAMPLED_STEPS.labels(sampler="host" if any(on_host) else "device").inc()
-            if self.trace is not None:
-                self._trace_step(pending, sample_seconds, to_host.bytes, any(on_host))
-        self._step_ended = (
-            time.perf_counter()
-        )  # after the trace's line: the next gap is no longer than its own
+            self._record_step(step, time.perf_counter() - start, to_host.bytes, any(on_host))
+        self._device_ended = step.device_ended
+        # After the trace's line: the next step's gap is no longer than the trace's own.
+        self._step_ended = time.perf_counter()
         return output
 
+    def _record_step(self, step: _Step, sample_seconds: float, to_host_bytes: int, host: bool) -> None:
+        """The step's parts on /metrics and in the step trace. The host's share is the device's idle time
+        since the previous step's calls ended, while requests kept running: with async scheduling the
+        engine's scheduling and output processing happen during the calls and are not in it."""
+        host_seconds = None
+        if step.schedule_seconds is not None and self._device_ended:
+            host_seconds = step.device_started - self._device_ended
+        parts = {"prepare": step.prepare_seconds, "forward": step.forward_seconds, "sample": sample_seconds}
+        parts |= {"schedule": step.schedule_seconds, "host": host_seconds}
+        for part, seconds in parts.items():
+            if seconds is not None:
+                metrics.STEP_SECONDS.labels(part=part).observe(seconds)
+        metrics.DEVICE_TO_HOST_BYTES.observe(to_host_bytes)
+        metrics.SAMPLED_STEPS.labels(sampler="host" if host else "device").inc()
+        if self.trace is not None:
+            scheduled = step.scheduler_output.num_scheduled_tokens.values()
+            self.trace.record(
+                step.started,
+                [str(item.call) for item in step.planned],
+                decode_rows=sum(1 for count in scheduled if count == 1),
+                prefill_tokens=sum(count for count in scheduled if count > 1),
+                schedule_s=step.schedule_seconds,
+                prepare_s=step.prepare_seconds,
+                forward_s=step.forward_seconds,
+                sample_s=sample_seconds,
+                host_s=host_seconds,
+                to_host_bytes=to_host_bytes,
+                sampler="host" if host else "device",
+            )
+
     def _device_logprobs(
-        self, pending: _PendingStep, num_logprobs: int | None, to_host: _ToHost
+        self, step: _Step, num_logprobs: int | None, to_host: _ToHost
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The graph's logprobs of each row (token ids, logprobs, ranks), as many as the batch asks for (the
         sampled token's and up to LOGPROBS_CAP top ones); None if no request asked."""
@@ -800,7 +884,7 @@ class NeuronModelRunner:
         ids = torch.zeros(rows, columns, dtype=torch.int64)
         values = torch.zeros(rows, columns, dtype=torch.float32)
         ranks = torch.zeros(rows, dtype=torch.int64)
-        for out in pending.outputs:
+        for out in step.outputs:
             ids[out.batch_rows] = to_host(out.real(out.logprob_token_ids)[:, :columns]).long()
             values[out.batch_rows] = to_host(out.real(out.logprobs)[:, :columns])
             ranks[out.batch_rows] = to_host(out.real(out.ranks)).long()
@@ -808,7 +892,7 @@ class NeuronModelRunner:
 
     def _sample_on_host(
         self,
-        pending: _PendingStep,
+        step: _Step,
         grammar_output: "GrammarOutput | None",
         on_host: list[bool],
         to_host: _ToHost,
@@ -817,34 +901,19 @@ class NeuronModelRunner:
         (the rows the graph sampled keep its tokens: the caller puts them back)."""
         batch = self.batch.batch
         logits = torch.empty(batch.num_reqs, self.model_config.get_vocab_size(), dtype=torch.float32)
-        for out in pending.outputs:
+        for out in step.outputs:
             logits[out.batch_rows] = to_host(out.real(out.logits)).float()
         if grammar_output is not None:
-            apply_grammar_bitmask(pending.scheduler_output, grammar_output, batch, logits)
+            apply_grammar_bitmask(step.scheduler_output, grammar_output, batch, logits)
         # Generators of the rows whose tokens are not the host's must not advance here: a discarded sample
         # (a prompt chunked differently), or a token the graph sampled (drawn from the generator already).
-        kept = set(pending.partial_prefill_rows) | {row for row, host in enumerate(on_host) if not host}
+        kept = set(step.partial_prefill_rows) | {row for row, host in enumerate(on_host) if not host}
         saved_rng = {row: batch.generators[row].get_state() for row in kept if row in batch.generators}
         sampler_output = self.sampler(logits=logits, sampling_metadata=batch.sampling_metadata)
         for row, state in saved_rng.items():
             batch.generators[row].set_state(state)
         sampled = sampler_output.sampled_token_ids[:, 0].numpy().astype(np.int64)
         return sampled, sampler_output.logprobs_tensors
-
-    def _trace_step(self, step: _PendingStep, sample_seconds: float, to_host_bytes: int, host: bool) -> None:
-        scheduled = step.scheduler_output.num_scheduled_tokens.values()
-        self.trace.record(
-            step.started,
-            [str(call) for call in self.step_calls],
-            decode_rows=sum(1 for count in scheduled if count == 1),
-            prefill_tokens=sum(count for count in scheduled if count > 1),
-            schedule_s=step.schedule_seconds,
-            prepare_s=step.prepare_seconds,
-            forward_s=step.forward_seconds,
-            sample_s=sample_seconds,
-            to_host_bytes=to_host_bytes,
-            sampler="host" if host else "device",
-        )
 
 
 def _by_phase(graphs: list[GraphKey]) -> dict[str, int]:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from vllm.tasks import SupportedTask
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 logger = init_logger("vllm.vllm_neuron.worker")
 
@@ -130,7 +130,9 @@ class NeuronWorker(WorkerBase):
             )
         return self.model_runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: "GrammarOutput | None") -> "ModelRunnerOutput":
+    def sample_tokens(
+        self, grammar_output: "GrammarOutput | None"
+    ) -> "ModelRunnerOutput | AsyncModelRunnerOutput":
         return self.model_runner.sample_tokens(grammar_output)
 
     def check_health(self) -> None:

@@ -4,8 +4,8 @@ Each served step appends one line: when it ended (wall clock, so it lines up wit
 times), its compiled calls, its decode rows and prefill tokens, the milliseconds of each part, the
 milliseconds between the end of the previous step and the start of this one (the engine's own work:
 scheduling, output processing, messages to the API server, and any wait for the CPU or for requests), the
-host's share (that gap while requests kept running, prepare and sample), the bytes copied from the device,
-and where the step sampled (device: the graph; host: vLLM's sampler).
+host's share (the device's idle time since the previous step's calls, while requests kept running), the
+bytes copied from the device, and where the step sampled (device: the graph; host: vLLM's sampler).
 """
 
 import json
@@ -29,6 +29,7 @@ class StepTrace:
         prepare_s: float,
         forward_s: float,
         sample_s: float,
+        host_s: float | None,
         to_host_bytes: int,
         sampler: str,
     ) -> None:
@@ -46,7 +47,7 @@ class StepTrace:
             "sample_ms": round(1e3 * sample_s, 2),
             "step_ms": round(1e3 * (end - start), 2),
             "since_previous_ms": None if between is None else round(between, 2),
-            "host_ms": round(1e3 * ((schedule_s or 0.0) + prepare_s + sample_s), 3),
+            "host_ms": None if host_s is None else round(1e3 * host_s, 3),
             "to_host_bytes": to_host_bytes,
             "sampler": sampler,
         }

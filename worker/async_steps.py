@@ -1,0 +1,41 @@
+"""Async scheduling's two pieces on the runner side: a thread that runs a step's compiled calls, so that
+execute_model returns while they run, and the output vLLM's engine waits on only when it needs the tokens.
+
+With vLLM's async scheduler the engine schedules step N+1, and processes step N-1's outputs, while step N
+runs. The runner prepares N+1 once N's tokens are on the host (its decode rows' input tokens are N's
+samples): what stays on the host's critical path, with the device idle, is the copy of N's token ids and
+N+1's input preparation. The calls go to a thread of their own so that execute_model returns while they
+run, whether a device call returns before the device is done (CPU mode's never does)."""
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+
+class DeviceThread:
+    """One thread that runs the compiled calls of one step at a time, in submission order."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuron-device")
+
+    def submit(self, calls: Callable[[], object]) -> Future:
+        def run() -> object:
+            with torch.no_grad():  # grad mode is per thread, and dynamo guards on it
+                return calls()
+
+        return self._executor.submit(run)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+class StepOutput(AsyncModelRunnerOutput):
+    """A step's output, made when the engine asks for it (or earlier, when the next step needs its tokens)."""
+
+    def __init__(self, resolve: Callable[[], ModelRunnerOutput]) -> None:
+        self._resolve = resolve
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self._resolve()
