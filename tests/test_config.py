@@ -75,8 +75,8 @@ def test_engine_config_gets_our_worker_buckets_and_no_vllm_compilation(tiny_mode
     config = engine_config(tiny_model_dir, max_num_batched_tokens=128)
     assert config.parallel_config.worker_cls == "worker.neuron_worker.NeuronWorker"
     assert config.compilation_config.mode == CompilationMode.NONE
-    assert config.scheduler_config.async_scheduling is False
-    assert config.scheduler_config.scheduler_cls == "vllm_neuron.scheduler.NeuronScheduler"
+    assert config.scheduler_config.async_scheduling is True  # vLLM's default, kept
+    assert config.scheduler_config.scheduler_cls == "vllm_neuron.scheduler.NeuronAsyncScheduler"
     assert config.cache_config.block_size == 32
     assert config.additional_config == {
         "prefill_buckets": [128],

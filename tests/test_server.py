@@ -360,9 +360,9 @@ def test_plugin_series_on_metrics_after_traffic(server, client):
     assert all(count > 0 for count in steps.values())
     # Sane: each part of a tiny model's step is a fraction of a second (a clock mix-up once gave hours).
     assert all(0 < seconds[part] / steps[part] < 1.0 for part in steps)
-    # The host's share is schedule + prepare + sample of the same steps (schedule: those after another).
-    host, prepare = '{part="host"}', '{part="prepare"}'
-    assert steps[host] == steps[prepare] and seconds[host] >= seconds[prepare]
+    # The host's share (the device idle between two steps' calls) is counted for steps that follow another.
+    host, schedule, prepare = '{part="host"}', '{part="schedule"}', '{part="prepare"}'
+    assert steps[host] <= steps[schedule] < steps[prepare]
     # Greedy steps sampled in the graph: an int32 token per row left the device.
     assert metric_values(text, "vllm_neuron:sampled_steps_total")['{sampler="device"}'] > 0
     moved = one("vllm_neuron:step_device_to_host_bytes_sum") / one(

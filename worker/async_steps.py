@@ -15,20 +15,26 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 
 class DeviceThread:
-    """One thread that runs the compiled calls of one step at a time, in submission order."""
+    """One thread that runs the compiled calls of one step at a time, in submission order (started at the
+    first step, and again at the first step after close())."""
 
     def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuron-device")
+        self._executor: ThreadPoolExecutor | None = None
 
     def submit(self, calls: Callable[[], object]) -> Future:
         def run() -> object:
             with torch.no_grad():  # grad mode is per thread, and dynamo guards on it
                 return calls()
 
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuron-device")
         return self._executor.submit(run)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Wait for the calls under way and end the thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
 
 class StepOutput(AsyncModelRunnerOutput):
