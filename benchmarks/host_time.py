@@ -1,10 +1,11 @@
 """The host's share of a decode step, before and after, side by side in one run: vLLM's host sampler with
-async scheduling off (before), the graph's sampler with async scheduling off, and the graph's sampler with
-vLLM's async scheduling (after). SmolLM2-135M-Instruct (bfloat16) served by `vllm-neuron serve` in CPU
-mode, B streams decoding at once (B = 1, 8, 32), greedy and sampled (temperature 0.8, top-k 50, top-p 0.9)
-traffic.
+async scheduling off (host+sync, before), the graph's sampler with async scheduling off (device+sync), and
+the graph's sampler with vLLM's async scheduling (device+async, after). SmolLM2-135M-Instruct (bfloat16)
+served by `vllm-neuron serve` in CPU mode, B streams decoding at once (B = 1, 8, 32), greedy and sampled
+(temperature 0.8, top-k 50, top-p 0.9) traffic.
 
     .venv/bin/python benchmarks/host_time.py [--output-tokens 64] [--json-out host_time.json]
+        [--variants host+sync,device+sync,device+async]
 
 From the server's step trace (VLLM_NEURON_STEP_TRACE), over the steps that decode exactly B rows and
 prefill nothing, medians of: schedule (the engine between two steps' outputs: output processing and
@@ -42,11 +43,11 @@ TRAFFIC = {
     "sampled": {"temperature": 0.8, "top_p": 0.9, "extra_body": {"top_k": 50}},
 }
 PARTS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "host_ms")
-# name -> (VLLM_NEURON_SAMPLER, serve arguments)
+# name (sampler + scheduling) -> (VLLM_NEURON_SAMPLER, serve arguments)
 VARIANTS = {
-    "host sampler, sync": ("host", ["--no-async-scheduling"]),
-    "device sampler, sync": ("device", ["--no-async-scheduling"]),
-    "device sampler, async": ("device", ["--async-scheduling"]),
+    "host+sync": ("host", ["--no-async-scheduling"]),
+    "device+sync": ("device", ["--no-async-scheduling"]),
+    "device+async": ("device", ["--async-scheduling"]),
 }
 
 
@@ -92,7 +93,7 @@ def summarise(steps: list[dict], batch: int) -> dict[str, float]:
 
 def measure(variant: str, model: str, output_tokens: int, workdir: Path) -> dict:
     sampler, serve_args = VARIANTS[variant]
-    name = variant.replace(", ", "-").replace(" ", "-")
+    name = variant.replace("+", "-")
     trace = workdir / f"steps-{name}.jsonl"
     config = Config(
         name,
@@ -125,9 +126,9 @@ def markdown(doc: dict) -> str:
         "bytes to host | host-sampled steps | steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key in doc["results"][next(iter(VARIANTS))]:
+    for key in next(iter(doc["results"].values())):
         traffic, batch = key.split("/")
-        for variant in VARIANTS:
+        for variant in doc["results"]:
             f = doc["results"][variant][key]
             if not f.get("steps"):
                 lines.append(f"| {traffic} | {batch} | {variant} | no steady decode steps | | | | | | | 0 |")
@@ -147,6 +148,9 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--workdir", type=Path, help="server logs and step traces (default: a temp dir)")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}"
+    )
     args = parser.parse_args()
 
     from server.default_model import ensure_default_model
@@ -160,7 +164,8 @@ def main() -> None:
         "commit": commit.stdout.strip(),
         "command": " ".join(sys.argv),
     }
-    doc["results"] = {variant: measure(variant, model, args.output_tokens, workdir) for variant in VARIANTS}
+    chosen = [name.strip() for name in args.variants.split(",")]
+    doc["results"] = {variant: measure(variant, model, args.output_tokens, workdir) for variant in chosen}
     print(f"\n{doc['date']}, commit {doc['commit']}: `{doc['command']}`\n")
     print(markdown(doc))
     if args.json_out:

@@ -3,19 +3,21 @@ one's calls run on the runner's device thread, and outputs are those of async sc
 
 from concurrent.futures import Future
 
+import torch
 from vllm import SamplingParams
 
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, model_runner
 from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, random_prompt, run_engine
 from vllm_neuron.scheduler import NeuronAsyncScheduler, NeuronScheduler
-from worker.async_steps import StepOutput
+from worker.async_steps import DeviceThread, StepOutput
 
 
 def test_the_shared_engine_schedules_ahead_with_the_prefill_share(llm):
     core = llm.llm_engine.engine_core.engine_core
     assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
     assert isinstance(core.scheduler, NeuronAsyncScheduler) and core.batch_queue_size == 2
-    assert model_runner(llm).device_thread is not None
+    # CPU mode runs a step's calls in the engine's thread (a second OpenMP team would throttle both).
+    assert model_runner(llm).device_thread is not None and not model_runner(llm).device_thread.threaded
 
 
 def test_a_step_returns_before_its_calls_end_and_its_output_waits_for_them(llm):
@@ -46,10 +48,11 @@ def test_a_step_returns_before_its_calls_end_and_its_output_waits_for_them(llm):
     assert runner.recorder.num_graphs == EXPECTED_GRAPHS
 
 
-def test_outputs_equal_async_scheduling_off(tiny_model_dir, llm):
+def test_outputs_equal_async_scheduling_and_the_device_sampler_off(tiny_model_dir, llm):
+    """The engine as it was before both: every step's logits to vLLM's sampler, one step at a time."""
     engine = {**ENGINE_KWARGS, "async_scheduling": False}
-    result = run_engine(tiny_model_dir, engine, {"VLLM_NEURON_DEVICE": "cpu"})
-    assert result["async_scheduling"] is False
+    result = run_engine(tiny_model_dir, engine, {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_SAMPLER": "host"})
+    assert result["async_scheduling"] is False and result["sampled_on_host"]
     assert result["tokens"] == generate_ids(llm, PROMPTS, greedy(MAX_TOKENS))
     assert result["compile_stats"][0]["unexpected_recompiles"] == 0
 
@@ -60,3 +63,27 @@ def test_the_scheduler_class_follows_async_scheduling(tiny_model_dir):
     assert engine_config(tiny_model_dir).scheduler_config.get_scheduler_cls() is NeuronAsyncScheduler
     off = engine_config(tiny_model_dir, async_scheduling=False).scheduler_config.get_scheduler_cls()
     assert off is NeuronScheduler
+
+
+def test_the_device_thread_runs_steps_in_order_without_grad_and_starts_again_after_close():
+    import threading
+
+    thread = DeviceThread(threaded=True)
+    gate, seen = threading.Event(), []
+
+    def step(name: str) -> str:
+        gate.wait(timeout=10)
+        seen.append((name, threading.current_thread().name, torch.is_grad_enabled()))
+        return name
+
+    first, second = thread.submit(lambda: step("a")), thread.submit(lambda: step("b"))
+    assert not first.done()  # submit returned while the calls wait
+    gate.set()
+    assert (first.result(timeout=10), second.result(timeout=10)) == ("a", "b")
+    assert [name for name, _, _ in seen] == ["a", "b"]
+    assert all(name.startswith("neuron-device") and not grad for _, name, grad in seen)
+    thread.close()
+    assert thread.submit(lambda: "again").result(timeout=10) == "again"
+    thread.close()
+    inline = DeviceThread(threaded=False).submit(lambda: threading.current_thread().name)
+    assert inline.done() and inline.result() == threading.current_thread().name

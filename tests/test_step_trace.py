@@ -13,10 +13,11 @@ from worker.step_trace import StepTrace
 def test_each_record_is_a_line_on_disk_at_once_and_close_closes_the_file(tmp_path):
     path = tmp_path / "trace" / "steps.jsonl"
     trace = StepTrace(str(path))
-    trace.record(time.perf_counter(), ["decode"], 1, 0, 0.0002, 0.001, 0.002, 0.0005, 0.0017, 4, "device")
+    start = time.perf_counter()
+    trace.record(start, start + 0.004, ["decode"], 1, 0, 0.001, 0.002, 0.0005, 0.0017, 4, "device")
     [line] = path.read_text().splitlines()  # line-buffered: nothing waits for close
     step = json.loads(line)
-    assert step["calls"] == ["decode"] and step["host_ms"] == 1.7
+    assert step["calls"] == ["decode"] and (step["step_ms"], step["host_ms"]) == (4.0, 1.7)
     assert (step["to_host_bytes"], step["sampler"]) == (4, "device")
     trace.close()
     assert trace._file.closed

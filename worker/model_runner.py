@@ -149,6 +149,16 @@ class _Step:
     grammar_output: "GrammarOutput | None" = None
     result: ModelRunnerOutput | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    figures: "_StepFigures | None" = None  # what /metrics and the step trace get, once the output is made
+
+
+@dataclass
+class _StepFigures:
+    ended: float  # time.perf_counter() when the output was made
+    sample_seconds: float
+    host_seconds: float | None  # the device's idle time since the previous step's calls (None: not after one)
+    to_host_bytes: int
+    sampled_on_host: bool
 
 
 @dataclass
@@ -206,10 +216,15 @@ class NeuronModelRunner:
         self.records_traffic = self.tp_rank == 0
         self._pending: _Step | None = None  # between execute_model and sample_tokens
         self._in_flight: _Step | None = None  # async scheduling: sampled on the device, output not yet made
-        # Async scheduling (vLLM's default): a step's calls run on this thread while the engine schedules the
-        # next one and processes the previous one's output.
-        self.device_thread = DeviceThread() if vllm_config.scheduler_config.async_scheduling else None
+        # Async scheduling (vLLM's default): on Trainium a step's calls run on this thread while the engine
+        # schedules the next one and processes the previous one's output (worker/async_steps.py).
+        self.device_thread = (
+            DeviceThread(threaded=neuron_device.mode() == "neuron")
+            if vllm_config.scheduler_config.async_scheduling
+            else None
+        )
         self._step_ended = 0.0  # when the latest step's output was made
+        self._unrecorded: _Step | None = None  # made by the next step; recorded once that one's calls run
         self._device_ended = 0.0  # when the latest step's calls finished
         self._memory_sampled_at = 0.0
         trace_path = envs.VLLM_NEURON_STEP_TRACE
@@ -584,7 +599,9 @@ class NeuronModelRunner:
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput | None:
-        self._finish_in_flight()  # its tokens are the inputs of this step's decode rows
+        # The previous step's tokens are this step's decode inputs; its figures are recorded once this step's
+        # calls run, off the host's critical path.
+        self._finish_in_flight(record_later=True)
         step_start = time.perf_counter()
         # The engine's time since the previous step, while requests kept running (not an idle wait).
         continuing = bool(scheduler_output.scheduled_cached_reqs.req_ids) and self._step_ended > 0
@@ -593,6 +610,7 @@ class NeuronModelRunner:
         self.batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.activity.busy.clear()
+            self._record_unrecorded()
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.batch.batch
         decode: list[tuple[int, Chunk]] = []
@@ -618,6 +636,7 @@ class NeuronModelRunner:
         else:
             step.outputs = self._run_step(step)
         self._pending = step
+        self._record_unrecorded()
         if self.serving and self.records_traffic:
             self._sample_usage(step_start)
         return None
@@ -677,7 +696,7 @@ class NeuronModelRunner:
             batch_rows = [prefill[index][0] for index, _, _ in plan.parts]
             batch_rows += [decode[index][0] for index in plan.decode_rows]
             table = np.zeros((len(inputs.logits_indices), sampling.PARAMS), dtype=np.float32)
-            table[: len(batch_rows)] = parameters[batch_rows]
+            table[: inputs.num_real_rows] = parameters[batch_rows]
             params = torch.from_numpy(table).to(self.device)
             planned.append(_PlannedCall(plan.call, inputs, params, batch_rows))
         return planned
@@ -771,15 +790,15 @@ class NeuronModelRunner:
             return StepOutput(lambda: self._finish(step))
         return self._finish(step)
 
-    def _finish_in_flight(self) -> None:
+    def _finish_in_flight(self, record_later: bool = False) -> None:
         step, self._in_flight = self._in_flight, None
         if step is not None:
-            self._finish(step)
+            self._finish(step, record_later)
 
     @torch.no_grad()
-    def _finish(self, step: _Step) -> ModelRunnerOutput:
+    def _finish(self, step: _Step, record_later: bool = False) -> ModelRunnerOutput:
         """Make the step's output once, whoever asks first: the engine (in its output thread with several
-        ranks) or the next step."""
+        ranks) or the next step (which records its figures after its own calls started)."""
         with step.lock:
             if step.result is None:
                 try:
@@ -788,7 +807,16 @@ class NeuronModelRunner:
                     step.result = self._sample(step)
                 finally:
                     self.activity.busy.clear()
+                if record_later:
+                    self._unrecorded = step
+                else:
+                    self._record_step(step)
             return step.result
+
+    def _record_unrecorded(self) -> None:
+        step, self._unrecorded = self._unrecorded, None
+        if step is not None:
+            self._record_step(step)
 
     def _sample(self, step: _Step) -> ModelRunnerOutput:
         """The step's tokens to the host, vLLM's sampler where a row needs it, and the step's output."""
@@ -835,20 +863,28 @@ class NeuronModelRunner:
             prompt_logprobs_dict={},
         )
         self.batch.append_sampled(sampled_ids)
-        if self.serving and self.records_traffic:
-            self._record_step(step, time.perf_counter() - start, to_host.bytes, any(on_host))
-        self._device_ended = step.device_ended
-        # After the trace's line: the next step's gap is no longer than the trace's own.
-        self._step_ended = time.perf_counter()
-        return output
-
-    def _record_step(self, step: _Step, sample_seconds: float, to_host_bytes: int, host: bool) -> None:
-        """The step's parts on /metrics and in the step trace. The host's share is the device's idle time
-        since the previous step's calls ended, while requests kept running: with async scheduling the
-        engine's scheduling and output processing happen during the calls and are not in it."""
+        # The host's share: the device's idle time since the previous step's calls ended, while requests kept
+        # running (with async scheduling the engine schedules and processes outputs during calls).
         host_seconds = None
         if step.schedule_seconds is not None and self._device_ended:
             host_seconds = step.device_started - self._device_ended
+        self._device_ended = step.device_ended
+        self._step_ended = ended = time.perf_counter()
+        if self.serving and self.records_traffic:
+            step.figures = _StepFigures(ended, ended - start, host_seconds, to_host.bytes, any(on_host))
+        return output
+
+    def _record_step(self, step: _Step) -> None:
+        """The step's parts on /metrics and in the step trace."""
+        figures = step.figures
+        if figures is None:  # warm-up, or a rank that records no traffic
+            return
+        sample_seconds, host_seconds, host = (
+            figures.sample_seconds,
+            figures.host_seconds,
+            figures.sampled_on_host,
+        )
+        to_host_bytes = figures.to_host_bytes
         parts = {"prepare": step.prepare_seconds, "forward": step.forward_seconds, "sample": sample_seconds}
         parts |= {"schedule": step.schedule_seconds, "host": host_seconds}
         for part, seconds in parts.items():
@@ -860,10 +896,10 @@ class NeuronModelRunner:
             scheduled = step.scheduler_output.num_scheduled_tokens.values()
             self.trace.record(
                 step.started,
+                figures.ended,
                 [str(item.call) for item in step.planned],
                 decode_rows=sum(1 for count in scheduled if count == 1),
                 prefill_tokens=sum(count for count in scheduled if count > 1),
-                schedule_s=step.schedule_seconds,
                 prepare_s=step.prepare_seconds,
                 forward_s=step.forward_seconds,
                 sample_s=sample_seconds,

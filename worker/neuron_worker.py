@@ -106,6 +106,10 @@ class NeuronWorker(WorkerBase):
             "collectives_per_graph": [graph["collectives"] for graph in self.model_runner.lowered_graphs()],
         }
 
+    def sampled_on_host(self) -> bool:
+        """Whether every step takes vLLM's host sampler (collective_rpc("sampled_on_host"))."""
+        return self.model_runner.host_sampler_only
+
     def compile_progress(self) -> dict[str, object]:
         """Graphs ready and pending under staged readiness (collective_rpc("compile_progress"))."""
         return self.model_runner.compile_progress()

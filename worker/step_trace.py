@@ -22,10 +22,10 @@ class StepTrace:
     def record(
         self,
         start: float,
+        end: float,
         calls: list[str],
         decode_rows: int,
         prefill_tokens: int,
-        schedule_s: float | None,
         prepare_s: float,
         forward_s: float,
         sample_s: float,
@@ -33,12 +33,12 @@ class StepTrace:
         to_host_bytes: int,
         sampler: str,
     ) -> None:
-        """One step that started at `start` (time.perf_counter()) and ends now."""
-        end = time.perf_counter()
+        """One step that started at `start` and ended at `end` (time.perf_counter(); with async scheduling
+        a step is recorded once the next one's calls run)."""
         between = None if self._previous_end is None else 1e3 * (start - self._previous_end)
         self._previous_end = end
         line = {
-            "time": round(time.time(), 4),
+            "time": round(time.time() - (time.perf_counter() - end), 4),
             "calls": calls,
             "decode_rows": decode_rows,
             "prefill_tokens": prefill_tokens,
