@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from vllm_neuron import device, envs
+from vllm_neuron import device
 from vllm_neuron.config import NeuronConfig
 from worker import sampling_rows
 
@@ -66,9 +66,7 @@ def describe(vllm_config) -> dict[str, Any]:
         },
         "graphs": buckets.num_graphs,
         "prefill_tokens_while_decoding": neuron_config.prefill_tokens_while_decoding,
-        "sampling": sampling_rows.summary(
-            envs.VLLM_NEURON_SAMPLER == "host" or bool(vllm_config.model_config.logits_processors)
-        ),
+        "sampling": sampling_rows.summary(sampling_rows.host_only(vllm_config.model_config)),
         "kv_cache": {"block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks},
         "versions": device.versions(),
     }

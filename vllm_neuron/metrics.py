@@ -67,7 +67,8 @@ STEP_SECONDS = Histogram(
     "Seconds of each scheduler step by part: schedule (the engine between two steps of running requests: "
     "output processing and scheduling), prepare (host: batch update, padding, inputs to device), forward "
     "(compiled calls: the model and its sampler), sample (outputs to host, and vLLM's sampler on a step that "
-    "needs it), and host: schedule + prepare + sample, the host's share of the step.",
+    "needs it), and host: the device's idle time since the previous step's calls ended while requests kept "
+    "running, the host's share of the step (without async scheduling about schedule + prepare + sample).",
     ["part"],
     buckets=(0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )

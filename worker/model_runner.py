@@ -183,10 +183,7 @@ class NeuronModelRunner:
         self.block_size = vllm_config.cache_config.block_size
         self.batch = PersistentBatch(vllm_config, self.block_size)
         self.sampler = Sampler(logprobs_mode=self.model_config.logprobs_mode)
-        # Every step through vLLM's host sampler: the switch, or logits processors the graph cannot apply.
-        self.host_sampler_only = envs.VLLM_NEURON_SAMPLER == "host" or bool(
-            self.model_config.logits_processors
-        )
+        self.host_sampler_only = sampling_rows.host_only(self.model_config)
         self.model: torch.nn.Module | None = None
         self.compiled_step = None
         self.recorder: neuron_compile.CompileRecorder | None = None

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm_neuron import sampling
+from vllm_neuron import envs, sampling
 
 if TYPE_CHECKING:  # not at run time: the API server imports this before vLLM has resolved its platform
+    from vllm.config import ModelConfig
     from vllm.sampling_params import SamplingParams
 
 # What the graph samples, and what takes the host sampler (the start-up log and /v1/neuron/info).
@@ -41,6 +42,12 @@ ON_HOST = (
     "a logprobs mode other than raw_logprobs",
     f"a step where top_p's cut lies beyond the {sampling.TOP_K_CAP} largest logits (that row, that step)",
 )
+
+
+def host_only(model_config: "ModelConfig") -> bool:
+    """Every step takes vLLM's host sampler: VLLM_NEURON_SAMPLER=host, or logits processors the graph cannot
+    apply."""
+    return envs.VLLM_NEURON_SAMPLER == "host" or bool(model_config.logits_processors)
 
 
 def summary(host_only: bool) -> dict[str, object]:
