@@ -1,11 +1,13 @@
 """The host's share of a decode step, before and after, side by side in one run: vLLM's host sampler with
 async scheduling off (host+sync, before), the graph's sampler with async scheduling off (device+sync), and
-the graph's sampler with vLLM's async scheduling (device+async, after). SmolLM2-135M-Instruct (bfloat16)
-served by `vllm-neuron serve` in CPU mode, B streams decoding at once (B = 1, 8, 32), greedy and sampled
-(temperature 0.8, top-k 50, top-p 0.9) traffic.
+the graph's sampler with vLLM's async scheduling (device+async, after), and that with the calls on a thread
+of their own as on Trainium (device+async+thread: VLLM_NEURON_DEVICE_THREAD=on; in CPU mode the thread's
+OpenMP team slows the calls, but the host time between them is Trainium's arrangement).
+SmolLM2-135M-Instruct (bfloat16) served by `vllm-neuron serve` in CPU mode, B streams decoding at once
+(B = 1, 8, 32), greedy and sampled (temperature 0.8, top-k 50, top-p 0.9) traffic.
 
     .venv/bin/python benchmarks/host_time.py [--output-tokens 64] [--json-out host_time.json]
-        [--variants host+sync,device+sync,device+async]
+        [--variants host+sync,device+sync,device+async,device+async+thread]
 
 From the server's step trace (VLLM_NEURON_STEP_TRACE), over the steps that decode exactly B rows and
 prefill nothing, medians of: schedule (the engine between two steps' outputs: output processing and
@@ -43,11 +45,12 @@ TRAFFIC = {
     "sampled": {"temperature": 0.8, "top_p": 0.9, "extra_body": {"top_k": 50}},
 }
 PARTS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "host_ms")
-# name (sampler + scheduling) -> (VLLM_NEURON_SAMPLER, serve arguments)
+# name (sampler + scheduling [+ device thread]) -> (VLLM_NEURON_SAMPLER, serve arguments, more environment)
 VARIANTS = {
-    "host+sync": ("host", ["--no-async-scheduling"]),
-    "device+sync": ("device", ["--no-async-scheduling"]),
-    "device+async": ("device", ["--async-scheduling"]),
+    "host+sync": ("host", ["--no-async-scheduling"], {}),
+    "device+sync": ("device", ["--no-async-scheduling"], {}),
+    "device+async": ("device", ["--async-scheduling"], {}),
+    "device+async+thread": ("device", ["--async-scheduling"], {"VLLM_NEURON_DEVICE_THREAD": "on"}),
 }
 
 
@@ -92,7 +95,7 @@ def summarise(steps: list[dict], batch: int) -> dict[str, float]:
 
 
 def measure(variant: str, model: str, output_tokens: int, workdir: Path) -> dict:
-    sampler, serve_args = VARIANTS[variant]
+    sampler, serve_args, environment = VARIANTS[variant]
     name = variant.replace("+", "-")
     trace = workdir / f"steps-{name}.jsonl"
     config = Config(
@@ -100,7 +103,7 @@ def measure(variant: str, model: str, output_tokens: int, workdir: Path) -> dict
         model,
         ["--dtype", "bfloat16", *serve_args],
         MAX_MODEL_LEN,
-        env={"VLLM_NEURON_SAMPLER": sampler, "VLLM_NEURON_STEP_TRACE": str(trace)},
+        env={"VLLM_NEURON_SAMPLER": sampler, "VLLM_NEURON_STEP_TRACE": str(trace), **environment},
     )
     server = Server(config, str(workdir / "compile-cache"), workdir / f"server-{name}.log")
     results: dict = {}

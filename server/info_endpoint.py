@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from vllm_neuron import device
 from vllm_neuron.config import NeuronConfig
-from worker import sampling_rows
+from worker import async_steps, sampling_rows
 
 ENDPOINT_PLUGIN_NAME = "neuron-info"
 
@@ -57,6 +57,8 @@ def describe(vllm_config) -> dict[str, Any]:
         "max_num_seqs": scheduler.max_num_seqs,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         "async_scheduling": bool(scheduler.async_scheduling),
+        # With async scheduling: whether a step's calls run on a thread of their own (on Trainium).
+        "device_thread": bool(scheduler.async_scheduling) and async_steps.threaded_calls(),
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
         "buckets": {
             "prefill_tokens": list(buckets.prefill_tokens),

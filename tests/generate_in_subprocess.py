@@ -68,6 +68,7 @@ def main() -> None:
         "platform": type(current_platform).__name__,
         "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
         "sampled_on_host": llm.collective_rpc("sampled_on_host")[0] if ours else None,
+        "device_thread": llm.collective_rpc("device_thread")[0] if ours else None,
         "compile_stats": llm.collective_rpc("compile_stats") if ours else None,
         "compile_progress": llm.collective_rpc("compile_progress")[0] if ours else None,
         "churn": churn,

@@ -57,6 +57,19 @@ def test_outputs_equal_async_scheduling_and_the_device_sampler_off(tiny_model_di
     assert result["compile_stats"][0]["unexpected_recompiles"] == 0
 
 
+def test_trainiums_device_thread_in_cpu_mode_gives_the_same_tokens_and_survives_churn(tiny_model_dir, llm):
+    """VLLM_NEURON_DEVICE_THREAD=on: the calls on a thread of their own, as on Trainium, end to end: the
+    same greedy tokens as the shared engine (calls inline), then churn (cancellations, n > 1, seeds, top-p,
+    host-path rows) with no graph added and every KV block freed."""
+    env = {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_DEVICE_THREAD": "on"}
+    result = run_engine(tiny_model_dir, ENGINE_KWARGS, env, extra={"churn_bursts": 4})
+    assert result["async_scheduling"] is True and result["device_thread"] is True
+    assert result["tokens"] == generate_ids(llm, PROMPTS, greedy(MAX_TOKENS))
+    assert result["churn"]["finished"] + result["churn"]["cancelled"] == result["churn"]["requests"]
+    assert result["churn"]["blocks_freed"]
+    assert result["compile_stats"][0]["unexpected_recompiles"] == 0
+
+
 def test_the_scheduler_class_follows_async_scheduling(tiny_model_dir):
     from tests.helpers import engine_config
 

@@ -287,6 +287,8 @@ def test_neuron_info_endpoint(server):
     sampling = info["sampling"]
     assert sampling["sampler"] == "device" and sampling["top_k_cap"] == 256 and sampling["logprobs_cap"] == 20
     assert "top_p" in sampling["on_device"] and "logit_bias" in sampling["on_host"]
+    # Async scheduling on, the calls in the engine's thread (CPU mode's default).
+    assert info["async_scheduling"] is True and info["device_thread"] is False
 
 
 # ---- /metrics -------------------------------------------------------------------------------------------

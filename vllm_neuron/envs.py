@@ -132,6 +132,13 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "take vLLM's host sampler on the steps they are in. host: every step copies its logits to the host "
         "for vLLM's sampler (to compare, or to rule the device sampler out).",
     ),
+    "VLLM_NEURON_DEVICE_THREAD": (
+        _choice("VLLM_NEURON_DEVICE_THREAD", "auto", ("auto", "on", "off")),
+        "With async scheduling, run each step's compiled calls on a thread of their own, so that the engine "
+        "schedules and prepares the next step while they run. auto (default): on with Trainium, off in CPU "
+        "mode (there the calls and the host share two cores: a second OpenMP team slows both). on in CPU "
+        "mode runs Trainium's arrangement: to test it, and to measure the host time it leaves between calls.",
+    ),
     "VLLM_NEURON_STEP_TRACE": (
         lambda: os.environ.get("VLLM_NEURON_STEP_TRACE", ""),
         "Path of a JSON-lines file that gets one line per served step (wall time, compiled calls, decode "

@@ -7,13 +7,24 @@ samples): what stays on the host's critical path, with the device idle, is the c
 N+1's input preparation. On Trainium the calls go to a thread of their own, so that execute_model returns
 while the device runs them. In CPU mode they run in the caller's thread: the device is the host's cores,
 and a second thread doing torch work gets an OpenMP team of its own, which throttles both teams' spinning
-(more OpenMP threads than cores): a batch-1 decode call took 57 ms on the thread against 38 ms inline."""
+(more OpenMP threads than cores): a batch-1 decode call took 57 ms on the thread against 38 ms inline.
+VLLM_NEURON_DEVICE_THREAD=on runs Trainium's arrangement in CPU mode, for its tests and to measure the
+host time it leaves between calls."""
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+from vllm_neuron import device, envs
+
+
+def threaded_calls() -> bool:
+    """Whether, with async scheduling, a step's calls run on a thread of their own
+    (VLLM_NEURON_DEVICE_THREAD: by default on Trainium only)."""
+    choice = envs.VLLM_NEURON_DEVICE_THREAD
+    return choice == "on" or (choice == "auto" and device.mode() == "neuron")
 
 
 class DeviceThread:

@@ -114,26 +114,36 @@ def _paged_part(
     """One token per request over `num_pages` KV pages the rows share, each row as many as its context needs
     (in row order)."""
     blocks_per_page = page_tokens // block_size
+    rows = len(chunks)
+    starts = np.fromiter((chunk.start for chunk in chunks), dtype=np.int64, count=rows)
+    row_pages = (starts + page_tokens) // page_tokens  # ceil((start + 1) / page_tokens)
+    if int(row_pages.sum()) > num_pages:
+        raise ValueError(f"decode rows need {int(row_pages.sum())} KV pages, the call has {num_pages}")
+    # Every row's blocks as far as its last page reaches, zero-padded (vectorised: this runs every step).
+    width = max((int(row_pages.max()) if rows else 0) * blocks_per_page, 1)
+    block_rows = np.full((rows, width), NULL_BLOCK, dtype=np.int64)
+    for row, chunk in enumerate(chunks):
+        reach = min(width, chunk.block_row.shape[0])
+        block_rows[row, :reach] = chunk.block_row[:reach]
+
     input_ids = np.zeros(batch_bucket, dtype=np.int64)
     positions = np.zeros(batch_bucket, dtype=np.int64)
     slots = np.full(batch_bucket, NULL_BLOCK * block_size, dtype=np.int64)
+    input_ids[:rows] = [chunk.token_ids[0] for chunk in chunks]
+    positions[:rows] = starts
+    slots[:rows] = block_rows[np.arange(rows), starts // block_size] * block_size + starts % block_size
+
+    # The pages in row order: page p of row r holds the row's blocks p*blocks_per_page onwards.
+    used = int(row_pages.sum())
+    page_row = np.repeat(np.arange(rows, dtype=np.int64), row_pages)
+    page_of_row = np.arange(used, dtype=np.int64) - np.repeat(np.cumsum(row_pages) - row_pages, row_pages)
     page_blocks = np.full((num_pages, blocks_per_page), NULL_BLOCK, dtype=np.int64)
     page_rows = np.zeros(num_pages, dtype=np.int64)
     page_starts = np.full(num_pages, PADDING_PAGE_START, dtype=np.int64)
-    used = 0
-    for row, chunk in enumerate(chunks):
-        input_ids[row] = chunk.token_ids[0]
-        positions[row] = chunk.start
-        row_pages = ceil_div(chunk.start + 1, page_tokens)
-        blocks = _context_blocks(chunk.block_row, row_pages * blocks_per_page)
-        slots[row] = slot_mapping(blocks, positions[row : row + 1], block_size)[0]
-        if used + row_pages <= num_pages:
-            page_blocks[used : used + row_pages] = blocks.reshape(row_pages, blocks_per_page)
-            page_rows[used : used + row_pages] = row
-            page_starts[used : used + row_pages] = np.arange(row_pages) * page_tokens
-        used += row_pages
-    if used > num_pages:
-        raise ValueError(f"decode rows need {used} KV pages, the call has {num_pages}")
+    block_columns = page_of_row[:, None] * blocks_per_page + np.arange(blocks_per_page)
+    page_blocks[:used] = block_rows[page_row[:, None], block_columns]
+    page_rows[:used] = page_row
+    page_starts[:used] = page_of_row * page_tokens
     return _HostPart(
         input_ids,
         positions,

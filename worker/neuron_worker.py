@@ -110,6 +110,11 @@ class NeuronWorker(WorkerBase):
         """Whether every step takes vLLM's host sampler (collective_rpc("sampled_on_host"))."""
         return self.model_runner.host_sampler_only
 
+    def device_thread(self) -> bool:
+        """Whether a step's calls run on a thread of their own (collective_rpc("device_thread"))."""
+        runner = self.model_runner
+        return runner.device_thread is not None and runner.device_thread.threaded
+
     def compile_progress(self) -> dict[str, object]:
         """Graphs ready and pending under staged readiness (collective_rpc("compile_progress"))."""
         return self.model_runner.compile_progress()
