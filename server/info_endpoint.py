@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from vllm_neuron import device
 from vllm_neuron.config import NeuronConfig
-from worker import async_steps, sampling_rows
+from worker import sampling_rows
 
 ENDPOINT_PLUGIN_NAME = "neuron-info"
 
@@ -58,7 +58,7 @@ def describe(vllm_config) -> dict[str, Any]:
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         "async_scheduling": bool(scheduler.async_scheduling),
         # With async scheduling: whether a step's calls run on a thread of their own (on Trainium).
-        "device_thread": bool(scheduler.async_scheduling) and async_steps.threaded_calls(),
+        "device_thread": bool(scheduler.async_scheduling) and device.calls_on_a_thread(),
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
         "buckets": {
             "prefill_tokens": list(buckets.prefill_tokens),

@@ -57,6 +57,18 @@ def test_importing_the_platform_changes_nothing():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_importing_the_cli_leaves_vllms_platform_unresolved():
+    """`vllm-neuron serve` without VLLM_NEURON_DEVICE picks CPU mode after its imports: an import that made
+    vLLM resolve its platform first (vllm.v1.outputs does) would serve on vLLM's own CPU platform."""
+    code = "import server.cli, vllm.platforms; assert vllm.platforms._current_platform is None"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_NEURON_DEVICE"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_unknown_device_mode_is_refused(monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_DEVICE", "gpu")
     with pytest.raises(ValueError, match="use auto, neuron or cpu"):

@@ -179,6 +179,14 @@ def mixed_chunk_tokens() -> int:
     return 128 if target() == "neuron" else 16
 
 
+def calls_on_a_thread() -> bool:
+    """Whether, with async scheduling, a step's compiled calls run on a thread of their own
+    (VLLM_NEURON_DEVICE_THREAD; by default on Trainium only: in CPU mode the calls and the host share the
+    same cores, worker/async_steps.py)."""
+    choice = envs.VLLM_NEURON_DEVICE_THREAD
+    return choice == "on" or (choice == "auto" and mode() == "neuron")
+
+
 def torch_device(local_rank: int) -> torch.device:
     return torch.device(TENSOR_DEVICE_TYPE, local_rank) if mode() == "neuron" else torch.device("cpu")
 

@@ -17,15 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
-from vllm_neuron import device, envs
-
-
-def threaded_calls() -> bool:
-    """Whether, with async scheduling, a step's calls run on a thread of their own
-    (VLLM_NEURON_DEVICE_THREAD: by default on Trainium only)."""
-    choice = envs.VLLM_NEURON_DEVICE_THREAD
-    return choice == "on" or (choice == "auto" and device.mode() == "neuron")
-
 
 class DeviceThread:
     """One thread that runs the compiled calls of one step at a time, in submission order (started at the

@@ -42,7 +42,7 @@ from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call, CallPlan, plan_step
 from vllm_neuron.config import NeuronConfig
 from worker import call_inputs, sampling_rows, warmup
-from worker.async_steps import DeviceThread, StepOutput, threaded_calls
+from worker.async_steps import DeviceThread, StepOutput
 from worker.background import BackgroundCompiler, CompileProgress, ServingActivity, compile_workers
 from worker.call_inputs import CallInputs, Chunk
 from worker.input_batch import PersistentBatch
@@ -216,7 +216,9 @@ class NeuronModelRunner:
         # Async scheduling (vLLM's default): on Trainium a step's calls run on this thread while the engine
         # schedules the next one and processes the previous one's output (worker/async_steps.py).
         self.device_thread = (
-            DeviceThread(threaded=threaded_calls()) if vllm_config.scheduler_config.async_scheduling else None
+            DeviceThread(threaded=neuron_device.calls_on_a_thread())
+            if vllm_config.scheduler_config.async_scheduling
+            else None
         )
         self._step_ended = 0.0  # when the latest step's output was made
         self._unrecorded: _Step | None = None  # made by the next step; recorded once that one's calls run
