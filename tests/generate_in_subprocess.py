@@ -5,11 +5,12 @@ engines of other dtypes run here, in their own process, with the environment the
 
     python tests/generate_in_subprocess.py '{"model": DIR, "engine": {}, "prompts": [[1]], "max_tokens": 4}'
 
-Optional keys: "churn_bursts" (then run tests/test_churn.py's workload and report it), "sleep_level" (then
-sleep at that level, wake up, reload the weights after level 2, and generate again), "wait_background" (then
-wait until staged readiness's background compiles are done), and with the plugin active the result carries
-each rank's compile_stats (graphs, recompiles after warm-up, KV cache shape) and the driver's
-compile_progress.
+Optional keys: "sampling" (a list of {"prompt", "params": SamplingParams keywords}, generated in one batch
+after the greedy prompts: "sampled_tokens"), "churn_bursts" (then run tests/test_churn.py's workload and
+report it), "sleep_level" (then sleep at that level, wake up, reload the weights after level 2, and generate
+again), "wait_background" (then wait until staged readiness's background compiles are done), and with the
+plugin active the result carries each rank's compile_stats (graphs, recompiles after warm-up, KV cache
+shape) and the driver's compile_progress.
 """
 
 import json
@@ -41,6 +42,15 @@ def main() -> None:
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    sampled = None
+    if request.get("sampling"):  # one prompt per SamplingParams keywords, all in one batch
+        cases = request["sampling"]
+        sampled_outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=case["prompt"]) for case in cases],
+            [SamplingParams(**case["params"]) for case in cases],
+            use_tqdm=False,
+        )
+        sampled = [list(o.outputs[0].token_ids) for o in sampled_outputs]
     churn = None
     if request.get("churn_bursts"):
         from tests.test_churn import run_churn
@@ -73,6 +83,7 @@ def main() -> None:
         "compile_progress": llm.collective_rpc("compile_progress")[0] if ours else None,
         "churn": churn,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "sampled_tokens": sampled,
         "tokens_after_wake_up": after_wake_up,
         "preemptions": len(preempted),
     }

@@ -58,13 +58,29 @@ def test_outputs_equal_async_scheduling_and_the_device_sampler_off(tiny_model_di
 
 
 def test_trainiums_device_thread_in_cpu_mode_gives_the_same_tokens_and_survives_churn(tiny_model_dir, llm):
-    """VLLM_NEURON_DEVICE_THREAD=on: the calls on a thread of their own, as on Trainium, end to end: the
-    same greedy tokens as the shared engine (calls inline), then churn (cancellations, n > 1, seeds, top-p,
-    host-path rows) with no graph added and every KV block freed."""
+    """VLLM_NEURON_DEVICE_THREAD=on: the calls on a thread of their own, as on Trainium, end to end, each step
+    prepared while the previous one runs: the same greedy and seeded tokens as the shared engine (calls
+    inline), with top-p rows the graph leaves to the host and host-path rows in the batch; then churn
+    (cancellations, n > 1, preemption-free drains) with no graph added and every KV block freed."""
+    cases = [
+        (random_prompt(9, seed=420), dict(temperature=0.9, top_p=0.95, seed=5)),  # flat logits: NO_TOKEN rows
+        (random_prompt(40, seed=421), dict(temperature=0.8, top_k=20, seed=6, logprobs=2)),
+        (random_prompt(23, seed=422), dict(temperature=0.7, repetition_penalty=1.3, seed=7)),  # host path
+        (random_prompt(70, seed=423), dict(temperature=0.0)),
+    ]
+    sampling = [
+        {"prompt": prompt, "params": {"max_tokens": 12, "ignore_eos": True, **params}}
+        for prompt, params in cases
+    ]
     env = {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_DEVICE_THREAD": "on"}
-    result = run_engine(tiny_model_dir, ENGINE_KWARGS, env, extra={"churn_bursts": 4})
+    result = run_engine(tiny_model_dir, ENGINE_KWARGS, env, extra={"churn_bursts": 4, "sampling": sampling})
     assert result["async_scheduling"] is True and result["device_thread"] is True
     assert result["tokens"] == generate_ids(llm, PROMPTS, greedy(MAX_TOKENS))
+    inline = [
+        generate_ids(llm, [prompt], SamplingParams(max_tokens=12, ignore_eos=True, **params))[0]
+        for prompt, params in cases
+    ]
+    assert result["sampled_tokens"] == inline
     assert result["churn"]["finished"] + result["churn"]["cancelled"] == result["churn"]["requests"]
     assert result["churn"]["blocks_freed"]
     assert result["compile_stats"][0]["unexpected_recompiles"] == 0

@@ -80,6 +80,7 @@ def test_decode_inputs(batch_bucket, num_pages):
     assert inputs.logits_indices.tolist() == list(range(batch_bucket))
     assert torch.equal(paged.positions, inputs.positions)
 
+    assert inputs.decode_token_index.tolist() == list(range(len(chunks)))
     for row, chunk in enumerate(chunks):
         assert inputs.input_ids[row] == chunk.token_ids[0]
         assert inputs.positions[row] == chunk.start
@@ -109,6 +110,7 @@ def test_a_lone_decode_row_attends_over_its_own_blocks():
     assert inputs.input_ids.tolist() == [22] and meta.table.positions.tolist() == [[9]]
     assert meta.slot_mapping.tolist() == [expected_slot(chunk.block_row, 9)]
     assert inputs.logits_indices.tolist() == [0] and inputs.num_real_rows == 1
+    assert inputs.decode_token_index.tolist() == [0]
     with pytest.raises(ValueError, match="do not fit a context bucket of 8"):
         decode_inputs(
             [chunk], batch_bucket=1, num_pages=1, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE, device=CPU
@@ -289,6 +291,10 @@ def test_mixed_inputs_put_the_chunk_first_then_the_decode_rows():
     for name in ("input_ids", "positions"):
         both = torch.cat([getattr(alone_chunk, name), getattr(alone_decode, name)])
         assert torch.equal(getattr(inputs, name), both)
+    # Each decode row's token, where a step whose previous tokens are still on the device writes it.
+    decode_tokens = inputs.input_ids[inputs.decode_token_index].tolist()
+    assert decode_tokens == [chunk.token_ids[0] for chunk in DECODE_CHUNKS]
+    assert alone_chunk.decode_token_index.size == 0
     both = torch.cat([alone_chunk.metadata.slot_mapping, alone_decode.metadata.slot_mapping])
     assert torch.equal(meta.slot_mapping, both)
     for part, alone in ((table, alone_chunk.metadata.table), (paged, alone_decode.metadata.paged)):

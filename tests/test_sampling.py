@@ -120,6 +120,28 @@ def test_a_top_p_cut_beyond_the_candidates_is_left_to_the_host():
     assert (sampling.sample(spread, params(2, top_k=100, top_p=0.9)).token_ids >= 0).all()
 
 
+def test_the_host_completes_an_overflowed_row_with_the_whole_vocabulary_as_candidates():
+    """A NO_TOKEN row, sampled again over every token with the same uniform draw: vLLM's distribution."""
+    logits = torch.linspace(0.5, 0.0, VOCAB)  # a slow decline: the 0.95 nucleus is over 256 tokens
+    exact = host_probabilities(logits, 1.0, 0, 0.95, 0.0)[0]
+    assert (exact > 0).sum() > sampling.TOP_K_CAP
+    tokens = []
+    for seed in (8, 9):
+        table = params(DRAWS, top_p=0.95, seed=seed)
+        assert (sampling.sample(logits.expand(DRAWS, -1), table).token_ids == sampling.NO_TOKEN).all()
+        tokens.append(sampling.sample(logits.expand(DRAWS, -1), table, candidates=VOCAB).token_ids)
+    # Nearly flat over ~290 tokens, sampling noise alone is ~0.015 at these draws; the 256 candidates
+    # renormalised (what the host must not do) would be 0.07 away.
+    distance = 0.5 * (frequencies(torch.cat(tokens)) - exact).abs().sum().item()
+    assert distance < 0.03, f"total variation {distance:.4f} from vLLM's probabilities"
+    completed = tokens[0][:4].long()
+    raw = Sampler.compute_logprobs(logits.expand(4, -1))
+    out = sampling.sample(logits.expand(4, -1), params(4, top_p=0.95, seed=8), candidates=VOCAB)
+    assert out.token_ids.tolist() == completed.tolist()
+    expected = Sampler.gather_logprobs(raw, sampling.LOGPROBS_CAP, completed)
+    assert out.ranks.tolist() == expected.selected_token_ranks.tolist()
+
+
 def test_the_sampler_lowers_to_stablehlo():
     backend = StableHLOBackend()
     compiled = torch.compile(

@@ -42,11 +42,13 @@ class SampledRows:
     ranks: torch.Tensor  # [rows] int32: the sampled token's rank by raw logprob (1 = the largest)
 
 
-def sample(logits: torch.Tensor, params: torch.Tensor) -> SampledRows:
-    """Sample one token per row of `logits` [rows, vocab] with `params` [rows, PARAMS] (float32)."""
+def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_CAP) -> SampledRows:
+    """Sample one token per row of `logits` [rows, vocab] with `params` [rows, PARAMS] (float32), over the
+    `candidates` largest logits. The graph's are TOP_K_CAP; the host completes a NO_TOKEN row with the
+    whole vocabulary as candidates and the same uniform draw, which is what an uncapped graph would give."""
     logits = logits.float()
     vocab = logits.shape[-1]
-    candidates = min(TOP_K_CAP, vocab)
+    candidates = min(candidates, vocab)
     temperature, top_k, top_p = params[:, TEMPERATURE], params[:, TOP_K], params[:, TOP_P]
     min_p, uniform = params[:, MIN_P], params[:, UNIFORM]
     greedy = temperature < GREEDY_BELOW
@@ -74,6 +76,8 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> SampledRows:
     top_p_active = top_p < 1
     top_p_cut = torch.where(top_p_active, smallest_kept, no_limit)
     overflow = top_p_active & ~greedy & (candidate_probs.sum(-1) < top_p)
+    if candidates == vocab:  # the whole vocabulary: the cut always lies within the candidates
+        overflow = torch.zeros_like(overflow)
 
     final_cut = torch.maximum(cut, top_p_cut).unsqueeze(1)
     sampled = _inverse_cdf(torch.where(scaled >= final_cut, weights, 0.0), uniform)

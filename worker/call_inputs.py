@@ -35,6 +35,8 @@ class CallInputs:
     logits_indices: torch.Tensor  # [rows whose logits we keep]
     metadata: NeuronAttentionMetadata
     num_real_rows: int  # the first logits rows, those of real requests
+    host_input_ids: np.ndarray  # input_ids as built on the host
+    decode_token_index: np.ndarray  # where each decode row's token is in input_ids, in row order
 
 
 @dataclass
@@ -175,8 +177,10 @@ def decode_inputs(
     block table, through the fused kernel the prefill path uses (fewer, larger ops for the same work)."""
     if batch_bucket == 1:
         (chunk,) = chunks
-        return _to_device(device, table=_table_part([chunk], 1, num_pages * page_tokens, block_size, 1))
-    return _to_device(device, paged=_paged_part(chunks, batch_bucket, num_pages, page_tokens, block_size))
+        table = _table_part([chunk], 1, num_pages * page_tokens, block_size, 1)
+        return _to_device(device, table=table, decode_at=0)
+    paged = _paged_part(chunks, batch_bucket, num_pages, page_tokens, block_size)
+    return _to_device(device, paged=paged, decode_at=0)
 
 
 def prefill_inputs(
@@ -209,12 +213,19 @@ def mixed_inputs(
         device,
         table=_table_part([chunk], token_bucket, context_bucket, block_size, 1),
         paged=_paged_part(decode_chunks, batch_bucket, num_pages, page_tokens, block_size),
+        decode_at=token_bucket,
     )
 
 
 def _to_device(
-    device: torch.device, table: _HostPart | None = None, paged: _HostPart | None = None
+    device: torch.device,
+    table: _HostPart | None = None,
+    paged: _HostPart | None = None,
+    decode_at: int | None = None,
 ) -> CallInputs:
+    """The parts joined and sent; `decode_at`: where the decode rows' tokens start in input_ids (the paged
+    part's, or a batch-1 decode call's one token), None in a prefill call."""
+
     def put(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
@@ -223,8 +234,10 @@ def _to_device(
     for part in parts:
         logits_indices.append(part.logits_indices + offset)
         offset += len(part.input_ids)
+    input_ids = np.concatenate([part.input_ids for part in parts])
+    decode_rows = 0 if decode_at is None else (paged or table).num_real_rows
     return CallInputs(
-        input_ids=put(np.concatenate([part.input_ids for part in parts])),
+        input_ids=put(input_ids),
         positions=put(np.concatenate([part.positions for part in parts])),
         logits_indices=put(np.concatenate(logits_indices)),
         metadata=NeuronAttentionMetadata(
@@ -234,4 +247,6 @@ def _to_device(
         ),
         # A mixed call's table part has one chunk, one logits row: the real rows of both parts come first.
         num_real_rows=sum(part.num_real_rows for part in parts),
+        host_input_ids=input_ids,
+        decode_token_index=np.arange(decode_rows, dtype=np.int64) + (decode_at or 0),
     )

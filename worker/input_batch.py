@@ -3,9 +3,10 @@
 Follows the protocol of vLLM's GPU runner (finished requests leave, unscheduled ones are parked, new and
 resumed ones join, sampled tokens are appended here because the scheduler does not send them back),
 without the parts we do not support (speculative decoding, pipeline parallelism). With async scheduling
-the runner appends a step's tokens before the next step updates the batch, so the scheduler's token counts,
-which include the tokens still being sampled, match the batch's. Each request's sampling row
-(worker/sampling_rows.py) is worked out once, when it joins.
+the scheduler's token counts include the tokens still being sampled; a step's tokens are appended when its
+output is made, which with the calls on a thread of their own is after the next step updated the batch (its
+decode rows whose token is not here yet take it from the previous step's outputs, worker/model_runner.py).
+Each request's sampling row (worker/sampling_rows.py) is worked out once, when it joins.
 """
 
 from typing import TYPE_CHECKING
@@ -120,15 +121,20 @@ class PersistentBatch:
         batch.condense()
         batch.refresh_metadata()
 
-    def append_sampled(self, sampled: list[list[int]]) -> None:
-        """Record each request's new tokens (in batch order); the scheduler does not send them back."""
+    def append_sampled(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """Record each request's new tokens; the scheduler does not send them back. By request id: with the
+        calls on a thread of their own, the next step updates the batch before this step's output is made
+        (rows move, requests leave)."""
         batch = self.batch
-        for index, (req_id, tokens) in enumerate(zip(batch.req_ids, sampled, strict=True)):
-            if not tokens:
+        for req_id, tokens in zip(req_ids, sampled, strict=True):
+            state = self.requests.get(req_id)
+            if not tokens or state is None:  # nothing sampled, or finished since
                 continue
-            start = batch.num_tokens_no_spec[index]
-            end = start + len(tokens)
-            batch.token_ids_cpu[index, start:end] = tokens
-            batch.is_token_ids[index, start:end] = True
-            batch.num_tokens_no_spec[index] = end
-            self.requests[req_id].output_token_ids.extend(tokens)
+            index = batch.req_id_to_index.get(req_id)
+            if index is not None:
+                start = batch.num_tokens_no_spec[index]
+                end = start + len(tokens)
+                batch.token_ids_cpu[index, start:end] = tokens
+                batch.is_token_ids[index, start:end] = True
+                batch.num_tokens_no_spec[index] = end
+            state.output_token_ids.extend(tokens)  # a request out of the batch re-enters with them

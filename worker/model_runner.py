@@ -127,6 +127,9 @@ class _PlannedCall:
     inputs: CallInputs
     params: torch.Tensor
     batch_rows: list[int]
+    # Decode rows whose token is the previous step's sample, not yet on the host when the call was prepared:
+    # (index in input_ids, request id), filled in on the device thread.
+    fills: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -138,8 +141,11 @@ class _Step:
     scheduler_output: "SchedulerOutput"
     planned: list[_PlannedCall]
     partial_prefill_rows: list[int]
-    host_bound: bool  # a row needs vLLM's host sampler: its logits come to the host
-    started: float  # execute_model, after the previous step's output was made
+    # The batch as the step was prepared (the next step may update it before this one's output is made).
+    req_ids: list[str]
+    host_rows: list[bool]  # rows that need vLLM's host sampler: their logits come to the host
+    num_logprobs: int | None  # the most logprobs a row asks for (None: no row asks)
+    started: float  # execute_model
     schedule_seconds: float | None  # the engine's time since the previous step (None: it may have idled)
     prepare_seconds: float = 0.0
     outputs: list[CallOutputs] | Future = field(default_factory=list)  # in call order: later rows win
@@ -150,6 +156,15 @@ class _Step:
     result: ModelRunnerOutput | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     figures: "_StepFigures | None" = None  # what /metrics and the step trace get, once the output is made
+    tokens: np.ndarray | None = None  # each row's token, once the output is made
+    tokens_ready: threading.Event = field(default_factory=threading.Event)  # set then (or on failure)
+    # The step still running when this one was prepared, and its outputs: fills come from them.
+    previous: "_Step | None" = None
+    previous_outputs: "list[CallOutputs] | Future | None" = None
+
+    @property
+    def host_bound(self) -> bool:
+        return any(self.host_rows)
 
 
 @dataclass
@@ -596,9 +611,13 @@ class NeuronModelRunner:
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput | None:
-        # The previous step's tokens are this step's decode inputs; its figures are recorded once this step's
-        # calls run, off the host's critical path.
-        self._finish_in_flight(record_later=True)
+        # With the calls on a thread of their own (Trainium), this step is prepared while the previous one
+        # runs: the decode rows whose token is its sample get it on the device thread, once its calls end, so
+        # the device waits only for that copy. Otherwise the previous step's output is made first. Either way
+        # its figures are recorded once this step's calls run, off the host's critical path.
+        previous = self._in_flight if self._calls_on_a_thread() else None
+        if previous is None:
+            self._finish_in_flight(record_later=True)
         step_start = time.perf_counter()
         # The engine's time since the previous step, while requests kept running (not an idle wait).
         continuing = bool(scheduler_output.scheduled_cached_reqs.req_ids) and self._step_ended > 0
@@ -606,6 +625,7 @@ class NeuronModelRunner:
         self.activity.busy.set()  # until the step's output is made
         self.batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
+            self._finish_in_flight(record_later=True)
             self.activity.busy.clear()
             self._record_unrecorded()
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -613,30 +633,45 @@ class NeuronModelRunner:
         decode: list[tuple[int, Chunk]] = []
         prefill: list[tuple[int, Chunk]] = []
         partial: list[int] = []
+        fills: dict[int, str] = {}  # batch row -> request id, of rows whose token is still on the device
         for row, req_id in enumerate(batch.req_ids):
             count = scheduler_output.num_scheduled_tokens[req_id]
             start = int(batch.num_computed_tokens_cpu[row])
+            if count == 1 and start == batch.num_tokens_no_spec[row]:
+                if previous is None:
+                    raise RuntimeError(f"request {req_id}: its next token is neither known nor being sampled")
+                fills[row] = req_id
             chunk = Chunk(batch.token_ids_cpu[row, start : start + count], start, self.batch.block_table[row])
             (decode if count == 1 else prefill).append((row, chunk))
             if start + count < batch.num_tokens_no_spec[row]:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
-        planned = self._plan_calls(decode, prefill, self._sampling_parameters(partial))
-        host_bound = self.host_sampler_only or any(
-            self.batch.sampling[req_id].host_reason is not None for req_id in batch.req_ids
+        planned = self._plan_calls(decode, prefill, self._sampling_parameters(partial), fills)
+        host_rows = [
+            self.host_sampler_only or self.batch.sampling[req_id].host_reason is not None
+            for req_id in batch.req_ids
+        ]
+        logprobs = batch.sampling_metadata.max_num_logprobs
+        step = _Step(
+            scheduler_output, planned, partial, list(batch.req_ids), host_rows, logprobs, step_start, schedule
         )
-        step = _Step(scheduler_output, planned, partial, host_bound, step_start, schedule)
+        if fills:
+            step.previous, step.previous_outputs = previous, previous.outputs
         self.step_calls = [item.call for item in planned]
         step.prepare_seconds = time.perf_counter() - step_start
+        self._pending = step
         if self.device_thread is not None and self.serving:
             step.outputs = self.device_thread.submit(lambda: self._run_step(step))
         else:
             step.outputs = self._run_step(step)
-        self._pending = step
+        self._finish_in_flight(record_later=True)  # the previous step, while this one's calls run
         self._record_unrecorded()
         if self.serving and self.records_traffic:
             self._sample_usage(step_start)
         return None
+
+    def _calls_on_a_thread(self) -> bool:
+        return self.device_thread is not None and self.device_thread.threaded and self.serving
 
     def _sampling_parameters(self, partial_prefill_rows: list[int]) -> np.ndarray:
         """[rows, sampling.PARAMS]: each batch row's sampling parameters and uniform draw. A row the host
@@ -667,11 +702,16 @@ class NeuronModelRunner:
             metrics.DEVICE_MEMORY_USED.set(neuron_device.memory_in_use())
 
     def _plan_calls(
-        self, decode: list[tuple[int, Chunk]], prefill: list[tuple[int, Chunk]], parameters: np.ndarray
+        self,
+        decode: list[tuple[int, Chunk]],
+        prefill: list[tuple[int, Chunk]],
+        parameters: np.ndarray,
+        fills: dict[int, str],
     ) -> list[_PlannedCall]:
         """The step's calls as `calls.plan_step` plans them, with their inputs on the device; each samples
         the rows of its requests (a sub-chunk's row is sampled again by the next: the last part of a chunk
-        gives its token)."""
+        gives its token). `fills`: decode rows (batch row -> request id) whose token the device thread
+        fills in."""
         contexts = [chunk.start + 1 for _, chunk in decode]
         chunks = [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill]
         ready = self.ready_graphs
@@ -695,12 +735,20 @@ class NeuronModelRunner:
             table = np.zeros((len(inputs.logits_indices), sampling.PARAMS), dtype=np.float32)
             table[: inputs.num_real_rows] = parameters[batch_rows]
             params = torch.from_numpy(table).to(self.device)
-            planned.append(_PlannedCall(plan.call, inputs, params, batch_rows))
+            decode_rows = [decode[index][0] for index in plan.decode_rows]
+            call_fills = [
+                (int(inputs.decode_token_index[k]), fills[row])
+                for k, row in enumerate(decode_rows)
+                if row in fills
+            ]
+            planned.append(_PlannedCall(plan.call, inputs, params, batch_rows, call_fills))
         return planned
 
     def _run_step(self, step: _Step) -> list[CallOutputs]:
         """Run a step's calls (in the device thread with async scheduling); their outputs stay on the
         device."""
+        if step.previous is not None:
+            self._fill_previous_tokens(step)
         step.device_started = time.perf_counter()
         outputs = []
         for item in step.planned:
@@ -708,6 +756,33 @@ class NeuronModelRunner:
         step.device_ended = time.perf_counter()
         step.forward_seconds = step.device_ended - step.device_started
         return outputs
+
+    def _fill_previous_tokens(self, step: _Step) -> None:
+        """On the device thread, once the previous step's calls ended: its samples into this step's decode
+        rows that wait for them. A row the graph left to the host (NO_TOKEN) waits for that step's output."""
+        previous, outputs = step.previous, step.previous_outputs
+        step.previous = step.previous_outputs = None  # no chain of steps kept alive
+        if isinstance(outputs, Future):
+            outputs = outputs.result()
+        final = _final_rows(outputs)
+        row_of = {req_id: row for row, req_id in enumerate(previous.req_ids)}
+        wanted = {row_of[req_id] for item in step.planned for _, req_id in item.fills}
+        tokens: dict[int, int] = {}
+        for call_index in sorted({final[row][0] for row in wanted}):
+            out = outputs[call_index]
+            sampled = neuron_device.to_host(out.real(out.token_ids)).tolist()
+            tokens |= {row: sampled[j] for j, row in enumerate(out.batch_rows) if final[row][0] == call_index}
+        if any(tokens[row] == sampling.NO_TOKEN for row in wanted):
+            previous.tokens_ready.wait()
+            if previous.tokens is None:
+                raise RuntimeError("the previous step failed: its tokens are missing")
+            tokens = {row: int(previous.tokens[row]) for row in wanted}
+        for item in step.planned:
+            if item.fills:
+                input_ids = item.inputs.host_input_ids.copy()
+                for index, req_id in item.fills:
+                    input_ids[index] = tokens[row_of[req_id]]
+                item.inputs.input_ids = torch.from_numpy(input_ids).to(self.device)
 
     def _report_demand(
         self, plans: list[CallPlan], ideal: list[CallPlan], ready: frozenset[GraphKey]
@@ -803,7 +878,9 @@ class NeuronModelRunner:
                         step.outputs = step.outputs.result()
                     step.result = self._sample(step)
                 finally:
-                    self.activity.busy.clear()
+                    step.tokens_ready.set()
+                    if self._pending is None:  # no later step prepared: the device is idle
+                        self.activity.busy.clear()
                 if record_later:
                     self._unrecorded = step
                 else:
@@ -818,25 +895,27 @@ class NeuronModelRunner:
     def _sample(self, step: _Step) -> ModelRunnerOutput:
         """The step's tokens to the host, vLLM's sampler where a row needs it, and the step's output."""
         start, grammar_output = time.perf_counter(), step.grammar_output
-        batch = self.batch.batch
+        rows = len(step.req_ids)
         to_host = _ToHost()
-        tokens = np.empty(batch.num_reqs, dtype=np.int64)
+        tokens = np.empty(rows, dtype=np.int64)
         for out in step.outputs:
             tokens[out.batch_rows] = to_host(out.real(out.token_ids)).numpy()
+        device_logprobs = self._device_logprobs(step, to_host)
         discarded = set(step.partial_prefill_rows)
-        on_host = [
-            self.host_sampler_only
-            or self.batch.sampling[req_id].host_reason is not None
-            or (tokens[row] == sampling.NO_TOKEN and row not in discarded)
-            for row, req_id in enumerate(batch.req_ids)
+        overflowed = [
+            row
+            for row in range(rows)
+            if tokens[row] == sampling.NO_TOKEN and row not in discarded and not step.host_rows[row]
         ]
-        num_logprobs = batch.sampling_metadata.max_num_logprobs
-        device_logprobs = self._device_logprobs(step, num_logprobs, to_host)
-        if any(on_host):
-            sampled, logprobs = self._sample_on_host(step, grammar_output, on_host, to_host)
-            device_rows = [row for row, host in enumerate(on_host) if not host]
+        if overflowed:
+            self._complete_overflowed(step, overflowed, tokens, device_logprobs, to_host)
+        if step.host_bound:
+            if self.batch.batch.req_ids != step.req_ids:
+                raise RuntimeError("a step for vLLM's host sampler outlived its batch")
+            sampled, logprobs = self._sample_on_host(step, grammar_output, to_host)
+            device_rows = [row for row, host in enumerate(step.host_rows) if not host]
             sampled[device_rows] = tokens[device_rows]
-            if logprobs is not None and device_logprobs is not None and num_logprobs >= 0:
+            if logprobs is not None and device_logprobs is not None and step.num_logprobs >= 0:
                 # The top logprobs are the same raw ones; the sampled token's come from the graph.
                 ids, values, ranks = device_logprobs
                 for host_values, graph_values in zip(logprobs[:2], (ids, values), strict=True):
@@ -853,13 +932,14 @@ class NeuronModelRunner:
         for row in step.partial_prefill_rows:
             sampled_ids[row] = []
         output = ModelRunnerOutput(
-            req_ids=list(batch.req_ids),
-            req_id_to_index=dict(batch.req_id_to_index),
+            req_ids=list(step.req_ids),
+            req_id_to_index={req_id: row for row, req_id in enumerate(step.req_ids)},
             sampled_token_ids=sampled_ids,
             logprobs=logprobs.tolists() if logprobs is not None else None,
             prompt_logprobs_dict={},
         )
-        self.batch.append_sampled(sampled_ids)
+        self.batch.append_sampled(step.req_ids, sampled_ids)
+        step.tokens = sampled
         # The host's share: the device's idle time since the previous step's calls ended, while requests kept
         # running (with async scheduling the engine schedules and processes outputs during calls).
         host_seconds = None
@@ -868,7 +948,8 @@ class NeuronModelRunner:
         self._device_ended = step.device_ended
         self._step_ended = ended = time.perf_counter()
         if self.serving and self.records_traffic:
-            step.figures = _StepFigures(ended, ended - start, host_seconds, to_host.bytes, any(on_host))
+            on_host = step.host_bound or bool(overflowed)
+            step.figures = _StepFigures(ended, ended - start, host_seconds, to_host.bytes, on_host)
         return output
 
     def _record_step(self, step: _Step) -> None:
@@ -906,14 +987,14 @@ class NeuronModelRunner:
             )
 
     def _device_logprobs(
-        self, step: _Step, num_logprobs: int | None, to_host: _ToHost
+        self, step: _Step, to_host: _ToHost
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The graph's logprobs of each row (token ids, logprobs, ranks), as many as the batch asks for (the
         sampled token's and up to LOGPROBS_CAP top ones); None if no request asked."""
-        if num_logprobs is None:
+        if step.num_logprobs is None:
             return None
-        columns = 1 + min(max(num_logprobs, 0), sampling.LOGPROBS_CAP)
-        rows = self.batch.batch.num_reqs
+        columns = 1 + min(max(step.num_logprobs, 0), sampling.LOGPROBS_CAP)
+        rows = len(step.req_ids)
         ids = torch.zeros(rows, columns, dtype=torch.int64)
         values = torch.zeros(rows, columns, dtype=torch.float32)
         ranks = torch.zeros(rows, dtype=torch.int64)
@@ -923,12 +1004,35 @@ class NeuronModelRunner:
             ranks[out.batch_rows] = to_host(out.real(out.ranks)).long()
         return ids, values, ranks
 
-    def _sample_on_host(
+    def _complete_overflowed(
         self,
         step: _Step,
-        grammar_output: "GrammarOutput | None",
-        on_host: list[bool],
+        rows: list[int],
+        tokens: np.ndarray,
+        device_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         to_host: _ToHost,
+    ) -> None:
+        """Rows whose top-p cut lay beyond the graph's candidates (NO_TOKEN): the same sampler on the host,
+        over the whole vocabulary, with each row's parameters and uniform draw (so a seeded request's
+        generator advances once either way). Writes their tokens and logprobs in place."""
+        final = _final_rows(step.outputs)
+        logits, params = [], []
+        for row in rows:
+            call_index, j = final[row]
+            logits.append(to_host(step.outputs[call_index].logits[j : j + 1]).float())
+            params.append(to_host(step.planned[call_index].params[j : j + 1]))
+        logits = torch.cat(logits)
+        done = sampling.sample(logits, torch.cat(params), candidates=logits.shape[-1])
+        tokens[rows] = done.token_ids.numpy()
+        if device_logprobs is not None:
+            ids, values, ranks = device_logprobs
+            columns = ids.shape[1]
+            ids[rows] = done.logprob_token_ids[:, :columns].long()
+            values[rows] = done.logprobs[:, :columns]
+            ranks[rows] = done.ranks.long()
+
+    def _sample_on_host(
+        self, step: _Step, grammar_output: "GrammarOutput | None", to_host: _ToHost
     ) -> tuple[np.ndarray, LogprobsTensors | None]:
         """vLLM's Sampler over the step's logits, copied to the host; returns every row's token and logprobs
         (the rows the graph sampled keep its tokens: the caller puts them back)."""
@@ -940,13 +1044,23 @@ class NeuronModelRunner:
             apply_grammar_bitmask(step.scheduler_output, grammar_output, batch, logits)
         # Generators of the rows whose tokens are not the host's must not advance here: a discarded sample
         # (a prompt chunked differently), or a token the graph sampled (drawn from the generator already).
-        kept = set(step.partial_prefill_rows) | {row for row, host in enumerate(on_host) if not host}
+        kept = set(step.partial_prefill_rows) | {row for row, host in enumerate(step.host_rows) if not host}
         saved_rng = {row: batch.generators[row].get_state() for row in kept if row in batch.generators}
         sampler_output = self.sampler(logits=logits, sampling_metadata=batch.sampling_metadata)
         for row, state in saved_rng.items():
             batch.generators[row].set_state(state)
         sampled = sampler_output.sampled_token_ids[:, 0].numpy().astype(np.int64)
         return sampled, sampler_output.logprobs_tensors
+
+
+def _final_rows(outputs: list[CallOutputs]) -> dict[int, tuple[int, int]]:
+    """Batch row -> (call, row in the call) of the call whose sample is the row's: the last one (a prompt's
+    sub-chunks each sample its row; the last part gives its token)."""
+    final = {}
+    for call_index, out in enumerate(outputs):
+        for j, row in enumerate(out.batch_rows):
+            final[row] = (call_index, j)
+    return final
 
 
 def _by_phase(graphs: list[GraphKey]) -> dict[str, int]:
