@@ -120,6 +120,7 @@ def serve(argv: list[str]) -> None:
         *parsed.middleware,
         "server.middleware.ApiKeyOnEveryRoute",
         "server.middleware.HealthWhileDraining",
+        "server.middleware.RetryAfterOn429",
         "server.middleware.RequestSizeLimit",  # outermost: refuses before anything reads the body
     ]
     command.validate(parsed)

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from server import admission
 from vllm_neuron import device
 from vllm_neuron.config import NeuronConfig
 from worker import sampling_rows
@@ -33,6 +34,7 @@ class NeuronInfoEndpoint:
             return JSONResponse(
                 {
                     **state.neuron_info,
+                    "admission": admission.in_flight(state.engine_client),
                     "compile": progress[0] if progress else {},
                     "lowered_graphs": lowered[0] if lowered else [],
                 }

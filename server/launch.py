@@ -11,9 +11,12 @@ from argparse import Namespace
 
 from vllm.entrypoints.launchers.api_server.entry import run_server_worker
 from vllm.entrypoints.launchers.launcher import setup_server
+from vllm.logger import init_logger
 from vllm.utils.system_utils import decorate_logs
 
-from server.lifecycle import RESPONDER_ARG, StartupResponder
+from server.lifecycle import RESPONDER_ARG, StartupResponder, engine_died
+
+logger = init_logger("vllm.vllm_neuron.launch")
 
 
 async def run_server(args: Namespace) -> None:
@@ -29,3 +32,6 @@ async def run_server(args: Namespace) -> None:
     with StartupResponder(sock) as responder:
         setattr(args, RESPONDER_ARG, responder)
         await run_server_worker(listen_address, sock, args)
+    if engine_died(args):
+        logger.error("The engine process died: the server exits with status 1, to be restarted")
+        raise SystemExit(1)

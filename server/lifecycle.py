@@ -7,6 +7,10 @@ OpenAI-style error with Retry-After. `server.launch` starts it; it stops, and ha
 server, when that server starts its app (the ASGI lifespan, seen by `server.middleware.HealthWhileDraining`):
 /health then answers 200.
 
+Death: when the engine process dies, vLLM fails the requests in flight, /health answers 503 and its watchdog
+stops the HTTP server within seconds; `server.launch` then exits with status 1 (`engine_died`), so that an
+orchestrator restarts the server rather than count a clean exit.
+
 End: on SIGTERM vLLM drains the requests in flight (--shutdown-timeout) and refuses new ones, but its
 /health still answers 200, so a load balancer would keep sending traffic. vLLM has no hook for the drain's
 start: its SIGTERM handler (`serve_http`) starts the drain by calling the engine client's `shutdown`, so
@@ -22,27 +26,34 @@ import time
 
 from vllm.logger import init_logger
 
+from server import admission
 from vllm_neuron import metrics
 
 logger = init_logger("vllm.vllm_neuron.startup")
 
 RETRY_AFTER_SECONDS = 10
-# The attribute of vLLM's parsed arguments (which vLLM keeps as app.state.args) that carries the startup
-# responder from `server.launch` to the app's start.
+# Attributes of vLLM's parsed arguments (which vLLM keeps as app.state.args): the startup responder, from
+# `server.launch` to the app's start; the app's state, from the app's start back to `server.launch`.
 RESPONDER_ARG = "neuron_startup_responder"
+APP_STATE_ARG = "neuron_app_state"
 
 
 def app_starting(app) -> None:
     """The app's lifespan begins, just before vLLM's HTTP server listens: stop the startup responder (the
-    socket is vLLM's from now on), and mark the drain when vLLM's SIGTERM handling starts it."""
+    socket is vLLM's from now on), answer overload with 429 (server/admission.py), and mark the drain when
+    vLLM's SIGTERM handling starts it."""
     state = app.state
-    responder = getattr(getattr(state, "args", None), RESPONDER_ARG, None)
+    args = getattr(state, "args", None)
+    responder = getattr(args, RESPONDER_ARG, None)
     if responder is not None:
         responder.stop()
+    if args is not None:
+        setattr(args, APP_STATE_ARG, state)
     state.neuron_draining = False
     engine_client = getattr(state, "engine_client", None)
     if engine_client is None:
         return
+    admission.answer_overload_with_429(engine_client)
     shutdown = engine_client.shutdown
 
     def shutdown_marking_the_drain(*args, **kwargs):
@@ -55,6 +66,14 @@ def app_starting(app) -> None:
 
 def draining(app) -> bool:
     return getattr(getattr(app, "state", None), "neuron_draining", False)
+
+
+def engine_died(args) -> bool:
+    """After the HTTP server stopped: whether it stopped because the engine died (vLLM's watchdog stops the
+    server then, and /health has answered 503), not because a signal drained it."""
+    state = getattr(args, APP_STATE_ARG, None)
+    engine_client = getattr(state, "engine_client", None)
+    return engine_client is not None and engine_client.errored and not state.neuron_draining
 
 
 class StartupResponder:

@@ -7,7 +7,7 @@ from starlette.responses import JSONResponse
 from vllm import envs as vllm_envs
 from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
 
-from server import lifecycle
+from server import admission, lifecycle
 from vllm_neuron import envs
 
 
@@ -132,3 +132,25 @@ class HealthWhileDraining:
     @staticmethod
     def _health(scope) -> bool:
         return scope["path"].endswith("/health")
+
+
+class RetryAfterOn429:
+    """A 429 (the admission bound, server/admission.py) tells the client when to retry: Retry-After."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_retry_after(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 429:
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"retry-after" for name, _ in headers):
+                    headers.append((b"retry-after", str(admission.RETRY_AFTER_SECONDS).encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_retry_after)

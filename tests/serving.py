@@ -68,12 +68,19 @@ def serve_command(model_dir: Path, port: int, *extra: str) -> list[str]:
 class ServerProcess:
     """Start the server; `wait_healthy` records every /health status seen until the first 200."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str, step_trace: Path | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *extra: str,
+        step_trace: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.step_trace = step_trace
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         if step_trace is not None:
             env["VLLM_NEURON_STEP_TRACE"] = str(step_trace)
         # The CLI must pick CPU mode by itself; the engine core runs in its own (spawned) process.

@@ -544,6 +544,24 @@ def test_hpa_scales_on_vllms_queue(render):
     assert pdb["spec"]["selector"] == only(docs, "Deployment")["spec"]["selector"]
 
 
+def test_admission_bound_reaches_serve_and_stays_above_the_autoscaling_target(render, helm):
+    args = server(render("default"))["args"]
+    # The plugin's default: maxNumSeqs (32) running and twice as many waiting.
+    assert flag(args, "--max-num-queued-reqs") == "96" and "--max-num-queued-tokens" not in args
+    args = server(render(None, "server.maxRequestsInFlight=40", "server.maxQueuedPromptTokens=65536"))["args"]
+    assert flag(args, "--max-num-queued-reqs") == "40" and flag(args, "--max-num-queued-tokens") == "65536"
+    # An autoscaling target the full queue never reaches is refused, with what to change.
+    sets = ("--set", "autoscaling.enabled=true", "--set", "server.maxRequestsInFlight=36")
+    result = run(helm, "template", RELEASE, CHART, *sets, "--set", "autoscaling.targetWaitingRequests=4")
+    assert result.returncode != 0 and "is not below the 4 requests that may wait" in result.stderr
+    assert (
+        run(
+            helm, "template", RELEASE, CHART, *sets, "--set", "autoscaling.targetWaitingRequests=3"
+        ).returncode
+        == 0
+    )
+
+
 def test_service_monitor_shape(render):
     """ServiceMonitor is a custom resource with no schema offline: its essentials are checked here."""
     docs = render("autoscaling")

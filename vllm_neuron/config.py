@@ -35,6 +35,14 @@ DEFAULT_BLOCK_SIZE = 32
 # Without mixed calls a capped chunk is a call of its own: a chunk of this size costs about one decode step
 # of a small model on CPU, so the fixed cost of the call is not paid for a handful of tokens.
 DEFAULT_SEPARATE_CHUNK_TOKENS = 48
+# Admission control (server/admission.py): by default at most this many requests wait per request the
+# engine runs at once (--max-num-seqs); past running + waiting, the API server answers 429.
+WAITING_PER_RUNNING = 2
+
+
+def default_max_requests_in_flight(max_num_seqs: int) -> int:
+    """vLLM's --max-num-queued-reqs when not given: requests running or waiting, then 429."""
+    return max_num_seqs * (1 + WAITING_PER_RUNNING)
 
 
 class NeuronConfigError(ValueError):

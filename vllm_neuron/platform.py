@@ -11,7 +11,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import parallel
-from vllm_neuron.config import DEFAULT_BLOCK_SIZE, NeuronConfig
+from vllm_neuron.config import DEFAULT_BLOCK_SIZE, NeuronConfig, default_max_requests_in_flight
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -179,6 +179,11 @@ class NeuronPlatform(Platform):
             scheduler_config.scheduler_cls = (
                 ASYNC_SCHEDULER_CLS if scheduler_config.async_scheduling else SCHEDULER_CLS
             )
+
+        # A finite queue by default: past it the API server answers 429 (server/admission.py).
+        if scheduler_config.max_num_queued_reqs is None:
+            max_num_seqs = scheduler_config.max_num_seqs
+            scheduler_config.max_num_queued_reqs = default_max_requests_in_flight(max_num_seqs)
 
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":

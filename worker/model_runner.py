@@ -837,7 +837,12 @@ class NeuronModelRunner:
         if self.serving and self.records_traffic:
             self.stats.record(call)
         start, graphs = time.perf_counter(), self.recorder.num_graphs
-        outputs = self._forward(inputs, params)
+        try:
+            outputs = self._forward(inputs, params)
+        except Exception as error:
+            # A Neuron runtime error says nothing of our shapes: name the call (phase and bucket).
+            logger.error("Compiled call failed: %s: %s", call, error)
+            raise
         seconds = time.perf_counter() - start
         if self.recorder.num_graphs > graphs:
             metrics.COMPILE_SECONDS.labels(phase=call.phase).inc(seconds)
@@ -877,6 +882,11 @@ class NeuronModelRunner:
                     if isinstance(step.outputs, Future):
                         step.outputs = step.outputs.result()
                     step.result = self._sample(step)
+                except Exception as error:
+                    # A device error can surface at the copy of the outputs, after the call returned.
+                    calls = "; ".join(str(item.call) for item in step.planned)
+                    logger.error("Step failed (its compiled calls: %s): %s", calls, error)
+                    raise
                 finally:
                     step.tokens_ready.set()
                     if self._pending is None:  # no later step prepared: the device is idle

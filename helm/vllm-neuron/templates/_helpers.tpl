@@ -107,6 +107,12 @@ ranks rounded up to devices: a Trainium2 chip has 8 physical cores, i.e. 8 / LNC
 {{- end }}
 - "--shutdown-timeout"
 - {{ .Values.server.shutdownTimeoutSeconds | quote }}
+- "--max-num-queued-reqs"
+- {{ include "vllm-neuron.maxRequestsInFlight" . | quote }}
+{{- if gt (int .Values.server.maxQueuedPromptTokens) 0 }}
+- "--max-num-queued-tokens"
+- {{ .Values.server.maxQueuedPromptTokens | quote }}
+{{- end }}
 - "--readiness"
 - {{ .Values.compile.readiness | quote }}
 {{- if gt (int .Values.compile.workers) 0 }}
@@ -293,4 +299,18 @@ securityContext:
 {{- include "vllm-neuron.initContainers" . }}
 volumes:
   {{- include "vllm-neuron.volumes" . | nindent 2 }}
+{{- end -}}
+
+{{/*
+Requests in flight past which the server answers 429: server.maxRequestsInFlight, or the plugin's default
+(vllm_neuron/config.py: maxNumSeqs running and twice as many waiting). With autoscaling on, the target of
+waiting requests must lie below what may wait, or the autoscaler never sees it while requests get 429s.
+*/}}
+{{- define "vllm-neuron.maxRequestsInFlight" -}}
+{{- $bound := int .Values.server.maxRequestsInFlight | default (mul 3 (int .Values.maxNumSeqs)) -}}
+{{- $waiting := sub $bound (int .Values.maxNumSeqs) -}}
+{{- if and .Values.autoscaling.enabled (ge (int .Values.autoscaling.targetWaitingRequests) (int $waiting)) -}}
+{{- fail (printf "autoscaling.targetWaitingRequests=%d is not below the %d requests that may wait (server.maxRequestsInFlight %d minus maxNumSeqs %d): lower the target or raise server.maxRequestsInFlight" (int .Values.autoscaling.targetWaitingRequests) (int $waiting) (int $bound) (int .Values.maxNumSeqs)) -}}
+{{- end -}}
+{{- $bound -}}
 {{- end -}}
