@@ -236,6 +236,7 @@ class NeuronModelRunner:
             else None
         )
         self._step_ended = 0.0  # when the latest step's output was made
+        self._execute_returned = 0.0  # when execute_model last returned
         self._unrecorded: _Step | None = None  # made by the next step; recorded once that one's calls run
         self._device_ended = 0.0  # when the latest step's calls finished
         self._memory_sampled_at = 0.0
@@ -619,15 +620,17 @@ class NeuronModelRunner:
         if previous is None:
             self._finish_in_flight(record_later=True)
         step_start = time.perf_counter()
-        # The engine's time since the previous step, while requests kept running (not an idle wait).
+        # The engine's time since the previous step (its output made, or with the calls on a thread, since
+        # execute_model returned: its output is made later), while requests kept running (not an idle wait).
         continuing = bool(scheduler_output.scheduled_cached_reqs.req_ids) and self._step_ended > 0
-        schedule = step_start - self._step_ended if continuing else None
+        schedule = step_start - max(self._step_ended, self._execute_returned) if continuing else None
         self.activity.busy.set()  # until the step's output is made
         self.batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._finish_in_flight(record_later=True)
             self.activity.busy.clear()
             self._record_unrecorded()
+            self._execute_returned = time.perf_counter()
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.batch.batch
         decode: list[tuple[int, Chunk]] = []
@@ -668,6 +671,7 @@ class NeuronModelRunner:
         self._record_unrecorded()
         if self.serving and self.records_traffic:
             self._sample_usage(step_start)
+        self._execute_returned = time.perf_counter()
         return None
 
     def _calls_on_a_thread(self) -> bool:
