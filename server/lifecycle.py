@@ -50,6 +50,7 @@ def app_starting(app) -> None:
     if args is not None:
         setattr(args, APP_STATE_ARG, state)
     state.neuron_draining = False
+    state.neuron_engine_died = False
     engine_client = getattr(state, "engine_client", None)
     if engine_client is None:
         return
@@ -57,8 +58,12 @@ def app_starting(app) -> None:
     shutdown = engine_client.shutdown
 
     def shutdown_marking_the_drain(*args, **kwargs):
+        if not state.neuron_draining:
+            # The first call: a signal's drain, or the app's cleanup after vLLM's watchdog stopped the server
+            # because the engine died.
+            state.neuron_engine_died = engine_client.errored
+            logger.info("Draining: /health answers 503 until the server exits")
         state.neuron_draining = True
-        logger.info("Draining: /health answers 503 until the server exits")
         return shutdown(*args, **kwargs)
 
     engine_client.shutdown = shutdown_marking_the_drain
@@ -73,7 +78,9 @@ def engine_died(args) -> bool:
     server then, and /health has answered 503), not because a signal drained it."""
     state = getattr(args, APP_STATE_ARG, None)
     engine_client = getattr(state, "engine_client", None)
-    return engine_client is not None and engine_client.errored and not state.neuron_draining
+    if engine_client is None:
+        return False
+    return state.neuron_engine_died or (engine_client.errored and not state.neuron_draining)
 
 
 class StartupResponder:

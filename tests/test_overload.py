@@ -141,13 +141,13 @@ def test_a_dead_engine_fails_requests_in_flight_turns_health_red_and_exits_non_z
     assert engine, [child.cmdline() for child in psutil.Process(server.process.pid).children(recursive=True)]
     with httpx.Client(base_url=server.base, timeout=60) as client:
         streams = [open_stream(client, index, max_tokens=200) for index in range(2)]
-        first = [next(stream.iter_lines()) for stream in streams]  # both are generating
-        assert all(line.startswith("data: ") for line in first)
+        lines = [stream.iter_lines() for stream in streams]
+        assert all(next(line for line in each if line).startswith("data: ") for each in lines)  # generating
         for process in engine:
             os.kill(process.pid, signal.SIGKILL)
-        for stream in streams:
+        for each in lines:
             try:
-                rest = list(stream.iter_lines())
+                rest = [line for line in each if line]
             except httpx.HTTPError:  # the connection broke: an error too
                 continue
             assert not rest or rest[-1] != "data: [DONE]" or any('"error"' in line for line in rest), rest[

@@ -210,11 +210,44 @@ def test_vllm_hooks_the_lifecycle_relies_on():
 
 
 class FakeEngineClient:
-    def __init__(self) -> None:
+    """What server.lifecycle uses of vLLM's engine client."""
+
+    def __init__(self, errored: bool = False) -> None:
         self.shutdowns: list[float] = []
+        self.errored = errored
+        self.vllm_config = Namespace(
+            scheduler_config=Namespace(max_num_queued_reqs=6, max_num_queued_tokens=None)
+        )
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        pass
 
     def shutdown(self, timeout: float | None = None) -> None:
         self.shutdowns.append(timeout)
+        self.errored = True  # as vLLM's client once shut down
+
+
+@pytest.mark.parametrize("died", [False, True], ids=["drained", "engine-died"])
+def test_the_server_tells_a_dead_engine_from_a_drain(died):
+    """A signal drains a live engine (exit 0); vLLM's watchdog stops the server after the engine died, and
+    the app's cleanup then shuts the client down (exit 1)."""
+    from server import lifecycle
+
+    app = Namespace(state=Namespace(args=Namespace(), engine_client=FakeEngineClient(errored=died)))
+    lifecycle.app_starting(app)
+    app.state.engine_client.shutdown(timeout=30)
+    app.state.engine_client.shutdown(timeout=30)  # the app's cleanup, after a drain
+    assert lifecycle.engine_died(app.state.args) is died
+
+
+def test_vllm_checks_admission_before_a_response_starts():
+    """server/admission.py wraps EngineClient.check_admission: every generation endpoint's preflight."""
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    assert "self.engine_client.check_admission(n)" in inspect.getsource(GenerateBaseServing._preflight)
+    source = inspect.getsource(AsyncLLM.check_admission)
+    assert "raise QueueOverflowError()" in source and "raise MaxQueuedTokensError()" in source
 
 
 def test_app_start_stops_the_responder_and_drain_turns_health_to_503():
