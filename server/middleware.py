@@ -1,5 +1,6 @@
 """ASGI middleware `vllm-neuron serve` adds to vLLM's app (through vLLM's own --middleware option)."""
 
+import functools
 import json
 
 from starlette.datastructures import Headers
@@ -7,7 +8,7 @@ from starlette.responses import JSONResponse
 from vllm import envs as vllm_envs
 from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
 
-from server import admission, lifecycle
+from server import admission, chat_messages, lifecycle
 from vllm_neuron import envs
 
 
@@ -79,6 +80,48 @@ def _replay(body: bytes, receive):
     return replayed
 
 
+class ChatMessagesCheck:
+    """Refuse chat messages the OpenAI API refuses and vLLM's schema lets through (server/chat_messages.py)
+    with a 400 OpenAI-style error naming the message. Requests without a valid API key pass on, to get
+    their 401 from vLLM."""
+
+    PATH = "/v1/chat/completions"
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] != "http" or scope.get("method") != "POST" or path != self.PATH:
+            await self.app(scope, receive, send)
+            return
+        body, receive = await _read_body(receive)
+        try:
+            request = json.loads(body)
+        except ValueError:
+            request = None  # vLLM answers malformed JSON itself
+        found = chat_messages.problem(request.get("messages")) if isinstance(request, dict) else None
+        if found is not None and _authorized(scope):
+            message, param = found
+            error = {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+            await JSONResponse(content={"error": error}, status_code=400)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def _read_body(receive) -> tuple[bytes, object]:
+    """The whole request body, and a receive that gives it to the app again."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = b"".join(chunks)
+    return body, _replay(body, receive)
+
+
 class ApiKeyOnEveryRoute:
     """With --api-key (or VLLM_API_KEY), require the key on every route but /health and /metrics. vLLM's own
     check covers /v1 and a few other prefixes only, which leaves /tokenize, /invocations, /openapi.json and
@@ -88,14 +131,12 @@ class ApiKeyOnEveryRoute:
 
     def __init__(self, app) -> None:
         self.app = app
-        self._verifier: AuthenticationMiddleware | None = None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS" or self._open(scope):
             await self.app(scope, receive, send)
             return
-        verifier = self._verifier_for(scope["app"].state.args)
-        if verifier is not None and not verifier.verify_token(Headers(scope=scope)):
+        if not _authorized(scope):
             await JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -105,13 +146,17 @@ class ApiKeyOnEveryRoute:
         # vLLM's AuthenticationMiddleware checks its guarded prefixes itself.
         return path in self.OPEN_PATHS or path.startswith(GUARDED_PREFIX)
 
-    def _verifier_for(self, args) -> "AuthenticationMiddleware | None":
-        if self._verifier is None:
-            tokens = [key for key in (args.api_key or [vllm_envs.VLLM_API_KEY]) if key]
-            if not tokens:
-                return None
-            self._verifier = AuthenticationMiddleware(self.app, tokens=tokens)
-        return self._verifier
+
+def _authorized(scope) -> bool:
+    """The request carries the server's API key, or the server has none."""
+    args = scope["app"].state.args
+    tokens = tuple(key for key in (args.api_key or [vllm_envs.VLLM_API_KEY]) if key)
+    return not tokens or _verifier(tokens).verify_token(Headers(scope=scope))
+
+
+@functools.cache
+def _verifier(tokens: tuple[str, ...]) -> AuthenticationMiddleware:
+    return AuthenticationMiddleware(None, tokens=list(tokens))
 
 
 class HealthWhileDraining:

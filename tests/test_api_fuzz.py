@@ -9,6 +9,7 @@ import json
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from tests.serving import API_KEY, MODEL_NAME, http
 
@@ -71,6 +72,78 @@ def test_no_request_gets_a_server_error(api_server):
     # Every route was exercised, with rejections and successes.
     assert sum(statuses.values()) >= len(found) * 10
     assert any(status == 200 for _, status in statuses) and any(400 <= status < 500 for _, status in statuses)
+
+
+# ---- chat message shapes -------------------------------------------------------------------------------
+# The OpenAPI schema says little of a message (vLLM's catch-all message type takes any role and any fields),
+# so the shapes come from a strategy, and the OpenAI API's own rules say which it accepts.
+
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(
+            ["system", "developer", "user", "assistant", "tool", "function", "wizard", "ipython"]
+        )
+    },
+    optional={
+        "content": st.one_of(
+            st.none(),
+            st.text(max_size=12),
+            st.lists(
+                st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}), max_size=2
+            ),
+        ),
+        "tool_call_id": st.sampled_from(["call_1", "call_2"]),
+        "tool_calls": st.just([TOOL_CALL]),
+        "name": st.sampled_from(["lookup", "alice"]),
+    },
+)
+
+
+def openai_accepts(messages: list[dict]) -> bool:
+    """The OpenAI API's rules for a messages list (its reference, and the 400s it answers)."""
+    required = {"system": ["content"], "developer": ["content"], "user": ["content"], "function": ["name"]}
+    required["tool"] = ["content", "tool_call_id"]
+    answerable: list[str] = []  # tool call ids the next tool message may answer
+    for message in messages:
+        role = message["role"]
+        if role == "assistant":
+            if message.get("content") is None and message.get("tool_calls") is None:
+                return False
+        elif role not in required or any(message.get(field) is None for field in required[role]):
+            return False
+        if role == "tool":
+            if message["tool_call_id"] not in answerable:
+                return False
+        else:
+            answerable = (
+                [call["id"] for call in message.get("tool_calls") or []] if role == "assistant" else []
+            )
+    return True
+
+
+def test_chat_messages_get_200_exactly_when_openai_accepts_them(api_server):
+    outcomes: collections.Counter = collections.Counter()
+    wrong: list[str] = []
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(messages=st.lists(MESSAGE, min_size=1, max_size=4))
+    def check(messages) -> None:
+        body = json.dumps({"model": MODEL_NAME, "messages": messages, "max_tokens": 1}).encode()
+        status, answer = http("POST", api_server.base + "/v1/chat/completions", body, key=API_KEY)
+        accepted = openai_accepts(messages)
+        outcomes[(accepted, status)] += 1
+        if status != (200 if accepted else 400) or (
+            status == 400 and not json.loads(answer)["error"]["message"]
+        ):
+            wrong.append(
+                f"{status} for {'valid' if accepted else 'invalid'} {json.dumps(messages)}: {answer[:200]}"
+            )
+
+    check()
+    print("(OpenAI accepts, status) -> requests:", dict(outcomes))
+    assert not wrong, "\n".join(wrong[:10])
+    assert outcomes[(True, 200)] >= 10 and outcomes[(False, 400)] >= 10
 
 
 def test_server_still_serves_after_fuzzing(api_server):

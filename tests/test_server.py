@@ -175,6 +175,14 @@ BAD_REQUESTS = {
     "too many logprobs": (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "logprobs": 10_000}),
     "prompt_logprobs (unsupported)": (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}),
     "token id outside the vocabulary": (COMPLETIONS, {"prompt": [10**9], "max_tokens": 2}),
+    # Chat messages vLLM's catch-all message type lets through and the OpenAI API refuses.
+    "unknown chat role": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}),
+    "user message without content": (CHAT, {"messages": [{"role": "user"}]}),
+    "assistant message without content or tool calls": (CHAT, {"messages": [*HI, {"role": "assistant"}]}),
+    "tool result answering no call": (
+        CHAT,
+        {"messages": [*HI, {"role": "tool", "content": "4", "tool_call_id": "x"}]},
+    ),
 }
 
 
