@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.vllm_neuron.cli")
 
-USAGE = """usage: vllm-neuron {serve,check,info,loadtest} ...
+USAGE = """usage: vllm-neuron {serve,check,info,loadtest,soak} ...
 
   serve [MODEL] [options]   vLLM's OpenAI-compatible server on Trainium (CPU mode where no Neuron device
                             exists). Takes every `vllm serve` option; see `vllm-neuron serve --help`.
@@ -38,6 +38,8 @@ USAGE = """usage: vllm-neuron {serve,check,info,loadtest} ...
   info                      print the environment check (TorchNeuron, devices, versions, settings) as JSON
   loadtest [options]        drive an OpenAI-compatible endpoint and report latency, throughput and, for
                             ours, recompiles and padding; see `vllm-neuron loadtest --help`
+  soak [options]            mixed traffic for N minutes against a server of ours, checking that memory,
+                            files, threads and KV blocks do not leak; see `vllm-neuron soak --help`
 """
 
 # Applied when the user does not give them: a small number of compiled graphs (one per bucket), and on
@@ -55,6 +57,10 @@ def main(argv: list[str] | None = None) -> None:
         from loadtest.cli import main as loadtest_main
 
         loadtest_main(argv[1:])
+    elif command == "soak":
+        from loadtest.soak import main as soak_main
+
+        soak_main(argv[1:])
         return
     if command == "info":
         print(json.dumps(info(), indent=2))
@@ -122,6 +128,7 @@ def serve(argv: list[str]) -> None:
         "server.middleware.HealthWhileDraining",
         "server.middleware.RetryAfterOn429",
         "server.middleware.ChatMessagesCheck",
+        "server.middleware.ProcessSeriesOnScrape",
         "server.middleware.RequestSizeLimit",  # outermost: refuses before anything reads the body
     ]
     command.validate(parsed)

@@ -9,7 +9,7 @@ from vllm import envs as vllm_envs
 from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
 
 from server import admission, chat_messages, lifecycle
-from vllm_neuron import envs
+from vllm_neuron import envs, metrics
 
 
 class RequestSizeLimit:
@@ -199,3 +199,16 @@ class RetryAfterOn429:
             await send(message)
 
         await self.app(scope, receive, send_with_retry_after)
+
+
+class ProcessSeriesOnScrape:
+    """Each GET /metrics first samples the API server's own resident memory, file descriptors and threads
+    (vllm_neuron:process_*{process="api"}; the engine process samples its own while it serves)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "GET" and scope["path"].endswith("/metrics"):
+            metrics.sample_process("api")
+        await self.app(scope, receive, send)

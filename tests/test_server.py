@@ -328,6 +328,9 @@ PLUGIN_SERIES = {  # name on /metrics -> how it is exported
     "vllm_neuron:kv_blocks_total": "gauge",
     "vllm_neuron:kv_blocks_used": "gauge",
     "vllm_neuron:device_memory_used_bytes": "gauge",
+    "vllm_neuron:process_resident_memory_bytes": "gauge",
+    "vllm_neuron:process_open_fds": "gauge",
+    "vllm_neuron:process_threads": "gauge",
 }
 
 

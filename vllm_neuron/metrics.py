@@ -100,6 +100,34 @@ DEVICE_MEMORY_USED = Gauge(
     multiprocess_mode="livemax",
 )
 
+# A soak's signals, per process ("api": the HTTP server; "engine": the engine core, where the worker runs
+# with one rank): sampled at most once a second while serving, and by the API server at each scrape.
+PROCESS_RESIDENT_MEMORY = Gauge(
+    "vllm_neuron:process_resident_memory_bytes",
+    "Resident memory of a server process.",
+    ["process"],
+    multiprocess_mode="livemax",
+)
+PROCESS_OPEN_FDS = Gauge(
+    "vllm_neuron:process_open_fds",
+    "Open file descriptors of a server process.",
+    ["process"],
+    multiprocess_mode="livemax",
+)
+PROCESS_THREADS = Gauge(
+    "vllm_neuron:process_threads", "Threads of a server process.", ["process"], multiprocess_mode="livemax"
+)
+
+
+def sample_process(process: str) -> None:
+    """This process's resident memory, open file descriptors and threads, under `process`."""
+    import psutil
+
+    me = psutil.Process()
+    PROCESS_RESIDENT_MEMORY.labels(process=process).set(me.memory_info().rss)
+    PROCESS_OPEN_FDS.labels(process=process).set(me.num_fds())
+    PROCESS_THREADS.labels(process=process).set(me.num_threads())
+
 
 class CallStats:
     """Per-process tallies of compiled calls while serving, mirrored into the Prometheus series above."""

@@ -704,6 +704,7 @@ class NeuronModelRunner:
         if now - self._memory_sampled_at >= 1.0:
             self._memory_sampled_at = now
             metrics.DEVICE_MEMORY_USED.set(neuron_device.memory_in_use())
+            metrics.sample_process("engine")
 
     def _plan_calls(
         self,

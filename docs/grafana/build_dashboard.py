@@ -139,6 +139,24 @@ NEURON_PANELS = [
         [("max(vllm_neuron:device_memory_used_bytes)", "used")],
     ),
     (
+        "Server processes: resident memory",
+        "bytes",
+        [("max(vllm_neuron:process_resident_memory_bytes) by (process)", "{{process}}")],
+    ),
+    (
+        "Server processes: open files and threads",
+        "short",
+        [
+            ("max(vllm_neuron:process_open_fds) by (process)", "fds {{process}}"),
+            ("max(vllm_neuron:process_threads) by (process)", "threads {{process}}"),
+        ],
+    ),
+    (
+        "Requests refused (429)",
+        "ops",
+        [("sum(rate(vllm:admission_rejections_total[1m])) by (reason)", "{{reason}}")],
+    ),
+    (
         "Warm-up and compile seconds",
         "s",
         [
