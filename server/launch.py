@@ -6,9 +6,12 @@ vLLM has no hook between binding the socket and starting the engine, so the thre
 is vLLM's own `run_server_worker`. tests/test_server_lifecycle.py fails when vLLM's `run_server` changes.
 """
 
+import contextlib
 import signal
+import threading
 from argparse import Namespace
 
+import psutil
 from vllm.entrypoints.launchers.api_server.entry import run_server_worker
 from vllm.entrypoints.launchers.launcher import setup_server
 from vllm.logger import init_logger
@@ -21,17 +24,43 @@ logger = init_logger("vllm.vllm_neuron.launch")
 
 async def run_server(args: Namespace) -> None:
     decorate_logs("APIServer", skip_if_decorated=True)
+    terminated = threading.Event()
 
-    # Until vLLM's server installs its handlers, SIGTERM interrupts the start-up (as in vLLM).
-    def interrupt_start_up(*_) -> None:
-        raise KeyboardInterrupt("terminated")
+    # Until vLLM's server installs its handlers, SIGTERM stops the start-up. vLLM raises KeyboardInterrupt
+    # from the handler, but during warm-up the main thread waits in pyzmq's poll, which swallows exceptions
+    # raised by signal handlers: the server went on and served. Ending the engine processes ends that wait
+    # (vLLM sees them exit and raises); the server then exits 0.
+    def stop_start_up(*_) -> None:
+        if not terminated.is_set():
+            terminated.set()
+            logger.info("SIGTERM during start-up: stopping the engine processes")
+            _terminate_children()
 
-    signal.signal(signal.SIGTERM, interrupt_start_up)
+    signal.signal(signal.SIGTERM, stop_start_up)
     listen_address, sock = setup_server(args, reuse_port=False)
     # Stopped at the app's start (server.lifecycle.app_starting), or here when the start-up fails.
-    with StartupResponder(sock) as responder:
-        setattr(args, RESPONDER_ARG, responder)
-        await run_server_worker(listen_address, sock, args)
+    try:
+        with StartupResponder(sock) as responder:
+            setattr(args, RESPONDER_ARG, responder)
+            await run_server_worker(listen_address, sock, args)
+    except Exception:
+        if not terminated.is_set():
+            raise
+        logger.info("Start-up stopped by SIGTERM")
+        return
     if engine_died(args):
         logger.error("The engine process died: the server exits with status 1, to be restarted")
         raise SystemExit(1)
+
+
+def _terminate_children(grace_seconds: float = 10.0) -> None:
+    """SIGTERM to every process this one started (engine core, workers, compile processes), then SIGKILL to
+    those still there after the grace period."""
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=grace_seconds)
+    for child in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()

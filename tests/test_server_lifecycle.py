@@ -162,6 +162,35 @@ def test_starting_then_ready_then_sigterm_drains_in_flight_requests(tiny_model_d
     assert "shutdown" in server.log().lower()
 
 
+@pytest.mark.slow
+def test_sigterm_during_warm_up_stops_the_server_and_its_engine(tiny_model_dir, tmp_path):
+    """vLLM's start-up handler raises KeyboardInterrupt, which pyzmq's poll swallows while the engine warms
+    up: the server used to go on and serve. It ends the engine processes instead, and exits 0."""
+    import psutil
+
+    server = ServerProcess(
+        tiny_model_dir,
+        tmp_path / "server.log",
+        "--readiness",
+        "full",
+        env={"VLLM_NEURON_CACHE_ROOT": str(tmp_path / "cold-cache")},  # a warm-up long enough to interrupt
+    )
+    try:
+        wait_for_starting_answer(server)
+        progress = wait_for_graph_progress(server)
+        assert progress["graphs_pending"] > 2, progress
+        children = psutil.Process(server.process.pid).children(recursive=True)
+        assert children
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=90) == 0, server.log()[-3000:]
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive
+        assert "Start-up stopped by SIGTERM" in server.log()
+    finally:
+        if server.process.poll() is None:
+            server.stop()
+
+
 # vLLM's run_server as server/launch.py repeats it: the steps before run_server_worker.
 VLLM_RUN_SERVER = """\
 async def run_server(args, **uvicorn_kwargs) -> None:
