@@ -40,7 +40,8 @@ ON_HOST = (
     "thinking_token_budget",
     "logits processors given to the engine",
     "a logprobs mode other than raw_logprobs",
-    f"a step where top_p's cut lies beyond the {sampling.TOP_K_CAP} largest logits (that row, that step)",
+    f"a row whose top_p cut lies beyond its {sampling.TOP_K_CAP} largest logits: the graph's sampler again, "
+    "over the whole vocabulary, with the same draw (that row, that step)",
 )
 
 
