@@ -146,6 +146,8 @@ class Soak:
                     status = response.status_code
                     outcome = "429" if status == 429 else "5xx" if status >= 500 else "4xx"
                     self.outcomes.add(outcome, f"{status} {path} {text}")
+                    if status == 429:  # wait as asked, as OpenAI's clients do
+                        await asyncio.sleep(min(float(response.headers.get("retry-after", 1)), 5.0))
                     return
                 chunks = 0
                 async for line in response.aiter_lines():
