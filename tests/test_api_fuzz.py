@@ -100,6 +100,19 @@ MESSAGE = st.fixed_dictionaries(
 )
 
 
+# Conversations OpenAI accepts, so that many lists are valid: a valid list is rare among random ones.
+VALID_CONVERSATION = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "developer", "user", "assistant"]),
+            "content": st.text(max_size=12),
+        }
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
 def openai_accepts(messages: list[dict]) -> bool:
     """The OpenAI API's rules for a messages list (its reference, and the 400s it answers)."""
     required = {"system": ["content"], "developer": ["content"], "user": ["content"], "function": ["name"]}
@@ -127,7 +140,7 @@ def test_chat_messages_get_200_exactly_when_openai_accepts_them(api_server):
     wrong: list[str] = []
 
     @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(messages=st.lists(MESSAGE, min_size=1, max_size=4))
+    @given(messages=st.one_of(VALID_CONVERSATION, st.lists(MESSAGE, min_size=1, max_size=4)))
     def check(messages) -> None:
         body = json.dumps({"model": MODEL_NAME, "messages": messages, "max_tokens": 1}).encode()
         status, answer = http("POST", api_server.base + "/v1/chat/completions", body, key=API_KEY)

@@ -278,9 +278,10 @@ def test_vllm_checks_admission_before_a_response_starts():
     source = inspect.getsource(AsyncLLM.check_admission)
     assert "raise QueueOverflowError()" in source and "raise MaxQueuedTokensError()" in source
     # ... and again as a request enters the engine, with its id: server/admission.py lets that one pass.
-    add_request = inspect.getsource(AsyncLLM.add_request)
-    assert "self.check_admission(parent_params.n, parent_request.request_id)" in add_request
-    assert "self.check_admission(request_id=request.request_id)" in add_request
+    assert "self.check_admission(parent_params.n, parent_request.request_id)" in inspect.getsource(
+        AsyncLLM.add_request
+    )
+    assert "self.check_admission(request_id=request.request_id)" in inspect.getsource(AsyncLLM._add_request)
 
 
 def test_app_start_stops_the_responder_and_drain_turns_health_to_503():
