@@ -39,9 +39,10 @@ class TableQueries:
 
 @dataclass
 class PageQueries:
-    """Decode rows, one query each, over KV pages the rows share (kv_cache.ops.page_attention).
+    """Decode rows over KV pages the rows share (kv_cache.ops.page_attention): one query each, or with
+    speculative decoding (a verify call) a row's last token and its draft tokens.
 
-    positions:   [rows] absolute position of each row's query
+    positions:   [rows] absolute position of each row's query, or [rows, queries] of each of its queries
     page_blocks: [pages, blocks_per_page] block ids of each KV page (padding: null block)
     page_rows:   [pages] the row each page belongs to
     page_starts: [pages] position of each page's first key

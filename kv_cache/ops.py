@@ -166,15 +166,17 @@ def page_masks(
     page_tokens: int,
     window: int | None = None,
 ) -> PageMasks:
-    """window: a sliding window's length; keys at or before position - window are hidden too."""
-    pages, rows = page_rows.shape[0], positions.shape[0]
-    key_positions = page_starts.view(pages, 1) + torch.arange(page_tokens, device=page_rows.device)
-    page_positions = positions.index_select(0, page_rows).view(pages, 1)
+    """positions: [rows] or [rows, queries] (page_attention's); window: a sliding window's length, keys at or
+    before position - window are hidden too."""
+    positions = positions.reshape(positions.shape[0], -1)
+    pages, (rows, queries) = page_rows.shape[0], positions.shape
+    key_positions = page_starts.view(pages, 1, 1) + torch.arange(page_tokens, device=page_rows.device)
+    page_positions = positions.index_select(0, page_rows).view(pages, queries, 1)
     hidden = key_positions > page_positions
     if window is not None:
         hidden = hidden | (key_positions <= page_positions - window)
     owner = page_rows.view(1, pages) == torch.arange(rows, device=page_rows.device).view(rows, 1)
-    return PageMasks(hidden.view(1, pages, 1, page_tokens), owner, owner.to(torch.float32))
+    return PageMasks(hidden.view(1, pages, queries, 1, page_tokens), owner, owner.to(torch.float32))
 
 
 def page_attention(
@@ -188,44 +190,55 @@ def page_attention(
     masks: PageMasks | None = None,
     soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """One query per row [rows, heads, head_size] at `positions` [rows], over KV pages shared by the rows.
+    """Rows of consecutive queries over KV pages shared by the rows: one query per row (decode, positions
+    [rows]) or several (a verify row of speculative decoding, positions [rows, queries]: the row's last token
+    and its draft tokens). query [rows * queries, heads, head_size], row by row.
 
     page_blocks [pages, blocks_per_page]: the blocks of each page; page_rows [pages]: the row it belongs to;
     page_starts [pages]: the position of its first key; masks: their page_masks, when the caller shares one
     across layers (built here otherwise). A row's pages cover its context, so the work follows the rows'
     real contexts rather than padding every row to the longest. Padding pages start past every position
-    (nothing visible) and belong to row 0; a row without pages (batch padding) returns zeros.
+    (nothing visible) and belong to row 0; a row without pages (batch padding) returns zeros. Each query sees
+    its row's keys up to its own position: a verify row's queries share its pages, read once.
 
     Each page gives a partial softmax (its max, its sum, its weighted values); the rows combine their pages
-    by rescaling to the row's max, as split-K ("flash decoding") kernels do. Returns [rows, heads, head_size].
+    by rescaling to the row's max, as split-K ("flash decoding") kernels do. Returns [rows * queries, heads,
+    head_size].
     """
-    rows, num_heads, head_size = query.shape
+    rows = positions.shape[0]
+    queries = positions.numel() // rows
+    num_heads, head_size = query.shape[1], query.shape[2]
     keys, values = gather_blocks(kv_cache, page_blocks)  # [kv_heads, pages, page_tokens, d]
     kv_heads, pages, page_tokens = keys.shape[0], keys.shape[1], keys.shape[2]
     group = num_heads // kv_heads
     if masks is None:
         masks = page_masks(page_rows, page_starts, positions, page_tokens)
-    # Each page takes its row's query heads of every KV head: [kv_heads, pages, group, d].
-    q = query.view(rows, kv_heads, group, head_size).index_select(0, page_rows).transpose(0, 1)
+    # Each page takes its row's queries, every query head of every KV head: [kv_heads, pages, queries *
+    # group, d] (a row's queries fold into the query heads, as attention_over_context folds them).
+    q = query.view(rows, queries, kv_heads, group, head_size).transpose(1, 2)
+    q = q.reshape(rows, kv_heads, queries * group, head_size).index_select(0, page_rows).transpose(0, 1)
     # Scores in the model's dtype, like the model's own eager attention; softmax statistics in float32.
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [kv_heads, pages, group, tokens]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [kv_heads, pages, q * group, tokens]
     if soft_cap is not None:
         scores = _capped(scores, soft_cap)
-    scores = scores.masked_fill(masks.hidden, _MASKED)
-    page_max = scores.amax(-1)  # [kv_heads, pages, group]
+    scores = scores.view(kv_heads, pages, queries, group, page_tokens).masked_fill(masks.hidden, _MASKED)
+    scores = scores.view(kv_heads, pages, queries * group, page_tokens)
+    page_max = scores.amax(-1)  # [kv_heads, pages, q * group]
     weights = torch.exp(scores - page_max.unsqueeze(-1))
     page_sum = weights.sum(-1)
-    page_out = torch.matmul(weights.to(values.dtype), values).float()  # [kv_heads, pages, group, d]
+    page_out = torch.matmul(weights.to(values.dtype), values).float()  # [kv_heads, pages, q * group, d]
     # Combine each row's pages through a [rows, pages] ownership matrix: matmuls and a masked max, no
     # scatter, so it traces and tiles the same way on every backend.
+    heads = queries * group
     row_max = torch.where(
-        masks.owner.view(1, rows, pages, 1), page_max.view(kv_heads, 1, pages, group), _MASKED
-    ).amax(2)  # [kv_heads, rows, group]
-    rescale = torch.exp(page_max - row_max.index_select(1, page_rows))  # [kv_heads, pages, group]
+        masks.owner.view(1, rows, pages, 1), page_max.view(kv_heads, 1, pages, heads), _MASKED
+    ).amax(2)  # [kv_heads, rows, q * group]
+    rescale = torch.exp(page_max - row_max.index_select(1, page_rows))  # [kv_heads, pages, q * group]
     total = torch.matmul(masks.ownership, (page_out * rescale.unsqueeze(-1)).reshape(kv_heads, pages, -1))
     norm = torch.matmul(masks.ownership, page_sum * rescale).clamp_min(torch.finfo(torch.float32).tiny)
-    out = total.view(kv_heads, rows, group, head_size) / norm.view(kv_heads, rows, group, 1)
-    return out.to(query.dtype).permute(1, 0, 2, 3).reshape(rows, num_heads, head_size)
+    out = total.view(kv_heads, rows, heads, head_size) / norm.view(kv_heads, rows, heads, 1)
+    out = out.to(query.dtype).view(kv_heads, rows, queries, num_heads // kv_heads, head_size)
+    return out.permute(1, 2, 0, 3, 4).reshape(rows * queries, num_heads, head_size)
 
 
 def _capped(scores: torch.Tensor, soft_cap: float) -> torch.Tensor:

@@ -43,6 +43,7 @@ class Plan:
             "prefill": len(buckets.prefill_shapes()),
             "decode": len(buckets.decode_shapes()),
             "mixed": len(buckets.mixed_shapes()),
+            "verify": len(buckets.verify_shapes()),
         }
 
     @property

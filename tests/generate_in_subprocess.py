@@ -8,7 +8,8 @@ engines of other dtypes run here, in their own process, with the environment the
 Optional keys: "sampling" (a list of {"prompt", "params": SamplingParams keywords}, generated in one batch
 after the greedy prompts: "sampled_tokens"), "churn_bursts" (then run tests/test_churn.py's workload and
 report it), "sleep_level" (then sleep at that level, wake up, reload the weights after level 2, and generate
-again), "wait_background" (then wait until staged readiness's background compiles are done), and with the
+again), "wait_background" (then wait until staged readiness's background compiles are done), "metrics" (the
+values of these counters of llm.get_metrics(), summed over labels: "metrics" in the result), and with the
 plugin active the result carries each rank's compile_stats (graphs, recompiles after warm-up, KV cache
 shape) and the driver's compile_progress.
 """
@@ -74,7 +75,14 @@ def main() -> None:
         runner = core.model_executor.driver_worker.worker.model_runner
         if runner.background is not None and not runner.background.wait(timeout=600):
             raise TimeoutError("background compiles did not finish")
+    metrics = None
+    if request.get("metrics"):
+        metrics = dict.fromkeys(request["metrics"], 0)
+        for metric in llm.get_metrics():
+            if metric.name in metrics:
+                metrics[metric.name] += metric.value
     result = {
+        "metrics": metrics,
         "platform": type(current_platform).__name__,
         "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
         "sampled_on_host": llm.collective_rpc("sampled_on_host")[0] if ours else None,

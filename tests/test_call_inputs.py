@@ -6,10 +6,10 @@ import torch
 
 from kv_cache import ops
 from kv_cache.backend import NeuronAttentionImpl
-from kv_cache.layout import allocate
+from kv_cache.layout import NULL_BLOCK, allocate
 from kv_cache.ops import page_attention, table_attention, write_kv
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
-from worker.call_inputs import Chunk, decode_inputs, mixed_inputs, prefill_inputs
+from worker.call_inputs import Chunk, decode_inputs, mixed_inputs, prefill_inputs, verify_inputs
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -389,6 +389,61 @@ def test_a_mixed_call_attends_like_its_parts_alone():
     torch.testing.assert_close(kv_cache, separate_cache)
     # The decode rows of the mixed call see the cache, not zeros: real rows are non-zero.
     assert together[8:11].abs().sum((1, 2)).min() > 0
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_verify_call_attends_like_each_row_prefilled_alone(window):
+    """Speculative decoding's verify call: each row's last token and drafts (3 query slots a row, one row
+    with fewer tokens, one batch-padding row) over shared pages. Every real query attends, and writes the
+    cache, as the same tokens run as a prefill chunk; unused slots write only the null block."""
+    heads, kv_heads, head_size = 4, 2, 8
+    impl = NeuronAttentionImpl(
+        heads, head_size, head_size**-0.5, num_kv_heads=kv_heads, sliding_window=window
+    )
+    gen = torch.Generator().manual_seed(5)
+    kv_cache = allocate(16, BLOCK_SIZE, kv_heads, head_size, torch.float32, CPU)
+    kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen))
+    rows = [
+        Chunk(np.array([11, 12, 13], dtype=np.int32), 0, block_row(5)),
+        Chunk(np.array([22, 23, 24], dtype=np.int32), 9, block_row(8, 2, 7)),  # drafts cross a block
+        Chunk(np.array([33], dtype=np.int32), 7, block_row(3, 12)),  # a row without drafts
+    ]
+    verify = verify_inputs(
+        rows,
+        batch_bucket=4,
+        queries=3,
+        num_pages=6,
+        page_tokens=PAGE_TOKENS,
+        block_size=BLOCK_SIZE,
+        device=CPU,
+    )
+    assert verify.input_ids.tolist() == [11, 12, 13, 22, 23, 24, 33, 0, 0, 0, 0, 0]
+    assert verify.positions.tolist() == [0, 1, 2, 9, 10, 11, 7, 7, 7, 0, 0, 0]
+    assert verify.decode_token_index.tolist() == [0, 3, 6]
+    assert verify.logits_indices.tolist() == list(range(12))
+    query = torch.randn(12, heads, head_size, generator=gen)
+    key, value = torch.randn(2, 12, kv_heads, head_size, generator=gen)
+    cache = kv_cache.clone()
+    together = torch.empty(12, heads, head_size)
+    impl.forward(None, query, key, value, cache, verify.metadata, together)
+    alone_cache = kv_cache.clone()
+    for index, chunk in enumerate(rows):
+        count = len(chunk.token_ids)
+        alone = prefill_inputs([chunk], token_bucket=4, context_bucket=16, block_size=BLOCK_SIZE, device=CPU)
+        picked = slice(3 * index, 3 * index + count)
+        out = torch.empty(4, heads, head_size)
+        impl.forward(
+            None,
+            torch.cat([query[picked], torch.zeros(4 - count, heads, head_size)]),
+            torch.cat([key[picked], torch.zeros(4 - count, kv_heads, head_size)]),
+            torch.cat([value[picked], torch.zeros(4 - count, kv_heads, head_size)]),
+            alone_cache,
+            alone.metadata,
+            out,
+        )
+        torch.testing.assert_close(together[picked], out[:count])
+    # The same cache, but for the null block (where unused slots and the prefill's padding write).
+    torch.testing.assert_close(cache[:, :, NULL_BLOCK + 1 :], alone_cache[:, :, NULL_BLOCK + 1 :])
 
 
 def test_the_layers_of_a_call_share_its_masks(monkeypatch):

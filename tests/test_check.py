@@ -57,6 +57,7 @@ def test_a_supported_model_serves_with_every_figure(three_layer_llama):
         "prefill": 2,  # tokens 128 and 256 over the one context bucket 256
         "decode": len(buckets["decode_batch_buckets"]),
         "mixed": len(buckets["mixed_batch_buckets"]),
+        "verify": 0,  # no --speculative-config
         "total": 2 + len(buckets["decode_batch_buckets"]) + len(buckets["mixed_batch_buckets"]),
     }
     assert lowering["graphs_lowered"] == len(lowering["graphs"]) == plan["graphs"]["total"]

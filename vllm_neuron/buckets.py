@@ -17,6 +17,10 @@ over the weights: a step that carries a capped chunk beside running streams (vll
 costs about one call, not two. Its shapes are those of the decode calls with a batch bucket in
 `mixed_batch`; the chunk attends over the largest context bucket (a small chunk's attention is cheap next
 to a pass over the weights, and a context dimension would multiply the graphs again).
+
+With speculative decoding, a verify call checks each decode row's draft tokens in one pass: the row's last
+token and its k drafts, `verify_tokens` = k + 1 queries a row, over the decode calls' shapes (batch bucket x
+decode context bucket), its rows sharing KV pages as a decode call's do.
 """
 
 import bisect
@@ -26,7 +30,7 @@ from typing import Literal
 
 # A compiled graph: (phase, prefill token bucket or decode batch bucket, context bucket). A mixed graph's
 # chunk bucket and chunk context are fixed by the bucket set, so batch and context name it.
-GraphKey = tuple[Literal["prefill", "decode", "mixed"], int, int]
+GraphKey = tuple[Literal["prefill", "decode", "mixed", "verify"], int, int]
 
 
 class BucketError(ValueError):
@@ -87,6 +91,9 @@ class BucketConfig:
     mixed_tokens: int = 0  # the token bucket of a mixed call's chunk (the prefill cap); 0: no mixed calls
     mixed_batch: tuple[int, ...] = ()  # the decode batch buckets with mixed calls
     decode_context_tokens: tuple[int, ...] = ()  # the decode calls' context buckets; (): context_tokens
+    verify_tokens: int = (
+        0  # queries a verify row (speculative decoding: 1 + draft tokens); 0: no verify calls
+    )
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(tokens, context) pairs a prefill call can take: a chunk that needs bucket T has more tokens than
@@ -111,6 +118,10 @@ class BucketConfig:
     def decode_shapes(self) -> list[tuple[int, int]]:
         """(batch, context) pairs of decode calls."""
         return [(batch, ctx) for batch in self.decode_batch for ctx in self.decode_contexts()]
+
+    def verify_shapes(self) -> list[tuple[int, int]]:
+        """(batch, context) pairs of verify calls: the decode shapes, with speculative decoding."""
+        return self.decode_shapes() if self.verify_tokens else []
 
     def decode_pages(self, batch: int, context: int) -> int:
         """KV pages a decode call of this shape attends over, shared among its rows."""
@@ -139,25 +150,35 @@ class BucketConfig:
 
     @property
     def num_graphs(self) -> int:
-        return len(self.prefill_shapes()) + len(self.decode_shapes()) + len(self.mixed_shapes())
+        return (
+            len(self.prefill_shapes())
+            + len(self.decode_shapes())
+            + len(self.mixed_shapes())
+            + len(self.verify_shapes())
+        )
 
     def graphs(self) -> list[GraphKey]:
-        """Every graph of the bucket set, in warm-up order: prefill, decode, then mixed shapes."""
+        """Every graph of the bucket set, in warm-up order: prefill, decode, mixed, then verify shapes."""
         return [
             *(("prefill", tokens, ctx) for tokens, ctx in self.prefill_shapes()),
             *(("decode", batch, ctx) for batch, ctx in self.decode_shapes()),
             *(("mixed", batch, ctx) for batch, ctx in self.mixed_shapes()),
+            *(("verify", batch, ctx) for batch, ctx in self.verify_shapes()),
         ]
 
     def minimal_graphs(self) -> list[GraphKey]:
         """Two graphs that serve every step (calls.plan_step with only these ready): the smallest prefill
         token bucket over the largest context, longer prompts running as more chunks, and the smallest decode
         batch over the largest decode context, larger batches running as more calls. Each holds any chunk or
-        row up to max_model_len."""
-        return [
+        row up to max_model_len. With speculative decoding, the smallest verify shape over the largest decode
+        context too: a step with draft tokens verifies them."""
+        graphs: list[GraphKey] = [
             ("prefill", self.prefill_tokens[0], self.context_tokens[-1]),
             ("decode", self.decode_batch[0], self.decode_contexts()[-1]),
         ]
+        if self.verify_tokens:
+            graphs.append(("verify", self.decode_batch[0], self.decode_contexts()[-1]))
+        return graphs
 
     def describe(self) -> str:
         mixed = (
@@ -168,9 +189,10 @@ class BucketConfig:
         decode_context = (
             f", decode context {list(self.decode_context_tokens)}" if self.decode_context_tokens else ""
         )
+        verify = f", verify: {self.verify_tokens} tokens a row" if self.verify_tokens else ""
         return (
             f"prefill tokens {list(self.prefill_tokens)}, decode batch {list(self.decode_batch)}, "
-            f"context {list(self.context_tokens)}{decode_context}{mixed} -> {self.num_graphs} graphs"
+            f"context {list(self.context_tokens)}{decode_context}{mixed}{verify} -> {self.num_graphs} graphs"
         )
 
 

@@ -25,7 +25,8 @@ class CallCosts:
         ms = self.call
         if call.phase != "prefill":
             read = call.batch * ceil_div(call.context, page_tokens) * page_tokens
-            ms += self.row * call.batch + self.kv_position * read
+            # A verify row's queries each cost a row; they share its pages.
+            ms += self.row * call.batch * call.queries + self.kv_position * read
         if call.phase == "prefill":
             ms += self.token * call.token_bucket + self.attention * call.token_bucket * call.context
         if call.phase == "mixed":

@@ -10,7 +10,9 @@ the simulation (vllm_neuron/step_simulation.py) both call it. A step becomes one
 - decode: `rows` requests of one token each, padded to the batch bucket `batch`, over the decode context
   bucket `context`;
 - mixed: a decode call that also runs one prefill chunk of `tokens` tokens (padded to `token_bucket`), which
-  attends over `chunk_context`.
+  attends over `chunk_context`;
+- verify (speculative decoding): a decode call whose rows have `queries` query slots each, a row's last
+  token and its draft tokens (a row without drafts uses one), over the decode shapes.
 """
 
 from collections.abc import Collection, Sequence
@@ -20,7 +22,7 @@ from typing import Literal
 
 from vllm_neuron.buckets import BucketConfig, BucketError, GraphKey, ceil_div, pack_prefill
 
-Phase = Literal["prefill", "decode", "mixed"]
+Phase = Literal["prefill", "decode", "mixed", "verify"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Call:
     chunks: int = 0  # prefill chunks in the call (prefill: 1 to PACKED_CHUNKS; mixed: 1)
     start: int = 0  # position of the first prefill token (one chunk: where it starts in its request)
     chunk_context: int = 0  # the context bucket a mixed call's chunk attends over
+    queries: int = 1  # query slots a decode row has (verify: 1 + the draft tokens the config allows)
 
     @classmethod
     def prefill(
@@ -44,6 +47,10 @@ class Call:
     @classmethod
     def decode(cls, rows: int, batch: int, context: int) -> "Call":
         return cls("decode", context, rows=rows, batch=batch)
+
+    @classmethod
+    def verify(cls, rows: int, batch: int, context: int, queries: int) -> "Call":
+        return cls("verify", context, rows=rows, batch=batch, queries=queries)
 
     def with_chunk(self, tokens: int, start: int, token_bucket: int, chunk_context: int) -> "Call":
         """This decode call as a mixed call that also runs a prefill chunk."""
@@ -87,6 +94,9 @@ class Call:
 
     def __str__(self) -> str:
         decode = f"decode of {self.rows} requests: batch {self.batch} x context {self.context}"
+        if self.phase == "verify":
+            shape = f"batch {self.batch} x context {self.context}"
+            return f"verify of {self.rows} requests, {self.queries} query slots each: {shape}"
         if self.phase == "decode":
             return decode
         if self.phase == "mixed":
@@ -116,21 +126,31 @@ def plan_step(
     buckets: BucketConfig,
     block_size: int,
     ready: Collection[GraphKey] | None = None,
+    verify: bool = False,
 ) -> list[CallPlan]:
     """The calls of one step, in the order they run. `decode_contexts`: each decode row's context (its
-    position + 1), in batch order; `chunks`: each prefill chunk's (start, length), in batch order; `ready`:
-    the graphs calls may use (None: every graph of the bucket set; staged readiness passes those compiled so
-    far, which always include `buckets.minimal_graphs()`).
+    last query's position + 1), in batch order; `chunks`: each prefill chunk's (start, length), in batch
+    order; `ready`: the graphs calls may use (None: every graph of the bucket set; staged readiness passes
+    those compiled so far, which always include `buckets.minimal_graphs()`); `verify`: a decode row has draft
+    tokens, so the decode rows run in verify calls (the same shapes, `buckets.verify_tokens` queries a row),
+    which take no chunk along.
 
     Decode rows run in calls of at most the largest batch bucket, each call the smallest shape that holds
     its rows; the first of those whose mixed graph exists takes along the first chunk of at most
     `buckets.mixed_tokens` tokens. The other chunks are packed into prefill calls by `pack_prefill`, up to
     the largest token bucket over the largest context, each call the smallest shape that holds it."""
-    decode_shapes = _usable(buckets.decode_shapes(), "decode", ready)
+    phase: Phase = "verify" if verify else "decode"
+    decode_shapes = _usable(buckets.verify_shapes() if verify else buckets.decode_shapes(), phase, ready)
     plans: list[CallPlan] = []
-    rider = next((i for i, (_, length) in enumerate(chunks) if length <= buckets.mixed_tokens), None)
+    mixed_tokens = 0 if verify else buckets.mixed_tokens
+    rider = next((i for i, (_, length) in enumerate(chunks) if length <= mixed_tokens), None)
     taken = None
     for rows, call in _decode_calls(decode_contexts, decode_shapes, buckets):
+        if verify:
+            plans.append(
+                CallPlan(Call.verify(call.rows, call.batch, call.context, buckets.verify_tokens), rows)
+            )
+            continue
         mixed_ready = ready is None or ("mixed", call.batch, call.context) in ready
         if (
             taken is None

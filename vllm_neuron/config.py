@@ -57,11 +57,18 @@ class NeuronConfig:
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
-        return cls.resolve(dict(vllm_config.additional_config or {}), engine_limits(vllm_config))
+        speculative = vllm_config.speculative_config
+        verify_tokens = 1 + speculative.num_speculative_tokens if speculative is not None else 0
+        return cls.resolve(
+            dict(vllm_config.additional_config or {}), engine_limits(vllm_config), verify_tokens
+        )
 
     @classmethod
-    def resolve(cls, additional: dict[str, Any], limits: dict[str, int]) -> "NeuronConfig":
-        """The settings from --additional-config's keys and the engine's limits (engine_limits)."""
+    def resolve(
+        cls, additional: dict[str, Any], limits: dict[str, int], verify_tokens: int = 0
+    ) -> "NeuronConfig":
+        """The settings from --additional-config's keys and the engine's limits (engine_limits);
+        `verify_tokens`: with speculative decoding, 1 + its draft tokens (verify calls' queries a row)."""
         accepted = {*BUCKET_SETTINGS, *POLICY_SETTINGS, INTERLEAVE_SETTING, MIXED_SETTING}
         unknown = sorted(set(additional) - accepted)
         if unknown:
@@ -88,6 +95,7 @@ class NeuronConfig:
             context_tokens=chosen["context_buckets"],
             decode_context_tokens=chosen["decode_context_buckets"],
             page_tokens=decode_page_tokens(limits["block_size"]),
+            verify_tokens=verify_tokens,
         )
         try:
             validate_buckets(buckets, **limits)

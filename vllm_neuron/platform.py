@@ -231,6 +231,13 @@ def _without_plugin_variables():
         os.environ.update(saved)
 
 
+def speculative_method(vllm_config: "VllmConfig") -> str | None:
+    """The speculative decoding method (None: off). The plugin verifies n-gram (prompt lookup) proposals;
+    a draft model or EAGLE head would need graphs of its own."""
+    speculative = vllm_config.speculative_config
+    return None if speculative is None else speculative.method
+
+
 def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
     model_config = vllm_config.model_config
     NeuronPlatform.check_if_supports_dtype(model_config.dtype)
@@ -253,9 +260,10 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
         "pipeline parallelism is not supported: use --pipeline-parallel-size 1": (
             vllm_config.parallel_config.pipeline_parallel_size > 1
         ),
-        "speculative decoding is not supported: remove --speculative-config": (
-            vllm_config.speculative_config is not None
-        ),
+        f"speculative decoding method {speculative_method(vllm_config)!r} is not supported: use "
+        '--speculative-config \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        "(prompt lookup) or remove --speculative-config": speculative_method(vllm_config)
+        not in (None, "ngram"),
         "LoRA is not supported: remove --enable-lora": vllm_config.lora_config is not None,
         f"quantized MoE models are not supported ({model_config.quantization} quantization): the plugin's "
         "experts are unquantized (vllm_neuron/moe.py); serve an unquantized checkpoint": (

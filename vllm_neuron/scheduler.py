@@ -44,6 +44,9 @@ class PrefillShare:
             vllm_config
         ).prefill_tokens_while_decoding
         self.full_token_budget = self.max_num_scheduled_tokens
+        # With speculative decoding a decoding request is scheduled its last token and its draft tokens.
+        speculative = vllm_config.speculative_config
+        self.tokens_per_decode_row = 1 + (speculative.num_speculative_tokens if speculative else 0)
         # A private copy: the per-request prefill cap below changes from step to step.
         self.scheduler_config = copy.copy(self.scheduler_config)
         self.configured_prefill_cap = self.scheduler_config.long_prefill_token_threshold
@@ -61,7 +64,9 @@ class PrefillShare:
         if cap:
             # Every prefill chunk is capped too: a chunk ahead of the decoding requests in the running
             # queue must not take their tokens.
-            self.max_num_scheduled_tokens = min(self.full_token_budget, decoding + cap)
+            self.max_num_scheduled_tokens = min(
+                self.full_token_budget, decoding * self.tokens_per_decode_row + cap
+            )
             self.scheduler_config.long_prefill_token_threshold = min(cap, self.configured_prefill_cap or cap)
         else:
             self.max_num_scheduled_tokens = self.full_token_budget

@@ -49,6 +49,7 @@ class _HostPart:
     logits_indices: np.ndarray  # within the part; its real rows first
     num_real_rows: int
     tables: dict[str, np.ndarray]  # the fields of its TableQueries / PageQueries
+    queries: int = 1  # query slots a row has (a verify call's rows: its last token and its drafts)
 
 
 def _context_blocks(block_row: np.ndarray, num_blocks: int) -> np.ndarray:
@@ -111,14 +112,24 @@ def _table_part(
 
 
 def _paged_part(
-    chunks: list[Chunk], batch_bucket: int, num_pages: int, page_tokens: int, block_size: int
+    chunks: list[Chunk],
+    batch_bucket: int,
+    num_pages: int,
+    page_tokens: int,
+    block_size: int,
+    queries: int = 1,
 ) -> _HostPart:
-    """One token per request over `num_pages` KV pages the rows share, each row as many as its context needs
-    (in row order)."""
+    """Rows of up to `queries` consecutive tokens of one request (decode: one) over `num_pages` KV pages the
+    rows share, each row as many as its context needs (in row order). A row's unused query slots repeat its
+    last position and write to the null block."""
     blocks_per_page = page_tokens // block_size
     rows = len(chunks)
     starts = np.fromiter((chunk.start for chunk in chunks), dtype=np.int64, count=rows)
-    row_pages = (starts + page_tokens) // page_tokens  # ceil((start + 1) / page_tokens)
+    counts = np.fromiter((len(chunk.token_ids) for chunk in chunks), dtype=np.int64, count=rows)
+    if rows and int(counts.max()) > queries:
+        raise ValueError(f"a row of {int(counts.max())} tokens in a call of {queries} queries a row")
+    last = starts + counts - 1
+    row_pages = (last + page_tokens) // page_tokens  # ceil((last + 1) / page_tokens)
     if int(row_pages.sum()) > num_pages:
         raise ValueError(f"decode rows need {int(row_pages.sum())} KV pages, the call has {num_pages}")
     # Every row's blocks as far as its last page reaches, zero-padded (vectorised: this runs every step).
@@ -128,12 +139,22 @@ def _paged_part(
         reach = min(width, chunk.block_row.shape[0])
         block_rows[row, :reach] = chunk.block_row[:reach]
 
-    input_ids = np.zeros(batch_bucket, dtype=np.int64)
-    positions = np.zeros(batch_bucket, dtype=np.int64)
-    slots = np.full(batch_bucket, NULL_BLOCK * block_size, dtype=np.int64)
-    input_ids[:rows] = [chunk.token_ids[0] for chunk in chunks]
-    positions[:rows] = starts
-    slots[:rows] = block_rows[np.arange(rows), starts // block_size] * block_size + starts % block_size
+    input_ids = np.zeros((batch_bucket, queries), dtype=np.int64)
+    positions = np.zeros((batch_bucket, queries), dtype=np.int64)
+    slots = np.full((batch_bucket, queries), NULL_BLOCK * block_size, dtype=np.int64)
+    if queries == 1:
+        input_ids[:rows, 0] = [chunk.token_ids[0] for chunk in chunks]
+    else:
+        for row, chunk in enumerate(chunks):
+            input_ids[row, : counts[row]] = chunk.token_ids
+    offsets = np.arange(queries, dtype=np.int64)
+    real = offsets < counts[:, None]  # [rows, queries]
+    positions[:rows] = np.minimum(starts[:, None] + offsets, last[:, None])
+    row_index = np.broadcast_to(np.arange(rows)[:, None], real.shape)
+    written = (
+        block_rows[row_index, positions[:rows] // block_size] * block_size + positions[:rows] % block_size
+    )
+    slots[:rows] = np.where(real, written, NULL_BLOCK * block_size)
 
     # The pages in row order: page p of row r holds the row's blocks p*blocks_per_page onwards.
     used = int(row_pages.sum())
@@ -147,17 +168,19 @@ def _paged_part(
     page_rows[:used] = page_row
     page_starts[:used] = page_of_row * page_tokens
     return _HostPart(
-        input_ids,
-        positions,
-        slots,
-        np.arange(batch_bucket, dtype=np.int64),
+        input_ids.reshape(-1),
+        positions.reshape(-1),
+        slots.reshape(-1),
+        np.arange(batch_bucket * queries, dtype=np.int64),
         len(chunks),
         {
-            "positions": positions,
+            # [rows] for one query a row (decode's graphs as they were), [rows, queries] for a verify call
+            "positions": positions if queries > 1 else positions.reshape(-1),
             "page_blocks": page_blocks,
             "page_rows": page_rows,
             "page_starts": page_starts,
         },
+        queries,
     )
 
 
@@ -180,6 +203,23 @@ def decode_inputs(
         table = _table_part([chunk], 1, num_pages * page_tokens, block_size, 1)
         return _to_device(device, table=table, decode_at=0)
     paged = _paged_part(chunks, batch_bucket, num_pages, page_tokens, block_size)
+    return _to_device(device, paged=paged, decode_at=0)
+
+
+def verify_inputs(
+    chunks: list[Chunk],
+    *,
+    batch_bucket: int,
+    queries: int,
+    num_pages: int,
+    page_tokens: int,
+    block_size: int,
+    device: torch.device,
+) -> CallInputs:
+    """Speculative decoding's verify call: each row its last token and its draft tokens (`queries` slots a
+    row, unused ones padding), over shared KV pages as in a decode call. Keeps every query's logits, row by
+    row: logits row r * queries + j is query j of row r."""
+    paged = _paged_part(chunks, batch_bucket, num_pages, page_tokens, block_size, queries)
     return _to_device(device, paged=paged, decode_at=0)
 
 
@@ -235,7 +275,7 @@ def _to_device(
         logits_indices.append(part.logits_indices + offset)
         offset += len(part.input_ids)
     input_ids = np.concatenate([part.input_ids for part in parts])
-    decode_rows = 0 if decode_at is None else (paged or table).num_real_rows
+    decode_part = paged or table
     return CallInputs(
         input_ids=put(input_ids),
         positions=put(np.concatenate([part.positions for part in parts])),
@@ -248,5 +288,7 @@ def _to_device(
         # A mixed call's table part has one chunk, one logits row: the real rows of both parts come first.
         num_real_rows=sum(part.num_real_rows for part in parts),
         host_input_ids=input_ids,
-        decode_token_index=np.arange(decode_rows, dtype=np.int64) + (decode_at or 0),
+        decode_token_index=np.arange(0 if decode_at is None else decode_part.num_real_rows, dtype=np.int64)
+        * decode_part.queries
+        + (decode_at or 0),
     )

@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output.utils import apply_grammar_bitmask
 from vllm.v1.worker.utils import bind_kv_cache
@@ -41,7 +41,7 @@ from vllm_neuron.buckets import GraphKey
 from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call, CallPlan, plan_step
 from vllm_neuron.config import NeuronConfig
-from worker import call_inputs, sampling_rows, warmup
+from worker import call_inputs, sampling_rows, speculation, warmup
 from worker.async_steps import DeviceThread, StepOutput
 from worker.background import BackgroundCompiler, CompileProgress, ServingActivity, compile_workers
 from worker.call_inputs import CallInputs, Chunk
@@ -103,9 +103,16 @@ class CallOutputs:
     logprob_token_ids: torch.Tensor
     logprobs: torch.Tensor
     ranks: torch.Tensor
+    queries: int = 1  # logits rows a batch row has (a verify call's: its last token's, then its drafts')
 
     def real(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor[: len(self.batch_rows)]
+        """The batch rows' outputs: of each row's first query (a verify row's last token)."""
+        return tensor[: len(self.batch_rows) * self.queries : self.queries]
+
+    def all_queries(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[batch rows, queries, ...]: every query's output (a verify call's)."""
+        rows = len(self.batch_rows)
+        return tensor[: rows * self.queries].view(rows, self.queries, *tensor.shape[1:])
 
 
 class _ToHost:
@@ -235,6 +242,8 @@ class NeuronModelRunner:
             if vllm_config.scheduler_config.async_scheduling
             else None
         )
+        # Speculative decoding (n-gram): proposes draft tokens after each step; the scheduler takes them.
+        self.drafter = speculation.Drafter.for_config(vllm_config)
         self._step_ended = 0.0  # when the latest step's output was made
         self._execute_returned = 0.0  # when execute_model last returned
         self._unrecorded: _Step | None = None  # made by the next step; recorded once that one's calls run
@@ -637,6 +646,7 @@ class NeuronModelRunner:
         prefill: list[tuple[int, Chunk]] = []
         partial: list[int] = []
         fills: dict[int, str] = {}  # batch row -> request id, of rows whose token is still on the device
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for row, req_id in enumerate(batch.req_ids):
             count = scheduler_output.num_scheduled_tokens[req_id]
             start = int(batch.num_computed_tokens_cpu[row])
@@ -644,12 +654,18 @@ class NeuronModelRunner:
                 if previous is None:
                     raise RuntimeError(f"request {req_id}: its next token is neither known nor being sampled")
                 fills[row] = req_id
-            chunk = Chunk(batch.token_ids_cpu[row, start : start + count], start, self.batch.block_table[row])
-            (decode if count == 1 else prefill).append((row, chunk))
+            if drafts.get(req_id):  # a decode row to verify: its last token, then its draft tokens
+                token_ids = np.array([batch.token_ids_cpu[row, start], *drafts[req_id]], dtype=np.int64)
+                assert len(token_ids) == count, (req_id, count, drafts[req_id])
+            else:
+                token_ids = batch.token_ids_cpu[row, start : start + count]
+            chunk = Chunk(token_ids, start, self.batch.block_table[row])
+            (decode if count == 1 or req_id in drafts else prefill).append((row, chunk))
             if start + count < batch.num_tokens_no_spec[row]:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
-        planned = self._plan_calls(decode, prefill, self._sampling_parameters(partial), fills)
+        verify = any(len(chunk.token_ids) > 1 for _, chunk in decode)
+        planned = self._plan_calls(decode, prefill, self._sampling_parameters(partial), fills, verify)
         host_rows = [
             self.host_sampler_only or self.batch.sampling[req_id].host_reason is not None
             for req_id in batch.req_ids
@@ -712,18 +728,22 @@ class NeuronModelRunner:
         prefill: list[tuple[int, Chunk]],
         parameters: np.ndarray,
         fills: dict[int, str],
+        verify: bool = False,
     ) -> list[_PlannedCall]:
         """The step's calls as `calls.plan_step` plans them, with their inputs on the device; each samples
         the rows of its requests (a sub-chunk's row is sampled again by the next: the last part of a chunk
-        gives its token). `fills`: decode rows (batch row -> request id) whose token the device thread
-        fills in."""
-        contexts = [chunk.start + 1 for _, chunk in decode]
+        gives its token; a verify call samples every query of its rows). `fills`: decode rows (batch row ->
+        request id) whose token the device thread fills in; `verify`: a decode row has draft tokens."""
+        contexts = [chunk.start + len(chunk.token_ids) for _, chunk in decode]
         chunks = [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill]
         ready = self.ready_graphs
         staging = self.background is not None and len(ready) < self.progress.total
-        plans = plan_step(contexts, chunks, self.buckets, self.block_size, ready if staging else None)
+        plans = plan_step(
+            contexts, chunks, self.buckets, self.block_size, ready if staging else None, verify=verify
+        )
         if staging and self.serving:
-            self._report_demand(plans, plan_step(contexts, chunks, self.buckets, self.block_size), ready)
+            ideal = plan_step(contexts, chunks, self.buckets, self.block_size, verify=verify)
+            self._report_demand(plans, ideal, ready)
         planned = []
         for plan in plans:
             parts = []
@@ -738,7 +758,9 @@ class NeuronModelRunner:
             batch_rows = [prefill[index][0] for index, _, _ in plan.parts]
             batch_rows += [decode[index][0] for index in plan.decode_rows]
             table = np.zeros((len(inputs.logits_indices), sampling.PARAMS), dtype=np.float32)
-            table[: inputs.num_real_rows] = parameters[batch_rows]
+            # A verify row's queries each sample with the row's parameters (its drafts' rows are greedy).
+            queries = plan.call.queries
+            table[: inputs.num_real_rows * queries] = np.repeat(parameters[batch_rows], queries, axis=0)
             params = torch.from_numpy(table).to(self.device)
             decode_rows = [decode[index][0] for index in plan.decode_rows]
             call_fills = [
@@ -757,7 +779,11 @@ class NeuronModelRunner:
         step.device_started = time.perf_counter()
         outputs = []
         for item in step.planned:
-            outputs.append(CallOutputs(item.batch_rows, *self._run(item.inputs, item.params, item.call)))
+            outputs.append(
+                CallOutputs(
+                    item.batch_rows, *self._run(item.inputs, item.params, item.call), item.call.queries
+                )
+            )
         step.device_ended = time.perf_counter()
         step.forward_seconds = step.device_ended - step.device_started
         return outputs
@@ -813,6 +839,16 @@ class NeuronModelRunner:
                 device=self.device,
             )
         pages = self.buckets.decode_pages(call.batch, call.context)
+        if call.phase == "verify":
+            return call_inputs.verify_inputs(
+                rows,
+                batch_bucket=call.batch,
+                queries=call.queries,
+                num_pages=pages,
+                page_tokens=self.buckets.page_tokens,
+                block_size=self.block_size,
+                device=self.device,
+            )
         if call.phase == "decode":
             return call_inputs.decode_inputs(
                 rows,
@@ -946,6 +982,9 @@ class NeuronModelRunner:
         sampled_ids = [[token] for token in sampled.tolist()]
         for row in step.partial_prefill_rows:
             sampled_ids[row] = []
+        if step.scheduler_output.scheduled_spec_decode_tokens and self.serving:
+            # (Warm-up's verify rows end at max_model_len: their one token is all the batch holds.)
+            self._accept_drafts(step, sampled_ids, to_host)
         output = ModelRunnerOutput(
             req_ids=list(step.req_ids),
             req_id_to_index={req_id: row for row, req_id in enumerate(step.req_ids)},
@@ -954,6 +993,14 @@ class NeuronModelRunner:
             prompt_logprobs_dict={},
         )
         self.batch.append_sampled(step.req_ids, sampled_ids)
+        if self.drafter is not None and self.serving:
+            self.drafter.propose(
+                self.batch.batch,
+                step.req_ids,
+                sampled_ids,
+                [self._speculates(req_id) for req_id in step.req_ids],
+                step.scheduler_output.num_spec_tokens_to_schedule,
+            )
         step.tokens = sampled
         # The host's share: the device's idle time since the previous step's calls ended, while requests kept
         # running (with async scheduling the engine schedules and processes outputs during calls).
@@ -966,6 +1013,30 @@ class NeuronModelRunner:
             on_host = step.host_bound or bool(overflowed)
             step.figures = _StepFigures(ended, ended - start, host_seconds, to_host.bytes, on_host)
         return output
+
+    def _speculates(self, req_id: str) -> bool:
+        request = self.batch.requests[req_id]
+        return speculation.speculates(
+            request.sampling_params, self.batch.sampling[req_id], self.host_sampler_only
+        )
+
+    def _accept_drafts(self, step: _Step, sampled_ids: list[list[int]], to_host: _ToHost) -> None:
+        """Verify rows' tokens: each row's accepted drafts and the target's token after them
+        (speculation.accepted_tokens), in place of its one token. A row whose request may not speculate
+        (the scheduler kept drafts proposed before) keeps its one token: all its drafts are rejected."""
+        drafts = step.scheduler_output.scheduled_spec_decode_tokens
+        for out in step.outputs:
+            if out.queries == 1:
+                continue
+            targets = to_host(out.all_queries(out.token_ids)).numpy()
+            for index, row in enumerate(out.batch_rows):
+                req_id = step.req_ids[row]
+                if drafts.get(req_id) and self._speculates(req_id):
+                    sampled_ids[row] = speculation.accepted_tokens(drafts[req_id], targets[index])
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The draft tokens proposed after the latest step, for the scheduler (None: speculation off)."""
+        return self.drafter.take() if self.drafter is not None else None
 
     def _record_step(self, step: _Step) -> None:
         """The step's parts on /metrics and in the step trace."""
@@ -1074,7 +1145,7 @@ def _final_rows(outputs: list[CallOutputs]) -> dict[int, tuple[int, int]]:
     final = {}
     for call_index, out in enumerate(outputs):
         for j, row in enumerate(out.batch_rows):
-            final[row] = (call_index, j)
+            final[row] = (call_index, j * out.queries)  # a verify row's first query
     return final
 
 

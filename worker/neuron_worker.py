@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from vllm.tasks import SupportedTask
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput
 
 logger = init_logger("vllm.vllm_neuron.worker")
 
@@ -143,6 +143,9 @@ class NeuronWorker(WorkerBase):
         self, grammar_output: "GrammarOutput | None"
     ) -> "ModelRunnerOutput | AsyncModelRunnerOutput":
         return self.model_runner.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self) -> "DraftTokenIds | None":
+        return self.model_runner.take_draft_token_ids()
 
     def check_health(self) -> None:
         return None

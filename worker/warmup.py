@@ -40,14 +40,18 @@ SAMPLING_VARIANTS = (
 
 @dataclass(frozen=True)
 class WarmupStep:
-    phase: str  # "prefill", "decode" or "mixed"
+    phase: str  # "prefill", "decode", "mixed" or "verify"
     shape: tuple[int, int]  # (tokens or batch, context)
     step: SchedulerOutput
     request_ids: list[str]
 
 
-def _request(req_id: str, prompt_len: int, computed: int, block_size: int, variant: int) -> NewRequestData:
-    num_blocks = ceil_div(prompt_len, block_size)
+def _request(
+    req_id: str, prompt_len: int, computed: int, block_size: int, variant: int, end: int | None = None
+) -> NewRequestData:
+    """A synthetic request; `end`: the position its blocks must reach past the prompt (a verify row's
+    drafts)."""
+    num_blocks = ceil_div(max(prompt_len, end or 0), block_size)
     return NewRequestData(
         req_id=req_id,
         prompt_token_ids=[0] * prompt_len,
@@ -60,13 +64,17 @@ def _request(req_id: str, prompt_len: int, computed: int, block_size: int, varia
     )
 
 
-def _step(requests: list[NewRequestData], scheduled: dict[str, int]) -> SchedulerOutput:
+def _step(
+    requests: list[NewRequestData],
+    scheduled: dict[str, int],
+    drafts: dict[str, list[int]] | None = None,
+) -> SchedulerOutput:
     return SchedulerOutput(
         scheduled_new_reqs=requests,
         scheduled_cached_reqs=CachedRequestData.make_empty(),
         num_scheduled_tokens=scheduled,
         total_num_scheduled_tokens=sum(scheduled.values()),
-        scheduled_spec_decode_tokens={},
+        scheduled_spec_decode_tokens=drafts or {},
         scheduled_encoder_inputs={},
         finished_req_ids=set(),
         free_encoder_mm_hashes=[],
@@ -112,6 +120,21 @@ def warmup_steps(
         requests.append(_request(chunk_id, max_model_len, max_model_len - count, block_size, index))
         scheduled = {**dict.fromkeys(ids, 1), chunk_id: count}
         yield WarmupStep("mixed", (batch, context), _step(requests, scheduled), [*ids, chunk_id])
+    for index, (batch, context) in enumerate(buckets.verify_shapes()):
+        if ("verify", batch, context) not in wanted:
+            continue
+        # `batch` decode rows, each its last token and verify_tokens - 1 drafts, the last at the context end.
+        total = min(context, max_model_len)
+        queries = buckets.verify_tokens
+        ids = [f"warmup-verify-{index}-{row}" for row in range(batch)]
+        requests = [
+            _request(req_id, total - queries + 1, total - queries, block_size, row, end=total)
+            for row, req_id in enumerate(ids)
+        ]
+        drafts = {req_id: [0] * (queries - 1) for req_id in ids}
+        yield WarmupStep(
+            "verify", (batch, context), _step(requests, dict.fromkeys(ids, queries), drafts), ids
+        )
 
 
 def finish_step(request_ids: list[str]) -> SchedulerOutput:
@@ -137,6 +160,10 @@ def synthetic_call(
         total = min(context, max_model_len)
         count = min(size, total)
         return Call.prefill(count, size, context), [chunk(total, count)], []
+    if phase == "verify":
+        queries = buckets.verify_tokens
+        rows = [chunk(min(context, max_model_len), queries) for _ in range(size)]
+        return Call.verify(size, size, context, queries), [], rows
     rows = [chunk(min(context, max_model_len), 1) for _ in range(size)]
     call = Call.decode(size, size, context)
     if phase == "decode":

@@ -1,0 +1,100 @@
+"""Speculative decoding (n-gram prompt lookup) on static shapes: verify calls compiled at warm-up, exactly
+the greedy tokens of decoding without it, under chunked prefill, mid-stream joins and preemption."""
+
+import numpy as np
+import pytest
+
+from tests.conftest import ENGINE_KWARGS
+from tests.helpers import hf_greedy, random_prompt, run_engine
+from tests.test_preemption import BLOCK_BYTES
+from vllm_neuron.buckets import BucketConfig
+from vllm_neuron.calls import plan_step
+from worker.speculation import accepted_tokens
+
+DRAFTS = 3
+SPECULATIVE = {
+    "method": "ngram",
+    "num_speculative_tokens": DRAFTS,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 2,
+}
+SPEC_COUNTERS = [
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+]
+
+
+def copy_friendly_prompt(length: int, seed: int) -> list[int]:
+    """A short random phrase repeated: n-gram lookup finds what comes next in the prompt."""
+    phrase = random_prompt(5 + seed % 7, seed=seed)
+    return (phrase * (length // len(phrase) + 1))[:length]
+
+
+@pytest.mark.slow
+def test_ngram_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_model_dir, hf_model):
+    # Prompts of many lengths (chunked past 96 tokens), more than max_num_seqs (requests join mid-stream),
+    # and too little KV cache for all of them at once (preemption).
+    prompts = [copy_friendly_prompt(8 + (29 * i) % 150, seed=700 + i) for i in range(12)]
+    prompts += [random_prompt(5 + (41 * i) % 120, seed=800 + i) for i in range(12)]
+    engine = {
+        **ENGINE_KWARGS,
+        "max_num_seqs": 8,
+        "kv_cache_memory_bytes": 24 * BLOCK_BYTES,  # 24 blocks: 8 requests want up to 48
+        "disable_log_stats": False,
+        "speculative_config": SPECULATIVE,
+        "additional_config": {
+            "prefill_buckets": [32, 64],
+            "decode_batch_buckets": [1, 2, 4, 8],
+            "context_buckets": [128, 256],
+            "decode_context_buckets": [256],
+        },
+    }
+    seeded = {"temperature": 0.9, "top_p": 0.9, "seed": 11, "max_tokens": 16, "ignore_eos": True}
+    sampling = [{"prompt": prompts[0], "params": seeded}, {"prompt": prompts[0], "params": seeded}]
+    result = run_engine(
+        tiny_model_dir,
+        engine,
+        {"VLLM_NEURON_DEVICE": "cpu"},
+        prompts=prompts,
+        max_tokens=24,
+        extra={"sampling": sampling, "metrics": SPEC_COUNTERS, "churn_bursts": 2},
+    )
+    assert result["async_scheduling"] is False  # vLLM runs n-gram proposals without it
+    assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in prompts]
+    assert result["preemptions"] > 0
+    # prefill 2 x 2, decode 4 x 1, mixed (batches 1 to 4) 3 x 1, verify 4 x 1: all at warm-up, none after,
+    # through the churn of cancelled and finished requests too
+    [stats] = result["compile_stats"]
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (4 + 4 + 3 + 4, 0)
+    assert result["churn"]["blocks_freed"]
+    # a seeded request (decoded one token a step) draws the same tokens again
+    first, second = result["sampled_tokens"]
+    assert first == second
+    metrics = result["metrics"]
+    assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
+    assert 0 < metrics["vllm:spec_decode_num_accepted_tokens"] <= metrics["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_a_row_takes_its_matching_drafts_then_the_targets_token():
+    targets = np.array([7, 8, 9, 10])
+    assert accepted_tokens([7, 8, 9], targets) == [7, 8, 9, 10]  # all accepted, and the token after them
+    assert accepted_tokens([7, 5, 9], targets) == [7, 8]  # the first mismatch ends it: the target's token
+    assert accepted_tokens([1, 8, 9], targets) == [7]  # none accepted: the one token plain decoding gives
+    assert accepted_tokens([7], targets[:2]) == [7, 8]
+
+
+def test_verify_calls_take_the_decode_shapes_and_no_chunk():
+    buckets = BucketConfig(
+        (32, 64), (1, 2, 4), (128, 256), page_tokens=128, mixed_tokens=64, mixed_batch=(1, 2)
+    )
+    spec = BucketConfig(**{**buckets.__dict__, "verify_tokens": 4})
+    assert spec.num_graphs == buckets.num_graphs + len(buckets.decode_shapes())
+    assert ("verify", 1, 256) in spec.minimal_graphs()
+    # Two decode rows, one with drafts (its context is its last query's position + 1), and a short chunk.
+    plans = plan_step([40, 131], [(0, 20)], spec, 32, verify=True)
+    assert [plan.call.phase for plan in plans] == ["verify", "prefill"]
+    verify = plans[0].call
+    assert (verify.rows, verify.batch, verify.context, verify.queries) == (2, 2, 256, 4)  # 1 + 2 pages
+    # Without drafts the same step rides the chunk in a mixed call.
+    assert [plan.call.phase for plan in plan_step([40, 129], [(0, 20)], spec, 32)] == ["mixed"]

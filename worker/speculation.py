@@ -1,0 +1,84 @@
+"""Speculative decoding's two host-side rules: which requests get draft tokens, and how many of a verified
+row's drafts are accepted. vLLM's n-gram proposer (prompt lookup) proposes; its scheduler schedules each
+decode row's last token and drafts, and rolls the positions of rejected drafts back.
+
+Drafts go to greedy requests the graph samples without logprobs. For those, the graph's token at each query
+of a verify row is the target model's argmax there, so accepting the drafts that equal it, then taking the
+target's token after them, gives exactly the tokens decoding one by one would: the output never depends on
+the drafts. Other requests decode one token a step (a random request would need rejection sampling against
+the target's distribution, which vLLM runs in Triton kernels that neither the CPU nor Trainium has).
+"""
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+from vllm_neuron import sampling
+from worker.sampling_rows import RowSampling
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+
+def speculates(params: "SamplingParams | None", row: RowSampling, host_sampler_only: bool) -> bool:
+    """Whether a request gets draft tokens: greedy, sampled in the graph, no logprobs asked."""
+    return (
+        params is not None
+        and params.temperature < sampling.GREEDY_BELOW
+        and params.logprobs is None
+        and row.host_reason is None
+        and not host_sampler_only
+    )
+
+
+def accepted_tokens(drafts: list[int], targets: np.ndarray) -> list[int]:
+    """A verify row's new tokens: the drafts equal to the target's token at their query, then the target's
+    token at the first query that differs (or after the last draft). targets[j] is the target's token after
+    the row's last token and drafts[:j]."""
+    count = 0
+    while count < len(drafts) and drafts[count] == targets[count]:
+        count += 1
+    return [int(token) for token in targets[: count + 1]]
+
+
+class Drafter:
+    """Proposes each step's draft tokens from the persistent batch once the step's tokens are in it; the
+    engine takes them (take_draft_token_ids) before it schedules the next step."""
+
+    def __init__(self, vllm_config: "VllmConfig") -> None:
+        self.proposer = NgramProposer(vllm_config)
+        self._drafts: DraftTokenIds | None = None
+
+    @classmethod
+    def for_config(cls, vllm_config: "VllmConfig") -> "Drafter | None":
+        """The drafter of the engine's speculative config (None: speculative decoding is off). The platform
+        refuses every method but n-gram."""
+        speculative = vllm_config.speculative_config
+        if speculative is None:
+            return None
+        assert speculative.method == "ngram", speculative.method
+        return cls(vllm_config)
+
+    def propose(
+        self,
+        batch: "InputBatch",
+        req_ids: list[str],
+        sampled: list[list[int]],
+        eligible: list[bool],
+        num_tokens: int,
+    ) -> None:
+        """Up to `num_tokens` drafts (the scheduler's number for the next step) for the step's rows
+        (`req_ids`, the batch's rows in order) that sampled a token and may speculate; the proposer reads
+        each row's tokens from the batch, the step's included."""
+        assert batch.req_ids == req_ids, "the batch changed between a step and its drafts"
+        asked = [tokens if ok else [] for tokens, ok in zip(sampled, eligible, strict=True)]
+        drafts = self.proposer.propose(num_tokens, asked, batch.num_tokens_no_spec, batch.token_ids_cpu)
+        self._drafts = DraftTokenIds(list(req_ids), drafts)
+
+    def take(self) -> DraftTokenIds | None:
+        drafts, self._drafts = self._drafts, None
+        return drafts
