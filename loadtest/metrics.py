@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from vllm_neuron import acceptance
+
 Labels = tuple[tuple[str, str], ...]
 Samples = dict[tuple[str, Labels], float]
 
@@ -28,6 +30,7 @@ COUNTERS = (
     "vllm:generation_tokens_total",
     "vllm:num_preemptions_total",
     "vllm:request_success_total",
+    *acceptance.COUNTERS,
 )
 GAUGES = (
     "vllm_neuron:kv_blocks_used",
@@ -122,6 +125,10 @@ def run_summary(before: Samples, after: Samples, gauges: GaugeTrack) -> dict[str
         "prompt_tokens": total(change, "vllm:prompt_tokens_total"),
         "generation_tokens": total(change, "vllm:generation_tokens_total"),
         "preemptions": total(change, "vllm:num_preemptions_total"),
+        # Speculative decoding over the run (None: the server runs none).
+        "speculative": acceptance.figures(*(total(change, name) or 0.0 for name in acceptance.COUNTERS))
+        if total(after, acceptance.DRAFTS) is not None
+        else None,
         "gauges": gauges.summary(),
     }
     return summary

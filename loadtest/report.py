@@ -106,6 +106,12 @@ def _server_lines(result: LevelResult) -> list[str]:
         parts.append(f"KV blocks peak {used['max']:.0f} / {all_blocks['max']:.0f}")
     if "vllm:kv_cache_usage_perc" in gauges:
         parts.append(f"KV usage peak {gauges['vllm:kv_cache_usage_perc']['max']:.1%}")
+    speculative = server.get("speculative")
+    if speculative and speculative["acceptance_rate"] is not None:
+        parts.append(
+            f"speculative: {speculative['acceptance_rate']:.1%} of {_num(speculative['draft_tokens'])} draft "
+            f"tokens accepted, {speculative['tokens_per_verify_step']:.2f} tokens a verify step"
+        )
     if server["step_ms_mean"]:
         parts.append(
             "step ms mean " + ", ".join(f"{part} {ms:.1f}" for part, ms in server["step_ms_mean"].items())

@@ -10,9 +10,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from prometheus_client import REGISTRY
 
 from server import admission
-from vllm_neuron import device
+from vllm_neuron import acceptance, device
 from vllm_neuron.config import NeuronConfig
 from worker import sampling_rows
 
@@ -31,9 +32,13 @@ class NeuronInfoEndpoint:
             lowered = await state.engine_client.collective_rpc("lowered_graphs")
             # Graphs ready and pending (staged readiness compiles the rest in the background).
             progress = await state.engine_client.collective_rpc("compile_progress")
+            info = dict(state.neuron_info)
+            if info["speculative"] is not None:
+                totals = _registry_totals(acceptance.COUNTERS)
+                info["speculative"] = {**info["speculative"], **acceptance.figures(*totals)}
             return JSONResponse(
                 {
-                    **state.neuron_info,
+                    **info,
                     "admission": admission.in_flight(state.engine_client),
                     "compile": progress[0] if progress else {},
                     "lowered_graphs": lowered[0] if lowered else [],
@@ -42,6 +47,32 @@ class NeuronInfoEndpoint:
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         state.neuron_info = describe(engine_client.vllm_config)
+
+
+def _speculative(vllm_config, buckets) -> dict[str, Any] | None:
+    """The speculative decoding this server runs (None: off); the endpoint adds its acceptance so far."""
+    speculative = vllm_config.speculative_config
+    if speculative is None:
+        return None
+    return {
+        "method": speculative.method,
+        "num_speculative_tokens": speculative.num_speculative_tokens,
+        "prompt_lookup_min": speculative.prompt_lookup_min,
+        "prompt_lookup_max": speculative.prompt_lookup_max,
+        "verify_tokens": buckets.verify_tokens,
+        "verify_graphs": len(buckets.verify_shapes()),
+        "applies_to": "greedy requests sampled in the graph without logprobs; others decode a token a step",
+    }
+
+
+def _registry_totals(names: tuple[str, ...]) -> list[float]:
+    """Each counter sample's value in this process's Prometheus registry, summed over labels."""
+    totals = dict.fromkeys(names, 0.0)
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return [totals[name] for name in names]
 
 
 def describe(vllm_config) -> dict[str, Any]:
@@ -71,6 +102,7 @@ def describe(vllm_config) -> dict[str, Any]:
         "graphs": buckets.num_graphs,
         "prefill_tokens_while_decoding": neuron_config.prefill_tokens_while_decoding,
         "sampling": sampling_rows.summary(sampling_rows.host_only(vllm_config.model_config)),
+        "speculative": _speculative(vllm_config, buckets),
         "kv_cache": {"block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks},
         "versions": device.versions(),
     }

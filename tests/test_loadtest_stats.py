@@ -329,6 +329,9 @@ vllm_neuron:step_seconds_sum{part="forward"} 2.0
 vllm_neuron:step_seconds_count{part="forward"} 40.0
 vllm:generation_tokens_total{engine="0",model_name="m"} 1.2e3
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.0
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 15.0
 """
 
 
@@ -346,6 +349,15 @@ def test_metric_deltas_padding_efficiency_and_gauges():
     assert summary["step_ms_mean"] == pytest.approx({"forward": 50.0})
     assert summary["generation_tokens"] == 1200.0
     assert summary["gauges"]["vllm:kv_cache_usage_perc"] == {"max": 0.75, "mean": 0.5, "samples": 2}
+    # speculative decoding: half the draft tokens accepted, 1.5 of them a draft, and the target's own token
+    assert summary["speculative"] == {
+        "drafts": 10.0,
+        "draft_tokens": 30.0,
+        "accepted_tokens": 15.0,
+        "acceptance_rate": 0.5,
+        "tokens_per_verify_step": 2.5,
+    }
+    assert run_summary(before, before, gauges)["speculative"] is None  # a server without it
 
 
 # ---- streamed responses --------------------------------------------------------------------------------

@@ -1,12 +1,17 @@
 """Speculative decoding (n-gram prompt lookup) on static shapes: verify calls compiled at warm-up, exactly
 the greedy tokens of decoding without it, under chunked prefill, mid-stream joins and preemption."""
 
+import json
+
 import numpy as np
 import pytest
+from openai import OpenAI
 
-from tests.conftest import ENGINE_KWARGS
-from tests.helpers import hf_greedy, random_prompt, run_engine
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS
+from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
+from tests.serving import API_KEY, MODEL_NAME, ServerProcess, http
 from tests.test_preemption import BLOCK_BYTES
+from tests.test_server import metric_values
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import plan_step
 from worker.speculation import accepted_tokens
@@ -98,3 +103,59 @@ def test_verify_calls_take_the_decode_shapes_and_no_chunk():
     assert (verify.rows, verify.batch, verify.context, verify.queries) == (2, 2, 256, 4)  # 1 + 2 pages
     # Without drafts the same step rides the chunk in a mixed call.
     assert [plan.call.phase for plan in plan_step([40, 129], [(0, 20)], spec, 32)] == ["mixed"]
+
+
+def test_a_draft_model_is_refused_at_start_up_naming_what_works(tiny_model_dir):
+    speculative = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
+    with pytest.raises(
+        ValueError, match="method 'draft_model' is not supported: use --speculative-config .*ngram"
+    ):
+        engine_config(tiny_model_dir, speculative_config=speculative)
+
+
+@pytest.fixture(scope="module")
+def speculating_server(tiny_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("speculating-server")
+    server = ServerProcess(
+        tiny_model_dir, folder / "server.log", "--speculative-config", json.dumps(SPECULATIVE)
+    )
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_speculating_server_answers_as_one_without_and_reports_its_acceptance(
+    speculating_server, api_server
+):
+    prompts = [copy_friendly_prompt(60, seed=3), random_prompt(30, seed=4)]
+    answers = []
+    for server, key in ((speculating_server, "none"), (api_server, API_KEY)):
+        client = OpenAI(base_url=server.base + "/v1", api_key=key, max_retries=0, timeout=120)
+        completion = client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompts,
+            max_tokens=32,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        answers.append([choice.token_ids for choice in completion.choices])
+    speculated, plain = answers
+    assert speculated == plain and all(len(tokens) == 32 for tokens in plain)
+
+    metrics = http("GET", speculating_server.base + "/metrics")[1].decode()
+    drafts = sum(metric_values(metrics, "vllm:spec_decode_num_draft_tokens_total").values())
+    accepted = sum(metric_values(metrics, "vllm:spec_decode_num_accepted_tokens_total").values())
+    assert 0 < accepted <= drafts
+    assert sum(metric_values(metrics, "vllm_neuron:unexpected_recompiles_total").values()) == 0
+    info = json.loads(http("GET", speculating_server.base + "/v1/neuron/info")[1])
+    speculative = info["speculative"]
+    assert (speculative["method"], speculative["verify_tokens"], speculative["verify_graphs"]) == (
+        "ngram",
+        4,
+        6,
+    )
+    assert speculative["acceptance_rate"] == pytest.approx(accepted / drafts)
+    assert info["graphs"] == EXPECTED_GRAPHS + 6  # decode 3 batch x 2 context, verified
