@@ -1,0 +1,164 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, in one run: the default model in CPU
+mode, `vllm-neuron serve` once without and once with `--speculative-config`, each driven by the load
+generator at concurrency 1, 4 and 16 on two workloads:
+
+- copy: chat requests that ask the model to repeat or lightly edit a text given in the prompt (prose and
+  code), where n-gram lookup finds what comes next in the prompt;
+- random: docs/benchmarks.md's workload, 128 random prompt token ids and 128 output tokens (ignore_eos),
+  where lookup rarely finds a match: the cost of speculating for nothing.
+
+Both servers are greedy (temperature 0), so their outputs are the same tokens. Prints one markdown table:
+output tok/s, TPOT (mean time per output token after the first: the per-token latency a stream sees, where
+one stream chunk may carry several tokens) and ITL p50 (gaps between stream chunks), and the acceptance of
+draft tokens, side by side.
+
+    .venv/bin/python benchmarks/speculative.py [--requests 4,8,32] [--json-out FILE]
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.compare import QUIET_ENV, machine, wait_quiet  # noqa: E402
+from benchmarks.serving import Config, Server  # noqa: E402
+
+CONCURRENCY = (1, 4, 16)
+MAX_MODEL_LEN = 1024
+DRAFT_TOKENS = 3
+SPECULATIVE = {
+    "method": "ngram",
+    "num_speculative_tokens": DRAFT_TOKENS,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
+SERVE_ARGS = ["--dtype", "bfloat16", "--max-num-seqs", "16"]
+
+# Texts the copy workload asks the model to repeat or edit: prose and code, each a few sentences long.
+TEXTS = [
+    "The river rises in the northern hills and runs south for two hundred miles before it reaches the sea. "
+    "Along its banks stand small towns, each with a market square, a stone bridge and a mill that once "
+    "ground the grain of the valley. In spring the water runs high and fast; in late summer it slows, and "
+    "children wade across the shallows near the old ford.",
+    "To reset the device, hold the power button for ten seconds until the light turns amber. Release the "
+    "button and wait for the light to turn green. If the light does not turn green within two minutes, "
+    "unplug the device, wait thirty seconds, plug it back in and repeat the steps above.",
+    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal += "
+    "item.price * item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n",
+    "Our meeting on Tuesday covered three topics. First, the team agreed to move the release to the end of "
+    "the month. Second, the new test machines will arrive next week and will be set up by Friday. Third, "
+    "everyone should review the design document before the next meeting and add comments directly to it.",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self, step=1):\n"
+    "        self.count += step\n        return self.count\n\n    def reset(self):\n        self.count = 0\n",
+    "Preheat the oven to two hundred degrees. Mix the flour, sugar and salt in a large bowl, then add the "
+    "butter and rub it in until the mixture looks like breadcrumbs. Stir in the milk, shape the dough into "
+    "a round, and bake it for twenty minutes until it is golden brown.",
+]
+ASKS = [
+    "Repeat the following text exactly, word for word:\n\n{text}",
+    "Fix any spelling mistakes in the following text and return the whole text:\n\n{text}",
+    "Rewrite the following text, changing nothing but replacing every 'the' with 'THE':\n\n{text}",
+]
+
+
+def copy_dataset(path: Path) -> Path:
+    rows = [
+        {"messages": [{"role": "user", "content": ask.format(text=text)}], "max_tokens": 160}
+        for text in TEXTS
+        for ask in ASKS
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def load(server: Server, workload: str, requests: list[int], dataset: Path, json_out: Path) -> dict:
+    from loadtest.cli import main as loadtest_main
+
+    args = ["--base-url", server.base, "--model", "m", "--no-progress", "--json-out", str(json_out)]
+    args += ["--concurrency", ",".join(map(str, CONCURRENCY)), "--requests", ",".join(map(str, requests))]
+    args += ["--warmup", "2", "--seed", "0", "--temperature", "0"]
+    if workload == "copy":
+        args += ["--endpoint", "chat", "--dataset", str(dataset)]
+    else:
+        args += ["--endpoint", "completions", "--prompt-kind", "token-ids", "--token-id-range", "100:40000"]
+        args += ["--input-len", "128", "--output-len", "128", "--ignore-eos"]
+    return loadtest_main(args)
+
+
+def run_config(name: str, serve_args: list[str], model: str, requests: list[int], workdir: Path) -> dict:
+    wait_quiet()
+    config = Config(name, model, serve_args, MAX_MODEL_LEN)
+    server = Server(config, str(workdir / "compile-cache"), workdir / f"{name}.log")
+    try:
+        healthy_s = server.wait_healthy(limit_s=1800)
+        print(f"{name}: healthy after {healthy_s:.0f} s", flush=True)
+        dataset = copy_dataset(workdir / "copy.jsonl")
+        return {
+            workload: load(server, workload, requests, dataset, workdir / f"{name}-{workload}.json")
+            for workload in ("copy", "random")
+        }
+    finally:
+        server.stop()
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "| workload | c | out tok/s plain | out tok/s ngram | ratio | TPOT ms plain | TPOT ms ngram "
+        "| ITL p50 ms plain | ITL p50 ms ngram | accepted | tokens a verify step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for workload in ("copy", "random"):
+        plain = {lv["concurrency"]: lv for lv in result["plain"][workload]["levels"]}
+        ngram = {lv["concurrency"]: lv for lv in result["ngram"][workload]["levels"]}
+        for c in CONCURRENCY:
+            a, b = plain[c], ngram[c]
+            spec = (b.get("server") or {}).get("speculative") or {}
+            rate, per_step = spec.get("acceptance_rate"), spec.get("tokens_per_verify_step")
+            accepted = "-" if rate is None else f"{rate:.1%}"
+            per_step = "-" if per_step is None else f"{per_step:.2f}"
+            lines.append(
+                f"| {workload} | {c} | {a['output_tokens_per_s']:.1f} | {b['output_tokens_per_s']:.1f} "
+                f"| {b['output_tokens_per_s'] / a['output_tokens_per_s']:.2f} "
+                f"| {a['tpot_ms']['mean']:.1f} | {b['tpot_ms']['mean']:.1f} "
+                f"| {a['itl_ms']['p50']:.1f} | {b['itl_ms']['p50']:.1f} "
+                f"| {accepted} | {per_step} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", default="4,8,32", help="measured requests at concurrency 1,4,16")
+    parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--workdir", type=Path, help="server logs and load reports (default: a temp dir)")
+    args = parser.parse_args()
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ.pop("VLLM_NEURON_DEVICE", None)  # the CLI chooses CPU mode by itself where no device exists
+
+    from server.default_model import ensure_default_model
+
+    started = time.monotonic()
+    model = str(ensure_default_model())
+    requests = [int(n) for n in args.requests.split(",")]
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-neuron-speculative-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result: dict = {"machine": machine(), "model": model, "speculative_config": SPECULATIVE}
+    result["plain"] = run_config("plain", SERVE_ARGS, model, requests, workdir)
+    spec_args = [*SERVE_ARGS, "--speculative-config", json.dumps(SPECULATIVE)]
+    result["ngram"] = run_config("ngram", spec_args, model, requests, workdir)
+    result["seconds"] = time.monotonic() - started
+    print(markdown(result))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
