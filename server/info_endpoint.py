@@ -61,7 +61,7 @@ def _speculative(vllm_config, buckets) -> dict[str, Any] | None:
         "prompt_lookup_max": speculative.prompt_lookup_max,
         "verify_tokens": buckets.verify_tokens,
         "verify_graphs": len(buckets.verify_shapes()),
-        "applies_to": "greedy requests sampled in the graph without logprobs; others decode a token a step",
+        "applies_to": "requests sampled in the graph without logprobs; others decode a token a step",
     }
 
 

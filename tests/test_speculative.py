@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from openai import OpenAI
 
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS
@@ -12,9 +13,10 @@ from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
 from tests.serving import API_KEY, MODEL_NAME, ServerProcess, http
 from tests.test_preemption import BLOCK_BYTES
 from tests.test_server import metric_values
+from vllm_neuron import sampling
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import plan_step
-from worker.speculation import accepted_tokens
+from worker.speculation import accepted_sampled, accepted_tokens
 
 DRAFTS = 3
 SPECULATIVE = {
@@ -56,7 +58,11 @@ def test_ngram_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_model_
         },
     }
     seeded = {"temperature": 0.9, "top_p": 0.9, "seed": 11, "max_tokens": 16, "ignore_eos": True}
+    # Random rows this close to greedy draw the greedy tokens: their drafts are accepted by probability and
+    # a rejected one replaced by a token drawn without it (the argmax, when the draft is not).
+    near_greedy = {"temperature": 1e-3, "max_tokens": 24, "ignore_eos": True}
     sampling = [{"prompt": prompts[0], "params": seeded}, {"prompt": prompts[0], "params": seeded}]
+    sampling += [{"prompt": prompt, "params": near_greedy} for prompt in prompts[1:4]]
     result = run_engine(
         tiny_model_dir,
         engine,
@@ -73,9 +79,10 @@ def test_ngram_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_model_
     [stats] = result["compile_stats"]
     assert (stats["graphs"], stats["unexpected_recompiles"]) == (4 + 4 + 3 + 4, 0)
     assert result["churn"]["blocks_freed"]
-    # a seeded request (decoded one token a step) draws the same tokens again
-    first, second = result["sampled_tokens"]
+    # a seeded request, speculating, draws the same tokens again
+    first, second, *near_greedy_tokens = result["sampled_tokens"]
     assert first == second
+    assert near_greedy_tokens == [hf_greedy(hf_model, p, 24) for p in prompts[1:4]]
     metrics = result["metrics"]
     assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
     assert 0 < metrics["vllm:spec_decode_num_accepted_tokens"] <= metrics["vllm:spec_decode_num_draft_tokens"]
@@ -87,6 +94,45 @@ def test_a_row_takes_its_matching_drafts_then_the_targets_token():
     assert accepted_tokens([7, 5, 9], targets) == [7, 8]  # the first mismatch ends it: the target's token
     assert accepted_tokens([1, 8, 9], targets) == [7]  # none accepted: the one token plain decoding gives
     assert accepted_tokens([7], targets[:2]) == [7, 8]
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p", [(1.0, 0, 1.0, 0.0), (0.8, 20, 0.9, 0.0), (1.3, 0, 0.95, 0.05)]
+)
+def test_a_random_rows_draft_accepted_by_its_probability_draws_from_the_targets_distribution(
+    temperature, top_k, top_p, min_p
+):
+    """Speculative sampling with a point-mass draft: accept the draft with its probability, else take the
+    graph's token drawn without it. Over many draws the tokens follow the target's distribution exactly
+    (total variation within sampling noise), for the most likely token as draft and for an unlikely one."""
+    vocab, draws = 48, 40_000
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, vocab, generator=gen) * 2
+
+    def table(rows: int, drafts: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        params = torch.zeros(rows, sampling.PARAMS)
+        params[:, : sampling.UNIFORM] = torch.tensor([temperature, top_k, top_p, min_p])
+        params[:, sampling.UNIFORM] = uniform
+        params[:, sampling.DRAFT] = drafts + 1
+        return params
+
+    # The target's distribution: each token's probability, as the graph reports it for a draft.
+    exact = sampling.sample(logits.expand(vocab, vocab), table(vocab, torch.arange(vocab), 0.5)).draft_probs
+    assert exact.sum().item() == pytest.approx(1.0, abs=1e-5)
+    for draft in (int(exact.argmax()), int(exact.argsort()[-5])):
+        rows = sampling.sample(
+            logits.expand(draws, vocab),
+            table(draws, torch.full((draws,), draft), torch.rand(draws, generator=gen)),
+        )
+        assert torch.allclose(rows.draft_probs, exact[draft])
+        assert not (rows.token_ids == draft).any()
+        source = torch.Generator().manual_seed(1)
+        tokens = [
+            accepted_sampled([draft], np.array([token, -1]), np.array([probability]), source)[0]
+            for token, probability in zip(rows.token_ids.tolist(), rows.draft_probs.tolist(), strict=True)
+        ]
+        counts = torch.bincount(torch.tensor(tokens), minlength=vocab).float() / draws
+        assert 0.5 * (counts - exact).abs().sum().item() < 0.02
 
 
 def test_verify_calls_take_the_decode_shapes_and_no_chunk():

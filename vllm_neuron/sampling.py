@@ -11,6 +11,12 @@ each gives a threshold and the largest one masks the vocabulary once:
   top-k keep) is below p. If the candidates hold less than p of that mass, the cut lies beyond them and the
   row's token is NO_TOKEN: the host samples that row for this step (`overflow`).
 
+Speculative decoding's rejection sampling (a random request's draft token d at a verify row's query): the
+row's DRAFT column names d, and the graph returns d's probability p(d) under the row's distribution, and a
+token sampled from that distribution with d left out. The host accepts d with probability p(d) (the draft
+is a point mass, as an n-gram proposer's is); otherwise the other token is the row's. Together that draws
+exactly from the distribution (worker/speculation.py).
+
 The random draw is one uniform number per row, made on the host (from a seeded request's own generator),
 used by an inverse CDF over the whole vocabulary: chunk sums, a cumulative sum over chunks, then one within
 the chosen chunk. Every op is static-shaped and elementwise, a reduction, a top-k or a small cumulative sum:
@@ -27,9 +33,10 @@ NO_TOKEN = -1  # the row's top-p cut lies beyond the candidates: sample it on th
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 _CHUNK = 256  # vocabulary chunk of the two-level inverse CDF
 
-# Columns of the parameter tensor. top_k 0 and top_p 1 and min_p 0 are "off"; uniform is in [0, 1).
-TEMPERATURE, TOP_K, TOP_P, MIN_P, UNIFORM = range(5)
-PARAMS = 5
+# Columns of the parameter tensor. top_k 0 and top_p 1 and min_p 0 are "off"; uniform is in [0, 1); draft is
+# a draft token's id + 1 (0: none), so that a zeroed row (greedy padding) has none.
+TEMPERATURE, TOP_K, TOP_P, MIN_P, UNIFORM, DRAFT = range(6)
+PARAMS = 6
 
 
 @dataclass
@@ -40,6 +47,7 @@ class SampledRows:
     logprob_token_ids: torch.Tensor  # [rows, LOGPROBS_CAP + 1] int32: the sampled token, then the top ones
     logprobs: torch.Tensor  # [rows, LOGPROBS_CAP + 1] float32, raw (before temperature), as vLLM's default
     ranks: torch.Tensor  # [rows] int32: the sampled token's rank by raw logprob (1 = the largest)
+    draft_probs: torch.Tensor  # [rows] float32: the DRAFT token's probability (0 where none; random rows)
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_CAP) -> SampledRows:
@@ -51,6 +59,7 @@ def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_C
     candidates = min(candidates, vocab)
     temperature, top_k, top_p = params[:, TEMPERATURE], params[:, TOP_K], params[:, TOP_P]
     min_p, uniform = params[:, MIN_P], params[:, UNIFORM]
+    draft = (params[:, DRAFT] - 1).long()  # -1: none
     greedy = temperature < GREEDY_BELOW
 
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
@@ -80,7 +89,10 @@ def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_C
         overflow = torch.zeros_like(overflow)
 
     final_cut = torch.maximum(cut, top_p_cut).unsqueeze(1)
-    sampled = _inverse_cdf(torch.where(scaled >= final_cut, weights, 0.0), uniform)
+    kept = torch.where(scaled >= final_cut, weights, 0.0)
+    is_draft = torch.arange(vocab, device=logits.device).unsqueeze(0) == draft.unsqueeze(1)
+    draft_probs = torch.where(is_draft, kept, 0.0).sum(-1) / kept.sum(-1)
+    sampled = _inverse_cdf(torch.where(is_draft, 0.0, kept), uniform)
     token_ids = torch.where(greedy, logits.argmax(-1), sampled)
     token_ids = torch.where(overflow, NO_TOKEN, token_ids)
 
@@ -93,6 +105,7 @@ def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_C
         logprob_token_ids=torch.cat([token_ids.unsqueeze(1), top], dim=1).to(torch.int32),
         logprobs=torch.cat([chosen, raw.gather(1, top)], dim=1),
         ranks=(raw >= chosen).sum(-1).to(torch.int32),
+        draft_probs=draft_probs,
     )
 
 

@@ -90,7 +90,14 @@ class ForwardAndSample(torch.nn.Module):
             hidden = self.model(input_ids=input_ids, positions=positions)
             logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         sampled = sampling.sample(logits, sampling_params)
-        return logits, sampled.token_ids, sampled.logprob_token_ids, sampled.logprobs, sampled.ranks
+        return (
+            logits,
+            sampled.token_ids,
+            sampled.logprob_token_ids,
+            sampled.logprobs,
+            sampled.ranks,
+            sampled.draft_probs,
+        )
 
 
 @dataclass
@@ -103,6 +110,7 @@ class CallOutputs:
     logprob_token_ids: torch.Tensor
     logprobs: torch.Tensor
     ranks: torch.Tensor
+    draft_probs: torch.Tensor
     queries: int = 1  # logits rows a batch row has (a verify call's: its last token's, then its drafts')
 
     def real(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -647,6 +655,7 @@ class NeuronModelRunner:
         partial: list[int] = []
         fills: dict[int, str] = {}  # batch row -> request id, of rows whose token is still on the device
         drafts = scheduler_output.scheduled_spec_decode_tokens
+        row_drafts: dict[int, list[int]] = {}  # batch row -> its drafts, of decode rows to verify
         for row, req_id in enumerate(batch.req_ids):
             count = scheduler_output.num_scheduled_tokens[req_id]
             start = int(batch.num_computed_tokens_cpu[row])
@@ -657,6 +666,7 @@ class NeuronModelRunner:
             if drafts.get(req_id):  # a decode row to verify: its last token, then its draft tokens
                 token_ids = np.array([batch.token_ids_cpu[row, start], *drafts[req_id]], dtype=np.int64)
                 assert len(token_ids) == count, (req_id, count, drafts[req_id])
+                row_drafts[row] = drafts[req_id]
             else:
                 token_ids = batch.token_ids_cpu[row, start : start + count]
             chunk = Chunk(token_ids, start, self.batch.block_table[row])
@@ -664,8 +674,8 @@ class NeuronModelRunner:
             if start + count < batch.num_tokens_no_spec[row]:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
-        verify = any(len(chunk.token_ids) > 1 for _, chunk in decode)
-        planned = self._plan_calls(decode, prefill, self._sampling_parameters(partial), fills, verify)
+        parameters = self._sampling_parameters(partial)
+        planned = self._plan_calls(decode, prefill, parameters, fills, row_drafts)
         host_rows = [
             self.host_sampler_only or self.batch.sampling[req_id].host_reason is not None
             for req_id in batch.req_ids
@@ -728,12 +738,15 @@ class NeuronModelRunner:
         prefill: list[tuple[int, Chunk]],
         parameters: np.ndarray,
         fills: dict[int, str],
-        verify: bool = False,
+        drafts: dict[int, list[int]] | None = None,
     ) -> list[_PlannedCall]:
         """The step's calls as `calls.plan_step` plans them, with their inputs on the device; each samples
         the rows of its requests (a sub-chunk's row is sampled again by the next: the last part of a chunk
         gives its token; a verify call samples every query of its rows). `fills`: decode rows (batch row ->
-        request id) whose token the device thread fills in; `verify`: a decode row has draft tokens."""
+        request id) whose token the device thread fills in; `drafts`: decode rows' draft tokens (batch row
+        -> drafts): the decode rows run in verify calls."""
+        drafts = drafts or {}
+        verify = bool(drafts)
         contexts = [chunk.start + len(chunk.token_ids) for _, chunk in decode]
         chunks = [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill]
         ready = self.ready_graphs
@@ -758,9 +771,17 @@ class NeuronModelRunner:
             batch_rows = [prefill[index][0] for index, _, _ in plan.parts]
             batch_rows += [decode[index][0] for index in plan.decode_rows]
             table = np.zeros((len(inputs.logits_indices), sampling.PARAMS), dtype=np.float32)
-            # A verify row's queries each sample with the row's parameters (its drafts' rows are greedy).
+            # A verify row's queries each sample with the row's parameters; a random row's also leave out
+            # their draft and get draws of their own (speculation.set_drafts).
             queries = plan.call.queries
             table[: inputs.num_real_rows * queries] = np.repeat(parameters[batch_rows], queries, axis=0)
+            for index, row in enumerate(batch_rows if queries > 1 else ()):
+                req_id = self.batch.batch.req_ids[row]
+                if row in drafts and self._speculates(req_id) and not self._greedy(req_id):
+                    source = self.batch.batch.generators.get(row, True)
+                    speculation.set_drafts(
+                        table[index * queries : (index + 1) * queries], drafts[row], source
+                    )
             params = torch.from_numpy(table).to(self.device)
             decode_rows = [decode[index][0] for index in plan.decode_rows]
             call_fills = [
@@ -1020,19 +1041,43 @@ class NeuronModelRunner:
             request.sampling_params, self.batch.sampling[req_id], self.host_sampler_only
         )
 
+    def _greedy(self, req_id: str) -> bool:
+        """Whether a request's drafts are checked by equality (greedy) rather than by their probability."""
+        return speculation.is_greedy(self.batch.sampling[req_id])
+
     def _accept_drafts(self, step: _Step, sampled_ids: list[list[int]], to_host: _ToHost) -> None:
-        """Verify rows' tokens: each row's accepted drafts and the target's token after them
-        (speculation.accepted_tokens), in place of its one token. A row whose request may not speculate
-        (the scheduler kept drafts proposed before) keeps its one token: all its drafts are rejected."""
+        """Verify rows' tokens in place of their one token: a greedy row's drafts equal to the target's
+        token, then the target's token (speculation.accepted_tokens); a random row's drafts accepted by
+        their probability, then the target's token drawn without the first rejected one
+        (speculation.accepted_sampled). Only requests that speculate get drafts (speculation.speculates)."""
         drafts = step.scheduler_output.scheduled_spec_decode_tokens
-        for out in step.outputs:
+        generators = self.batch.batch.generators
+        for call_index, out in enumerate(step.outputs):
             if out.queries == 1:
                 continue
             targets = to_host(out.all_queries(out.token_ids)).numpy()
+            draft_probs = None
             for index, row in enumerate(out.batch_rows):
                 req_id = step.req_ids[row]
-                if drafts.get(req_id) and self._speculates(req_id):
-                    sampled_ids[row] = speculation.accepted_tokens(drafts[req_id], targets[index])
+                row_drafts = drafts.get(req_id)
+                if not row_drafts or not self._speculates(req_id):
+                    continue  # (a request that may not speculate gets no drafts: its one token stands)
+                if self._greedy(req_id):
+                    sampled_ids[row] = speculation.accepted_tokens(row_drafts, targets[index])
+                    continue
+                if draft_probs is None:
+                    draft_probs = to_host(out.all_queries(out.draft_probs)).numpy()
+                row_targets, row_probs = targets[index], draft_probs[index]
+                if (row_targets[: len(row_drafts) + 1] == sampling.NO_TOKEN).any():
+                    # A top-p cut beyond the graph's candidates: the row's queries again over the whole
+                    # vocabulary, with their own parameters and draws.
+                    queries = slice(index * out.queries, (index + 1) * out.queries)
+                    logits = to_host(out.logits[queries]).float()
+                    params = to_host(step.planned[call_index].params[queries])
+                    done = sampling.sample(logits, params, candidates=logits.shape[-1])
+                    row_targets, row_probs = done.token_ids.numpy(), done.draft_probs.numpy()
+                source = generators.get(row, True)
+                sampled_ids[row] = speculation.accepted_sampled(row_drafts, row_targets, row_probs, source)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The draft tokens proposed after the latest step, for the scheduler (None: speculation off)."""

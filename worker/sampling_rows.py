@@ -125,8 +125,14 @@ def parameter_rows(
     table[:, sampling.UNIFORM] = 0.5
     unseeded = [index for index, source in enumerate(draw_from) if source is True]
     if unseeded:
-        table[unseeded, sampling.UNIFORM] = torch.rand(len(unseeded)).numpy()
+        table[unseeded, sampling.UNIFORM] = uniforms(True, len(unseeded))
     for index, source in enumerate(draw_from):
         if isinstance(source, torch.Generator):
-            table[index, sampling.UNIFORM] = torch.rand((), generator=source).item()
+            table[index, sampling.UNIFORM] = uniforms(source, 1)
     return table
+
+
+def uniforms(source: torch.Generator | bool, count: int) -> np.ndarray:
+    """`count` uniform draws in [0, 1) from a seeded request's generator, or (True) the global one."""
+    generator = source if isinstance(source, torch.Generator) else None
+    return torch.rand(count, generator=generator).numpy()

@@ -2,20 +2,27 @@
 row's drafts are accepted. vLLM's n-gram proposer (prompt lookup) proposes; its scheduler schedules each
 decode row's last token and drafts, and rolls the positions of rejected drafts back.
 
-Drafts go to greedy requests the graph samples without logprobs. For those, the graph's token at each query
-of a verify row is the target model's argmax there, so accepting the drafts that equal it, then taking the
-target's token after them, gives exactly the tokens decoding one by one would: the output never depends on
-the drafts. Other requests decode one token a step (a random request would need rejection sampling against
-the target's distribution, which vLLM runs in Triton kernels that neither the CPU nor Trainium has).
+Drafts go to requests the graph samples that ask no logprobs; the others (vLLM's host sampler, logprobs)
+decode one token a step. At each query of a verify row the graph samples the target model's token:
+- greedy: its argmax, so accepting the drafts that equal it, then taking the target's token after them,
+  gives exactly the tokens decoding one by one would: the output never depends on the drafts;
+- random: speculative sampling with the n-gram drafts as point masses. The graph returns each draft's
+  probability p(d) under the row's distribution (temperature, top-k, top-p, min-p applied) and a token drawn
+  from that distribution with d left out (vllm_neuron/sampling.py); the host accepts d with probability
+  p(d), and at the first rejection takes the other token. Each token is then drawn from exactly the
+  distribution plain decoding draws it from. A seeded request draws its uniforms from its own generator.
+vLLM's rejection sampler does the same in Triton kernels, which neither the CPU nor Trainium runs.
 """
 
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
 from vllm_neuron import sampling
+from worker import sampling_rows
 from worker.sampling_rows import RowSampling
 
 if TYPE_CHECKING:
@@ -25,14 +32,22 @@ if TYPE_CHECKING:
 
 
 def speculates(params: "SamplingParams | None", row: RowSampling, host_sampler_only: bool) -> bool:
-    """Whether a request gets draft tokens: greedy, sampled in the graph, no logprobs asked."""
+    """Whether a request gets draft tokens: sampled in the graph, no logprobs asked."""
     return (
-        params is not None
-        and params.temperature < sampling.GREEDY_BELOW
-        and params.logprobs is None
-        and row.host_reason is None
-        and not host_sampler_only
+        params is not None and params.logprobs is None and row.host_reason is None and not host_sampler_only
     )
+
+
+def is_greedy(row: RowSampling) -> bool:
+    return row.params[sampling.TEMPERATURE] < sampling.GREEDY_BELOW
+
+
+def set_drafts(table: np.ndarray, drafts: list[int], source: torch.Generator | bool) -> None:
+    """A random verify row's parameter rows (one per query, each the row's own): query j < len(drafts)
+    leaves draft j out of its sample and reports its probability; queries after the first get uniform
+    draws of their own (the first has the row's, drawn as for any row)."""
+    table[: len(drafts), sampling.DRAFT] = np.asarray(drafts) + 1
+    table[1 : len(drafts) + 1, sampling.UNIFORM] = sampling_rows.uniforms(source, len(drafts))
 
 
 def accepted_tokens(drafts: list[int], targets: np.ndarray) -> list[int]:
@@ -43,6 +58,19 @@ def accepted_tokens(drafts: list[int], targets: np.ndarray) -> list[int]:
     while count < len(drafts) and drafts[count] == targets[count]:
         count += 1
     return [int(token) for token in targets[: count + 1]]
+
+
+def accepted_sampled(
+    drafts: list[int], targets: np.ndarray, draft_probs: np.ndarray, source: torch.Generator | bool
+) -> list[int]:
+    """A random verify row's new tokens: draft j is accepted with its probability draft_probs[j] under the
+    target's distribution at its query (one uniform draw each, from `source`); at the first rejection the
+    row takes targets[j] (drawn without draft j), after all of them targets[len(drafts)]."""
+    draws = sampling_rows.uniforms(source, len(drafts))
+    count = 0
+    while count < len(drafts) and draws[count] < draft_probs[count]:
+        count += 1
+    return [*map(int, drafts[:count]), int(targets[count])]
 
 
 class Drafter:
