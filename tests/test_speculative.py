@@ -44,6 +44,9 @@ def test_ngram_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_model_
     # and too little KV cache for all of them at once (preemption).
     prompts = [copy_friendly_prompt(8 + (29 * i) % 150, seed=700 + i) for i in range(12)]
     prompts += [random_prompt(5 + (41 * i) % 120, seed=800 + i) for i in range(12)]
+    # Asked again later, this prompt's first 64 tokens are cached: it joins as a decode row, which vLLM's
+    # scheduler pads with -1 placeholder drafts.
+    cached = prompts[-1] = random_prompt(65, seed=900)
     engine = {
         **ENGINE_KWARGS,
         "max_num_seqs": 8,
@@ -58,10 +61,13 @@ def test_ngram_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_model_
         },
     }
     seeded = {"temperature": 0.9, "top_p": 0.9, "seed": 11, "max_tokens": 16, "ignore_eos": True}
-    # Random rows this close to greedy draw the greedy tokens: their drafts are accepted by probability and
-    # a rejected one replaced by a token drawn without it (the argmax, when the draft is not).
-    near_greedy = {"temperature": 1e-3, "max_tokens": 24, "ignore_eos": True}
-    sampling = [{"prompt": prompts[0], "params": seeded}, {"prompt": prompts[0], "params": seeded}]
+    # Random rows (temperature 1) whose distribution is a point mass (top_k 1) draw the greedy tokens through
+    # speculative sampling: a draft is accepted with its probability (1 for the argmax, else 0), a rejected
+    # one replaced by a token drawn without it (the argmax).
+    near_greedy = {"temperature": 1.0, "top_k": 1, "max_tokens": 24, "ignore_eos": True}
+    greedy = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+    sampling = [{"prompt": cached, "params": greedy}]
+    sampling += [{"prompt": prompts[0], "params": seeded}, {"prompt": prompts[0], "params": seeded}]
     sampling += [{"prompt": prompt, "params": near_greedy} for prompt in prompts[1:4]]
     result = run_engine(
         tiny_model_dir,
@@ -80,7 +86,8 @@ def test_ngram_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_model_
     assert (stats["graphs"], stats["unexpected_recompiles"]) == (4 + 4 + 3 + 4, 0)
     assert result["churn"]["blocks_freed"]
     # a seeded request, speculating, draws the same tokens again
-    first, second, *near_greedy_tokens = result["sampled_tokens"]
+    again, first, second, *near_greedy_tokens = result["sampled_tokens"]
+    assert again == result["tokens"][-1]
     assert first == second
     assert near_greedy_tokens == [hf_greedy(hf_model, p, 24) for p in prompts[1:4]]
     metrics = result["metrics"]

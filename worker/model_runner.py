@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
-from vllm.v1.structured_output.utils import apply_grammar_bitmask
+from vllm.v1.structured_output.utils import apply_grammar_bitmask, strip_speculative_padding
 from vllm.v1.worker.utils import bind_kv_cache
 
 from kv_cache import layout
@@ -176,6 +176,7 @@ class _Step:
     # The step still running when this one was prepared, and its outputs: fills come from them.
     previous: "_Step | None" = None
     previous_outputs: "list[CallOutputs] | Future | None" = None
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> the draft tokens it verifies
 
     @property
     def host_bound(self) -> bool:
@@ -663,10 +664,14 @@ class NeuronModelRunner:
                 if previous is None:
                     raise RuntimeError(f"request {req_id}: its next token is neither known nor being sampled")
                 fills[row] = req_id
-            if drafts.get(req_id):  # a decode row to verify: its last token, then its draft tokens
-                token_ids = np.array([batch.token_ids_cpu[row, start], *drafts[req_id]], dtype=np.int64)
-                assert len(token_ids) == count, (req_id, count, drafts[req_id])
-                row_drafts[row] = drafts[req_id]
+            if req_id in drafts:  # a decode row to verify: its last token, then its draft tokens
+                assert count == 1 + len(drafts[req_id]), (req_id, count, drafts[req_id])
+                # vLLM's scheduler pads a request that joins as a decode row (its whole prompt cached)
+                # with -1 placeholders: no draft to check, all rejected.
+                real = strip_speculative_padding(drafts[req_id])
+                token_ids = np.array([batch.token_ids_cpu[row, start], *real], dtype=np.int64)
+                if real:
+                    row_drafts[row] = real
             else:
                 token_ids = batch.token_ids_cpu[row, start : start + count]
             chunk = Chunk(token_ids, start, self.batch.block_table[row])
@@ -684,6 +689,7 @@ class NeuronModelRunner:
         step = _Step(
             scheduler_output, planned, partial, list(batch.req_ids), host_rows, logprobs, step_start, schedule
         )
+        step.drafts = row_drafts
         if fills:
             step.previous, step.previous_outputs = previous, previous.outputs
         self.step_calls = [item.call for item in planned]
@@ -1003,7 +1009,7 @@ class NeuronModelRunner:
         sampled_ids = [[token] for token in sampled.tolist()]
         for row in step.partial_prefill_rows:
             sampled_ids[row] = []
-        if step.scheduler_output.scheduled_spec_decode_tokens and self.serving:
+        if step.drafts and self.serving:
             # (Warm-up's verify rows end at max_model_len: their one token is all the batch holds.)
             self._accept_drafts(step, sampled_ids, to_host)
         output = ModelRunnerOutput(
@@ -1050,7 +1056,6 @@ class NeuronModelRunner:
         token, then the target's token (speculation.accepted_tokens); a random row's drafts accepted by
         their probability, then the target's token drawn without the first rejected one
         (speculation.accepted_sampled). Only requests that speculate get drafts (speculation.speculates)."""
-        drafts = step.scheduler_output.scheduled_spec_decode_tokens
         generators = self.batch.batch.generators
         for call_index, out in enumerate(step.outputs):
             if out.queries == 1:
@@ -1059,7 +1064,7 @@ class NeuronModelRunner:
             draft_probs = None
             for index, row in enumerate(out.batch_rows):
                 req_id = step.req_ids[row]
-                row_drafts = drafts.get(req_id)
+                row_drafts = step.drafts.get(row)
                 if not row_drafts or not self._speculates(req_id):
                     continue  # (a request that may not speculate gets no drafts: its one token stands)
                 if self._greedy(req_id):
@@ -1102,13 +1107,12 @@ class NeuronModelRunner:
         metrics.DEVICE_TO_HOST_BYTES.observe(to_host_bytes)
         metrics.SAMPLED_STEPS.labels(sampler="host" if host else "device").inc()
         if self.trace is not None:
-            scheduled = step.scheduler_output.num_scheduled_tokens.values()
             self.trace.record(
                 step.started,
                 figures.ended,
                 [str(item.call) for item in step.planned],
-                decode_rows=sum(1 for count in scheduled if count == 1),
-                prefill_tokens=sum(count for count in scheduled if count > 1),
+                decode_rows=sum(item.call.rows for item in step.planned),  # verify rows too
+                prefill_tokens=sum(item.call.tokens for item in step.planned),
                 prepare_s=step.prepare_seconds,
                 forward_s=step.forward_seconds,
                 sample_s=sample_seconds,
