@@ -128,7 +128,7 @@ def parameter_rows(
         table[unseeded, sampling.UNIFORM] = uniforms(True, len(unseeded))
     for index, source in enumerate(draw_from):
         if isinstance(source, torch.Generator):
-            table[index, sampling.UNIFORM] = uniforms(source, 1)
+            table[index, sampling.UNIFORM] = uniforms(source, 1)[0]
     return table
 
 
