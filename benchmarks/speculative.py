@@ -5,9 +5,11 @@ generator at concurrency 1, 4 and 16 on two workloads:
 - copy: chat requests that ask the model to repeat or lightly edit a text given in the prompt (prose and
   code), where n-gram lookup finds what comes next in the prompt;
 - random: docs/benchmarks.md's workload, 128 random prompt token ids and 128 output tokens (ignore_eos),
-  where lookup rarely finds a match: the cost of speculating for nothing.
+  greedy. A small model's greedy continuation of noise falls into loops, which lookup then predicts;
+- random-sampled: the same at temperature 1, where the output is noise too and lookup rarely finds a draft
+  that holds: the cost of speculating for little.
 
-Both servers are greedy (temperature 0), so their outputs are the same tokens. Prints one markdown table:
+The greedy workloads give the same tokens on both servers. Prints one markdown table:
 output tok/s, TPOT (mean time per output token after the first: the per-token latency a stream sees, where
 one stream chunk may carry several tokens) and ITL p50 (gaps between stream chunks), and the acceptance of
 draft tokens, side by side.
@@ -29,6 +31,7 @@ from benchmarks.compare import QUIET_ENV, machine, wait_quiet  # noqa: E402
 from benchmarks.serving import Config, Server  # noqa: E402
 
 CONCURRENCY = (1, 4, 16)
+WORKLOADS = ("copy", "random", "random-sampled")
 MAX_MODEL_LEN = 1024
 DRAFT_TOKENS = 3
 SPECULATIVE = {
@@ -81,7 +84,7 @@ def load(server: Server, workload: str, requests: list[int], dataset: Path, json
 
     args = ["--base-url", server.base, "--model", "m", "--no-progress", "--json-out", str(json_out)]
     args += ["--concurrency", ",".join(map(str, CONCURRENCY)), "--requests", ",".join(map(str, requests))]
-    args += ["--warmup", "2", "--seed", "0", "--temperature", "0"]
+    args += ["--warmup", "2", "--seed", "0", "--temperature", "1" if workload == "random-sampled" else "0"]
     if workload == "copy":
         args += ["--endpoint", "chat", "--dataset", str(dataset)]
     else:
@@ -100,7 +103,7 @@ def run_config(name: str, serve_args: list[str], model: str, requests: list[int]
         dataset = copy_dataset(workdir / "copy.jsonl")
         return {
             workload: load(server, workload, requests, dataset, workdir / f"{name}-{workload}.json")
-            for workload in ("copy", "random")
+            for workload in WORKLOADS
         }
     finally:
         server.stop()
@@ -112,7 +115,7 @@ def markdown(result: dict) -> str:
         "| ITL p50 ms plain | ITL p50 ms ngram | accepted | tokens a verify step |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for workload in ("copy", "random"):
+    for workload in WORKLOADS:
         plain = {lv["concurrency"]: lv for lv in result["plain"][workload]["levels"]}
         ngram = {lv["concurrency"]: lv for lv in result["ngram"][workload]["levels"]}
         for c in CONCURRENCY:
