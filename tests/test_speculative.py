@@ -8,9 +8,9 @@ import pytest
 import torch
 from openai import OpenAI
 
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS
+from tests.conftest import ENGINE_KWARGS
 from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
-from tests.serving import API_KEY, MODEL_NAME, ServerProcess, http
+from tests.serving import MODEL_NAME, ServerProcess, http
 from tests.test_preemption import BLOCK_BYTES
 from tests.test_server import metric_values
 from vllm_neuron import sampling
@@ -53,11 +53,11 @@ def test_ngram_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_model_
         "kv_cache_memory_bytes": 24 * BLOCK_BYTES,  # 24 blocks: 8 requests want up to 48
         "disable_log_stats": False,
         "speculative_config": SPECULATIVE,
+        # Few graphs, each path still taken: sub-chunks (prompts past 64 tokens), mixed calls (batch 2).
         "additional_config": {
-            "prefill_buckets": [32, 64],
-            "decode_batch_buckets": [1, 2, 4, 8],
-            "context_buckets": [128, 256],
-            "decode_context_buckets": [256],
+            "prefill_buckets": [64],
+            "decode_batch_buckets": [2, 8],
+            "context_buckets": [256],
         },
     }
     seeded = {"temperature": 0.9, "top_p": 0.9, "seed": 11, "max_tokens": 16, "ignore_eos": True}
@@ -80,10 +80,10 @@ def test_ngram_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_model_
     assert result["async_scheduling"] is False  # vLLM runs n-gram proposals without it
     assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in prompts]
     assert result["preemptions"] > 0
-    # prefill 2 x 2, decode 4 x 1, mixed (batches 1 to 4) 3 x 1, verify 4 x 1: all at warm-up, none after,
-    # through the churn of cancelled and finished requests too
+    # prefill 1, decode 2, mixed (batch 2) 1, verify 2: all at warm-up, none after, through the churn of
+    # cancelled and finished requests too
     [stats] = result["compile_stats"]
-    assert (stats["graphs"], stats["unexpected_recompiles"]) == (4 + 4 + 3 + 4, 0)
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (1 + 2 + 1 + 2, 0)
     assert result["churn"]["blocks_freed"]
     # a seeded request, speculating, draws the same tokens again
     again, first, second, *near_greedy_tokens = result["sampled_tokens"]
@@ -169,8 +169,15 @@ def test_a_draft_model_is_refused_at_start_up_naming_what_works(tiny_model_dir):
 @pytest.fixture(scope="module")
 def speculating_server(tiny_model_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("speculating-server")
+    # Three graphs (prefill, decode, verify), to start quickly.
+    buckets = {"prefill_buckets": [64], "decode_batch_buckets": [4], "context_buckets": [256]}
     server = ServerProcess(
-        tiny_model_dir, folder / "server.log", "--speculative-config", json.dumps(SPECULATIVE)
+        tiny_model_dir,
+        folder / "server.log",
+        "--speculative-config",
+        json.dumps(SPECULATIVE),
+        "--additional-config",
+        json.dumps(buckets),
     )
     try:
         server.wait_healthy()
@@ -180,23 +187,21 @@ def speculating_server(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_speculating_server_answers_as_one_without_and_reports_its_acceptance(
-    speculating_server, api_server
+def test_a_speculating_server_answers_greedy_requests_as_hf_and_reports_its_acceptance(
+    speculating_server, hf_model
 ):
     prompts = [copy_friendly_prompt(60, seed=3), random_prompt(30, seed=4)]
-    answers = []
-    for server, key in ((speculating_server, "none"), (api_server, API_KEY)):
-        client = OpenAI(base_url=server.base + "/v1", api_key=key, max_retries=0, timeout=120)
-        completion = client.completions.create(
-            model=MODEL_NAME,
-            prompt=prompts,
-            max_tokens=32,
-            temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
-        answers.append([choice.token_ids for choice in completion.choices])
-    speculated, plain = answers
-    assert speculated == plain and all(len(tokens) == 32 for tokens in plain)
+    client = OpenAI(base_url=speculating_server.base + "/v1", api_key="none", max_retries=0, timeout=120)
+    completion = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompts,
+        max_tokens=32,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert [choice.token_ids for choice in completion.choices] == [
+        hf_greedy(hf_model, p, 32) for p in prompts
+    ]
 
     metrics = http("GET", speculating_server.base + "/metrics")[1].decode()
     drafts = sum(metric_values(metrics, "vllm:spec_decode_num_draft_tokens_total").values())
@@ -208,7 +213,7 @@ def test_a_speculating_server_answers_as_one_without_and_reports_its_acceptance(
     assert (speculative["method"], speculative["verify_tokens"], speculative["verify_graphs"]) == (
         "ngram",
         4,
-        6,
+        1,
     )
     assert speculative["acceptance_rate"] == pytest.approx(accepted / drafts)
-    assert info["graphs"] == EXPECTED_GRAPHS + 6  # decode 3 batch x 2 context, verified
+    assert info["graphs"] == 3
