@@ -10,7 +10,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import REGISTRY
 
 from server import admission
 from vllm_neuron import acceptance, device
@@ -67,6 +66,10 @@ def _speculative(vllm_config, buckets) -> dict[str, Any] | None:
 
 def _registry_totals(names: tuple[str, ...]) -> list[float]:
     """Each counter sample's value in this process's Prometheus registry, summed over labels."""
+    # Imported here: server/cli.py imports this module, and sets up Prometheus's multiprocess directory
+    # (the engine's series on /metrics) only if prometheus_client is not imported yet.
+    from prometheus_client import REGISTRY
+
     totals = dict.fromkeys(names, 0.0)
     for family in REGISTRY.collect():
         for sample in family.samples:

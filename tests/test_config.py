@@ -58,10 +58,13 @@ def test_importing_the_platform_changes_nothing():
 
 
 @pytest.mark.slow
-def test_importing_the_cli_leaves_vllms_platform_unresolved():
+def test_importing_the_cli_leaves_vllms_platform_unresolved_and_prometheus_unloaded():
     """`vllm-neuron serve` without VLLM_NEURON_DEVICE picks CPU mode after its imports: an import that made
     vLLM resolve its platform first (vllm.v1.outputs does) would serve on vLLM's own CPU platform."""
     code = "import server.cli, vllm.platforms; assert vllm.platforms._current_platform is None"
+    # Nor may the CLI's imports load prometheus_client: its multiprocess directory (the engine's series on
+    # /metrics) must be set before that.
+    code += "; import sys; assert 'prometheus_client' not in sys.modules"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_NEURON_DEVICE"}
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
