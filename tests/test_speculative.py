@@ -13,7 +13,7 @@ from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
 from tests.serving import MODEL_NAME, ServerProcess, http
 from tests.test_preemption import BLOCK_BYTES
 from tests.test_server import metric_values
-from vllm_neuron import sampling
+from vllm_neuron import hlo_text, sampling
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import plan_step
 from worker.speculation import accepted_sampled, accepted_tokens
@@ -217,3 +217,28 @@ def test_a_speculating_server_answers_greedy_requests_as_hf_and_reports_its_acce
     )
     assert speculative["acceptance_rate"] == pytest.approx(accepted / drafts)
     assert info["graphs"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_graphs_lower_with_the_cache_written_in_place(tiny_model_dir, tmp_path, dtype):
+    """Verify calls go the way TorchNeuron lowers them (the suite's stablehlo backend), in both dtypes: each
+    layer's KV cache aliased and scattered with the call's new rows only, a row's drafts included."""
+    engine = {
+        **ENGINE_KWARGS,
+        "dtype": dtype,
+        "speculative_config": SPECULATIVE,
+        "additional_config": {"prefill_buckets": [64], "decode_batch_buckets": [4], "context_buckets": [256]},
+    }
+    env = {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_DUMP_GRAPHS": str(tmp_path)}
+    prompts = [copy_friendly_prompt(40, seed=1), random_prompt(20, seed=2)]
+    result = run_engine(tiny_model_dir, engine, env, prompts=prompts, max_tokens=16)
+    [stats] = result["compile_stats"]
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (3, 0)  # prefill, decode, verify
+    [verify] = [path for path in tmp_path.glob("*.stablehlo.mlir") if "-verify-of-" in path.name]
+    writes = hlo_text.cache_writes(verify.read_text())
+    assert len(writes) == 2  # the tiny model's two layers
+    for write in writes:
+        assert write.problems == [], write.problems
+        (updates,) = write.scatters
+        assert updates[0] <= 2 * 2 * 4 * (1 + DRAFTS)  # K and V, 2 KV heads, 4 rows of 1 + 3 queries
