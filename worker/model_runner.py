@@ -744,14 +744,13 @@ class NeuronModelRunner:
         prefill: list[tuple[int, Chunk]],
         parameters: np.ndarray,
         fills: dict[int, str],
-        drafts: dict[int, list[int]] | None = None,
+        drafts: dict[int, list[int]],
     ) -> list[_PlannedCall]:
         """The step's calls as `calls.plan_step` plans them, with their inputs on the device; each samples
         the rows of its requests (a sub-chunk's row is sampled again by the next: the last part of a chunk
         gives its token; a verify call samples every query of its rows). `fills`: decode rows (batch row ->
         request id) whose token the device thread fills in; `drafts`: decode rows' draft tokens (batch row
         -> drafts): the decode rows run in verify calls."""
-        drafts = drafts or {}
         verify = bool(drafts)
         contexts = [chunk.start + len(chunk.token_ids) for _, chunk in decode]
         chunks = [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill]
