@@ -1,6 +1,6 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, in one run: the default model in CPU
-mode, `vllm-neuron serve` once without and once with `--speculative-config`, each driven by the load
-generator at concurrency 1, 4 and 16 on two workloads:
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding, in one run: the
+default model in CPU mode, `vllm-neuron serve` once without and once with `--speculative-config`, each
+driven by the load generator at concurrency 1, 4 and 16 on these workloads:
 
 - copy: chat requests that ask the model to repeat or lightly edit a text given in the prompt (prose and
   code), where n-gram lookup finds what comes next in the prompt;
@@ -9,12 +9,16 @@ generator at concurrency 1, 4 and 16 on two workloads:
 - random-sampled: the same at temperature 1, where the output is noise too and lookup rarely finds a draft
   that holds: the cost of speculating for little.
 
+`--method draft_model` takes as draft the default model's first `--draft-layers` layers with its final norm
+and head (an early-exit draft, built once into the work directory): no second model is at hand offline.
+
 The greedy workloads give the same tokens on both servers. Prints one markdown table:
 output tok/s, TPOT (mean time per output token after the first: the per-token latency a stream sees, where
 one stream chunk may carry several tokens) and ITL p50 (gaps between stream chunks), and the acceptance of
 draft tokens, side by side.
 
-    .venv/bin/python benchmarks/speculative.py [--requests 4,8,32] [--json-out FILE]
+    .venv/bin/python benchmarks/speculative.py [--method ngram|draft_model] [--draft-layers 6]
+        [--workloads copy,random,random-sampled] [--requests 4,8,32] [--json-out FILE]
 """
 
 import argparse
@@ -34,7 +38,7 @@ CONCURRENCY = (1, 4, 16)
 WORKLOADS = ("copy", "random", "random-sampled")
 MAX_MODEL_LEN = 1024
 DRAFT_TOKENS = 3
-SPECULATIVE = {
+NGRAM = {
     "method": "ngram",
     "num_speculative_tokens": DRAFT_TOKENS,
     "prompt_lookup_min": 2,
@@ -93,7 +97,20 @@ def load(server: Server, workload: str, requests: list[int], dataset: Path, json
     return loadtest_main(args)
 
 
-def run_config(name: str, serve_args: list[str], model: str, requests: list[int], workdir: Path) -> dict:
+def early_exit_draft(model: str, layers: int, out: Path) -> Path:
+    """The model's first `layers` layers, its final norm and head: a draft with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (out / "config.json").exists():
+        draft = AutoModelForCausalLM.from_pretrained(model, num_hidden_layers=layers, dtype="auto")
+        draft.save_pretrained(out)
+        AutoTokenizer.from_pretrained(model).save_pretrained(out)
+    return out
+
+
+def run_config(
+    name: str, serve_args: list[str], model: str, requests: list[int], workloads: list[str], workdir: Path
+) -> dict:
     wait_quiet()
     config = Config(name, model, serve_args, MAX_MODEL_LEN)
     server = Server(config, str(workdir / "compile-cache"), workdir / f"{name}.log")
@@ -103,21 +120,21 @@ def run_config(name: str, serve_args: list[str], model: str, requests: list[int]
         dataset = copy_dataset(workdir / "copy.jsonl")
         return {
             workload: load(server, workload, requests, dataset, workdir / f"{name}-{workload}.json")
-            for workload in WORKLOADS
+            for workload in workloads
         }
     finally:
         server.stop()
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, method: str) -> str:
     lines = [
-        "| workload | c | out tok/s plain | out tok/s ngram | ratio | TPOT ms plain | TPOT ms ngram "
-        "| ITL p50 ms plain | ITL p50 ms ngram | accepted | tokens a verify step |",
+        f"| workload | c | out tok/s plain | out tok/s {method} | ratio | TPOT ms plain | TPOT ms {method} "
+        f"| ITL p50 ms plain | ITL p50 ms {method} | accepted | tokens a verify step |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for workload in WORKLOADS:
+    for workload in result["plain"]:
         plain = {lv["concurrency"]: lv for lv in result["plain"][workload]["levels"]}
-        ngram = {lv["concurrency"]: lv for lv in result["ngram"][workload]["levels"]}
+        ngram = {lv["concurrency"]: lv for lv in result[method][workload]["levels"]}
         for c in CONCURRENCY:
             a, b = plain[c], ngram[c]
             spec = (b.get("server") or {}).get("speculative") or {}
@@ -138,6 +155,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument(
+        "--draft-layers", type=int, default=6, help="draft_model: the default model's first N"
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--requests", default="4,8,32", help="measured requests at concurrency 1,4,16")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("--workdir", type=Path, help="server logs and load reports (default: a temp dir)")
@@ -153,12 +175,17 @@ def main() -> None:
     requests = [int(n) for n in args.requests.split(",")]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-neuron-speculative-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    result: dict = {"machine": machine(), "model": model, "speculative_config": SPECULATIVE}
-    result["plain"] = run_config("plain", SERVE_ARGS, model, requests, workdir)
-    spec_args = [*SERVE_ARGS, "--speculative-config", json.dumps(SPECULATIVE)]
-    result["ngram"] = run_config("ngram", spec_args, model, requests, workdir)
+    workloads = args.workloads.split(",")
+    speculative = NGRAM
+    if args.method == "draft_model":
+        draft = early_exit_draft(model, args.draft_layers, workdir / f"draft-{args.draft_layers}-layers")
+        speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": DRAFT_TOKENS}
+    result: dict = {"machine": machine(), "model": model, "speculative_config": speculative}
+    result["plain"] = run_config("plain", SERVE_ARGS, model, requests, workloads, workdir)
+    spec_args = [*SERVE_ARGS, "--speculative-config", json.dumps(speculative)]
+    result[args.method] = run_config(args.method, spec_args, model, requests, workloads, workdir)
     result["seconds"] = time.monotonic() - started
-    print(markdown(result))
+    print(markdown(result, args.method))
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2, default=str) + "\n")
 

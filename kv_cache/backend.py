@@ -1,6 +1,6 @@
 """vLLM attention backend over kv_cache.ops: what vLLM's Attention layers call on the Neuron platform."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -70,6 +70,13 @@ class NeuronAttentionMetadata:
     slot_mapping: torch.Tensor
     table: TableQueries | None = None
     paged: PageQueries | None = None
+
+    def without_masks(self) -> "NeuronAttentionMetadata":
+        """The same inputs, no masks built yet: for a second model on the call (a draft model), whose graph
+        then builds them itself wherever it runs, as the first model's does."""
+        table = replace(self.table, masks={}) if self.table is not None else None
+        paged = replace(self.paged, masks={}) if self.paged is not None else None
+        return replace(self, table=table, paged=paged)
 
 
 class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMetadata]):

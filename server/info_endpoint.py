@@ -53,13 +53,17 @@ def _speculative(vllm_config, buckets) -> dict[str, Any] | None:
     speculative = vllm_config.speculative_config
     if speculative is None:
         return None
+    draft_model = speculative.method == "draft_model"
     return {
         "method": speculative.method,
         "num_speculative_tokens": speculative.num_speculative_tokens,
         "prompt_lookup_min": speculative.prompt_lookup_min,
         "prompt_lookup_max": speculative.prompt_lookup_max,
+        "draft_model": speculative.draft_model_config.model if draft_model else None,
         "verify_tokens": buckets.verify_tokens,
         "verify_graphs": len(buckets.verify_shapes()),
+        # A draft model compiles a graph of its own for each of the plan's shapes (worker/draft_model.py).
+        "draft_graphs": buckets.num_graphs if draft_model else 0,
         "applies_to": "requests sampled in the graph without logprobs; others decode a token a step",
     }
 

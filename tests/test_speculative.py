@@ -1,5 +1,6 @@
-"""Speculative decoding (n-gram prompt lookup) on static shapes: verify calls compiled at warm-up, exactly
-the greedy tokens of decoding without it, under chunked prefill, mid-stream joins and preemption."""
+"""Speculative decoding (n-gram prompt lookup, a draft model) on static shapes: verify calls and the draft's
+graphs compiled at warm-up, exactly the greedy tokens of decoding without it, under chunked prefill,
+mid-stream joins and preemption."""
 
 import json
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 from openai import OpenAI
 
+from server.info_endpoint import describe
 from tests.conftest import ENGINE_KWARGS
 from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
 from tests.serving import MODEL_NAME, ServerProcess, http
 from tests.test_preemption import BLOCK_BYTES
 from tests.test_server import metric_values
+from tests.tiny_model import build_tiny_llama
 from vllm_neuron import hlo_text, sampling
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import plan_step
@@ -158,12 +161,115 @@ def test_verify_calls_take_the_decode_shapes_and_no_chunk():
     assert [plan.call.phase for plan in plan_step([40, 129], [(0, 20)], spec, 32)] == ["mixed"]
 
 
-def test_a_draft_model_is_refused_at_start_up_naming_what_works(tiny_model_dir):
-    speculative = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
+def test_eagle_is_refused_at_start_up_naming_what_works(tiny_model_dir):
+    speculative = {"method": "eagle", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
     with pytest.raises(
-        ValueError, match="method 'draft_model' is not supported: use --speculative-config .*ngram"
+        ValueError, match="method 'eagle' is not supported: use --speculative-config .*ngram.*draft_model"
     ):
         engine_config(tiny_model_dir, speculative_config=speculative)
+
+
+@pytest.mark.parametrize(
+    "option, refused",
+    [
+        ({"draft_sample_method": "probabilistic"}, "draft_sample_method 'probabilistic' is not supported"),
+        ({"use_heterogeneous_vocab": True}, "another vocabulary .* use a draft model with the target's"),
+    ],
+)
+def test_draft_model_options_the_plugin_does_not_run_are_refused(tiny_model_dir, option, refused):
+    speculative = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=refused):
+        engine_config(tiny_model_dir, speculative_config={**speculative, **option})
+
+
+def test_a_draft_model_runs_without_async_scheduling_and_its_graphs_are_in_the_info(tiny_model_dir):
+    speculative = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
+    config = engine_config(tiny_model_dir, speculative_config=speculative)
+    assert config.scheduler_config.async_scheduling is False
+    assert config.num_lookahead_tokens == 2  # the scheduler reserves KV slots for the draft's passes
+    info = describe(config)
+    described = info["speculative"]
+    assert (described["method"], described["draft_model"]) == ("draft_model", str(tiny_model_dir))
+    assert described["verify_tokens"] == 3
+    assert described["draft_graphs"] == info["graphs"]  # one draft graph for each shape of the plan
+
+
+def draft_model_engine(draft_dir, kv_blocks: int, draft_layers: int, decode_batches: list[int]) -> dict:
+    return {
+        **ENGINE_KWARGS,
+        "max_num_seqs": 8,
+        # The draft's layers share the target's blocks: a block holds both models' keys and values.
+        "kv_cache_memory_bytes": kv_blocks * BLOCK_BYTES * (2 + draft_layers) // 2,
+        "disable_log_stats": False,
+        "speculative_config": {
+            "method": "draft_model",
+            "model": str(draft_dir),
+            "num_speculative_tokens": DRAFTS,
+        },
+        "additional_config": {
+            "prefill_buckets": [64],
+            "decode_batch_buckets": decode_batches,
+            "context_buckets": [256],
+        },
+    }
+
+
+@pytest.mark.slow
+def test_the_target_as_its_own_draft_model_has_every_draft_accepted(tiny_model_dir, hf_model):
+    """The draft model's cache follows the target's through chunked prefill, requests joining mid-stream and
+    preemption (its entries recomputed with the target's), and its passes start from each row's newest
+    token: with the target's own weights as the draft, the drafts are the target's greedy tokens."""
+    # 8 requests at once want up to 48 KV blocks of 24; prompts past 64 tokens are chunked
+    prompts = [random_prompt(5 + (37 * i) % 150, seed=950 + i) for i in range(10)]
+    result = run_engine(
+        tiny_model_dir,
+        draft_model_engine(tiny_model_dir, kv_blocks=24, draft_layers=2, decode_batches=[2, 8]),
+        {"VLLM_NEURON_DEVICE": "cpu"},
+        prompts=prompts,
+        max_tokens=24,
+        extra={"metrics": SPEC_COUNTERS},
+    )
+    assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in prompts]
+    assert result["preemptions"] > 0
+    # prefill 1, decode 2, mixed 1, verify 2: each a graph of the target and one of the draft, at warm-up
+    [stats] = result["compile_stats"]
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (2 * 6, 0)
+    metrics = result["metrics"]
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"]
+    # (float32: a verify call and the draft's decode call may round a near-tie apart)
+    assert drafted > 0 and metrics["vllm:spec_decode_num_accepted_tokens"] >= 0.95 * drafted
+
+
+@pytest.mark.slow
+def test_a_draft_model_of_random_weights_still_gives_the_targets_greedy_tokens(
+    tiny_model_dir, hf_model, tmp_path
+):
+    """Drafts that are nearly all wrong change nothing: greedy rows take the target's tokens, random ones
+    (top-k 1: a point mass) the same, seeded ones the same tokens twice. The draft has one layer and one KV
+    head: its cache layers differ in size from the target's in the same blocks."""
+    draft_dir = build_tiny_llama(tmp_path / "draft", num_kv_heads=1, num_layers=1, seed=5)
+    prompts = [copy_friendly_prompt(8 + (53 * i) % 150, seed=970 + i) for i in range(6)]
+    seeded = {"temperature": 0.9, "top_p": 0.9, "seed": 11, "max_tokens": 16, "ignore_eos": True}
+    near_greedy = {"temperature": 1.0, "top_k": 1, "max_tokens": 24, "ignore_eos": True}
+    sampling = [{"prompt": prompts[0], "params": seeded}, {"prompt": prompts[0], "params": seeded}]
+    sampling += [{"prompt": prompt, "params": near_greedy} for prompt in prompts[1:3]]
+    result = run_engine(
+        tiny_model_dir,
+        draft_model_engine(draft_dir, kv_blocks=64, draft_layers=1, decode_batches=[8]),
+        {"VLLM_NEURON_DEVICE": "cpu"},
+        prompts=prompts,
+        max_tokens=24,
+        extra={"sampling": sampling, "metrics": SPEC_COUNTERS},
+    )
+    assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in prompts]
+    first, second, *near_greedy_tokens = result["sampled_tokens"]
+    assert first == second
+    assert near_greedy_tokens == [hf_greedy(hf_model, p, 24) for p in prompts[1:3]]
+    [stats] = result["compile_stats"]
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (2 * 3, 0)  # prefill, decode, verify
+    metrics = result["metrics"]
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"]
+    assert drafted > 0 and metrics["vllm:spec_decode_num_accepted_tokens"] < 0.2 * drafted
 
 
 @pytest.fixture(scope="module")
@@ -220,13 +326,13 @@ def test_a_speculating_server_answers_greedy_requests_as_hf_and_reports_its_acce
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_verify_graphs_lower_with_the_cache_written_in_place(tiny_model_dir, tmp_path, dtype):
-    """Verify calls go the way TorchNeuron lowers them (the suite's stablehlo backend), in both dtypes: each
-    layer's KV cache aliased and scattered with the call's new rows only, a row's drafts included."""
+def test_verify_graphs_lower_with_the_cache_written_in_place(tiny_model_dir, tmp_path):
+    """Verify calls go the way TorchNeuron lowers them (the suite's stablehlo backend; the other engines of
+    this module lower theirs in float32), in bfloat16: each layer's KV cache aliased and scattered with the
+    call's new rows only, a row's drafts included."""
     engine = {
         **ENGINE_KWARGS,
-        "dtype": dtype,
+        "dtype": "bfloat16",
         "speculative_config": SPECULATIVE,
         "additional_config": {"prefill_buckets": [64], "decode_batch_buckets": [4], "context_buckets": [256]},
     }

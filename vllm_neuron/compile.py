@@ -177,15 +177,18 @@ def compile_static(
     strict: bool = False,
     dump_dir: Path | None = None,
     compile_workers: int = 1,
+    recorder: CompileRecorder | None = None,
 ) -> tuple[Callable, CompileRecorder]:
     """Compile `module` for static shapes: one graph per bucket shape, no graph breaks, default mode (the only
-    mode TorchNeuron has). Backend "none" returns the module uncompiled (debugging); nothing is recorded."""
-    recorder = CompileRecorder(
-        "eager" if backend_name == "none" else backend_name,
-        strict=strict,
-        dump_dir=dump_dir,
-        compile_workers=compile_workers,
-    )
+    mode TorchNeuron has). Backend "none" returns the module uncompiled (debugging); nothing is recorded.
+    `recorder`: one already recording another module's graphs (a draft model's beside its target's)."""
+    if recorder is None:
+        recorder = CompileRecorder(
+            "eager" if backend_name == "none" else backend_name,
+            strict=strict,
+            dump_dir=dump_dir,
+            compile_workers=compile_workers,
+        )
     if backend_name == "none":
         return module, recorder
     # Each bucket is one more cache entry for the same code; past the limit (default 8) dynamo would

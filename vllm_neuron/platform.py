@@ -175,6 +175,11 @@ class NeuronPlatform(Platform):
         # Async scheduling (vLLM's default; --no-async-scheduling turns it off): the engine schedules a step
         # while the previous one runs, with the prefill share either way.
         scheduler_config = vllm_config.scheduler_config
+        if speculative_method(vllm_config) == "draft_model" and scheduler_config.async_scheduling:
+            # With async scheduling vLLM's scheduler sends placeholders for drafts the runner would keep on
+            # the device; the plugin's draft model proposes on the host after each step, as n-gram does.
+            logger.info("Speculative decoding with a draft model: async scheduling is turned off")
+            scheduler_config.async_scheduling = False
         if scheduler_config.scheduler_cls is None:
             scheduler_config.scheduler_cls = (
                 ASYNC_SCHEDULER_CLS if scheduler_config.async_scheduling else SCHEDULER_CLS
@@ -204,6 +209,12 @@ class NeuronPlatform(Platform):
         )
 
     @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        # A draft model's layers share layer indices with the target's. The runner's list of caches is only
+        # counted and sized (every layer's cache has the same number of blocks), never indexed by layer.
+        pass
+
+    @classmethod
     def validate_request(cls, processed_inputs: object, params: "SamplingParams | PoolingParams") -> None:
         from vllm.exceptions import VLLMValidationError
 
@@ -231,11 +242,33 @@ def _without_plugin_variables():
         os.environ.update(saved)
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
 def speculative_method(vllm_config: "VllmConfig") -> str | None:
-    """The speculative decoding method (None: off). The plugin verifies n-gram (prompt lookup) proposals;
-    a draft model or EAGLE head would need graphs of its own."""
+    """The speculative decoding method (None: off). The plugin verifies n-gram (prompt lookup) and draft
+    model proposals; an EAGLE or MTP head reads the target's hidden states, which its graphs do not return."""
     speculative = vllm_config.speculative_config
     return None if speculative is None else speculative.method
+
+
+def _draft_model_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
+    """What the plugin's draft model runner (worker/draft_model.py) does not do."""
+    speculative = vllm_config.speculative_config
+    if speculative is None or speculative.method != "draft_model":
+        return {}
+    return {
+        "a draft model with another vocabulary (use_heterogeneous_vocab) is not supported: use a draft "
+        "model with the target's tokenizer": speculative.use_heterogeneous_vocab,
+        f"draft_sample_method {speculative.draft_sample_method!r} is not supported: the plugin's draft "
+        "model proposes its greedy tokens (draft_sample_method 'greedy')": speculative.draft_sample_method
+        != "greedy",
+        f"rejection_sample_method {speculative.rejection_sample_method!r} is not supported: the plugin "
+        "verifies drafts by standard speculative sampling": speculative.rejection_sample_method != "standard",
+        "a draft model with tensor parallelism is not supported yet: use --tensor-parallel-size 1": (
+            vllm_config.parallel_config.tensor_parallel_size > 1
+        ),
+    }
 
 
 def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
@@ -262,8 +295,12 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
         ),
         f"speculative decoding method {speculative_method(vllm_config)!r} is not supported: use "
         '--speculative-config \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
-        "(prompt lookup) or remove --speculative-config": speculative_method(vllm_config)
-        not in (None, "ngram"),
+        '(prompt lookup), \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\' '
+        "(a small model with the target's tokenizer), or remove --speculative-config": speculative_method(
+            vllm_config
+        )
+        not in (None, *SPECULATIVE_METHODS),
+        **_draft_model_refusals(vllm_config),
         "LoRA is not supported: remove --enable-lora": vllm_config.lora_config is not None,
         f"quantized MoE models are not supported ({model_config.quantization} quantization): the plugin's "
         "experts are unquantized (vllm_neuron/moe.py); serve an unquantized checkpoint": (
@@ -273,7 +310,7 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
             vllm_config.aux_output_config.enable_return_routed_experts
         ),
         "only text generation models are supported (this model is a pooling or multimodal model)": (
-            model_config.runner_type != "generate" or model_config.is_multimodal_model
+            model_config.runner_type not in ("generate", "draft") or model_config.is_multimodal_model
         ),
     }
     for message, refused in refusals.items():

@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
@@ -34,6 +35,7 @@ from vllm.v1.structured_output.utils import apply_grammar_bitmask, strip_specula
 from vllm.v1.worker.utils import bind_kv_cache
 
 from kv_cache import layout
+from kv_cache.backend import NeuronAttentionMetadata
 from vllm_neuron import compile as neuron_compile
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, fused_moe, metrics, sampling
@@ -41,7 +43,7 @@ from vllm_neuron.buckets import GraphKey
 from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call, CallPlan, plan_step
 from vllm_neuron.config import NeuronConfig
-from worker import call_inputs, sampling_rows, speculation, warmup
+from worker import call_inputs, draft_model, sampling_rows, speculation, warmup
 from worker.async_steps import DeviceThread, StepOutput
 from worker.background import BackgroundCompiler, CompileProgress, ServingActivity, compile_workers
 from worker.call_inputs import CallInputs, Chunk
@@ -251,8 +253,14 @@ class NeuronModelRunner:
             if vllm_config.scheduler_config.async_scheduling
             else None
         )
-        # Speculative decoding (n-gram): proposes draft tokens after each step; the scheduler takes them.
+        # Speculative decoding: the n-gram drafter, or a draft model (worker/draft_model.py), proposes draft
+        # tokens after each step; the scheduler takes them.
         self.drafter = speculation.Drafter.for_config(vllm_config)
+        speculative = vllm_config.speculative_config
+        self.uses_draft_model = speculative is not None and speculative.method == "draft_model"
+        self.draft_model: torch.nn.Module | None = None
+        self.compiled_draft = None
+        self._model_drafts: DraftTokenIds | None = None
         self._step_ended = 0.0  # when the latest step's output was made
         self._execute_returned = 0.0  # when execute_model last returned
         self._unrecorded: _Step | None = None  # made by the next step; recorded once that one's calls run
@@ -278,6 +286,14 @@ class NeuronModelRunner:
             dump_dir=Path(dump_dir) if dump_dir else None,
             compile_workers=self.compile_workers,
         )
+        if self.uses_draft_model:
+            self.draft_model = draft_model.load_draft_model(self.vllm_config)
+            self.compiled_draft, _ = neuron_compile.compile_static(
+                draft_model.DraftForward(self.draft_model),
+                neuron_device.compile_backend(),
+                self.buckets.num_graphs,
+                recorder=self.recorder,
+            )
         logger.info("Model loaded on %s in %.1f s", self.device, time.perf_counter() - start)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -305,9 +321,11 @@ class NeuronModelRunner:
         kv_cache_config = self.kv_cache_config
         caches: dict[str, torch.Tensor] = {}
         for group in kv_cache_config.kv_cache_groups:
-            spec = group.kv_cache_spec
-            assert isinstance(spec, AttentionSpec)
             for name in group.layer_names:
+                spec = group.kv_cache_spec
+                if isinstance(spec, UniformTypeKVCacheSpecs):  # a draft model's layers of another size
+                    spec = spec.kv_cache_specs[name]
+                assert isinstance(spec, AttentionSpec)
                 caches[name] = layout.allocate(
                     kv_cache_config.num_blocks,
                     spec.block_size,
@@ -574,8 +592,13 @@ class NeuronModelRunner:
         self.release_kv_cache()
         if "weights" in self.sleeping:
             return
-        parameters = {id(t): t for t in self.model.parameters()}
-        buffers = [t for t in {id(t): t for t in self.model.buffers()}.values() if id(t) not in parameters]
+        models = [self.model, *([self.draft_model] if self.draft_model is not None else [])]
+        parameters = {id(t): t for model in models for t in model.parameters()}
+        buffers = [
+            t
+            for t in {id(t): t for model in models for t in model.buffers()}.values()
+            if id(t) not in parameters
+        ]
         self._weights_released = []
         for tensor in [*parameters.values(), *buffers]:
             keep = level == 1 or id(tensor) not in parameters
@@ -916,11 +939,27 @@ class NeuronModelRunner:
         return outputs
 
     def _forward(self, inputs: CallInputs, params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The compiled model and sampler on one call's inputs; its outputs stay on the device."""
-        context = create_forward_context(
-            dict.fromkeys(self.attention_layers, inputs.metadata), self.vllm_config
+        """The compiled model and sampler on one call's inputs, then the draft model's on the same inputs
+        (its KV cache follows the target's); the outputs (the target's) stay on the device."""
+        outputs = self.compiled_step(
+            inputs.input_ids, inputs.positions, inputs.logits_indices, params, self._context(inputs.metadata)
         )
-        return self.compiled_step(inputs.input_ids, inputs.positions, inputs.logits_indices, params, context)
+        if self.compiled_draft is not None:
+            self._draft_forward(inputs)
+        return outputs
+
+    def _context(self, metadata: NeuronAttentionMetadata) -> ForwardContext:
+        # Every attention layer, the draft model's too, reads the call's metadata: they share block tables.
+        return create_forward_context(dict.fromkeys(self.attention_layers, metadata), self.vllm_config)
+
+    def _draft_forward(self, inputs: CallInputs) -> torch.Tensor:
+        """The compiled draft model on a call's inputs: each logits row's greedy token, on the device."""
+        return self.compiled_draft(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.logits_indices,
+            self._context(inputs.metadata.without_masks()),
+        )
 
     @torch.no_grad()
     def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput | StepOutput:
@@ -1019,6 +1058,8 @@ class NeuronModelRunner:
             prompt_logprobs_dict={},
         )
         self.batch.append_sampled(step.req_ids, sampled_ids)
+        if self.draft_model is not None and self.serving:
+            self._propose_with_draft_model(step, sampled_ids)
         if self.drafter is not None and self.serving:
             self.drafter.propose(
                 self.batch.batch,
@@ -1083,8 +1124,47 @@ class NeuronModelRunner:
                 source = generators.get(row, True)
                 sampled_ids[row] = speculation.accepted_sampled(row_drafts, row_targets, row_probs, source)
 
+    def _propose_with_draft_model(self, step: _Step, sampled_ids: list[list[int]]) -> None:
+        """The draft model's greedy drafts for the step's rows that sampled a token and may speculate: decode
+        calls of the draft alone, the first from each row's newest token, each next from the draft before,
+        up to the scheduler's number of drafts and the model's length. The scheduler reserved KV slots for
+        them (vLLM's lookahead tokens); the draft's cache already holds every earlier position."""
+        batch = self.batch.batch
+        assert batch.req_ids == step.req_ids, "the batch changed between a step and its drafts"
+        wanted = step.scheduler_output.num_spec_tokens_to_schedule
+        max_model_len = self.model_config.max_model_len
+        drafts: list[list[int]] = [[] for _ in step.req_ids]
+        newest: dict[int, int] = {}  # batch row -> its newest token's position
+        for row, req_id in enumerate(step.req_ids):
+            position = int(batch.num_tokens_no_spec[row]) - 1
+            if sampled_ids[row] and self._speculates(req_id) and position < max_model_len - 1:
+                newest[row] = position
+        staging = self.background is not None and len(self.ready_graphs) < self.progress.total
+        for index in range(wanted):
+            rows = [row for row, position in newest.items() if position + index < max_model_len - 1]
+            chunks = [
+                Chunk(
+                    np.array([drafts[row][-1] if index else batch.token_ids_cpu[row, newest[row]]]),
+                    newest[row] + index,
+                    self.batch.block_table[row],
+                )
+                for row in rows
+            ]
+            contexts = [chunk.start + 1 for chunk in chunks]
+            ready = self.ready_graphs if staging else None
+            for plan in plan_step(contexts, [], self.buckets, self.block_size, ready):
+                inputs = self._inputs(plan.call, [], [chunks[j] for j in plan.decode_rows])
+                self.recorder.current_call = plan.call
+                tokens = neuron_device.to_host(self._draft_forward(inputs)[: len(plan.decode_rows)])
+                for j, token in zip(plan.decode_rows, tokens.tolist(), strict=True):
+                    drafts[rows[j]].append(token)
+        self._model_drafts = DraftTokenIds(list(step.req_ids), drafts)
+
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The draft tokens proposed after the latest step, for the scheduler (None: speculation off)."""
+        if self.draft_model is not None:
+            drafts, self._model_drafts = self._model_drafts, None
+            return drafts
         return self.drafter.take() if self.drafter is not None else None
 
     def _record_step(self, step: _Step) -> None:

@@ -83,12 +83,11 @@ class Drafter:
 
     @classmethod
     def for_config(cls, vllm_config: "VllmConfig") -> "Drafter | None":
-        """The drafter of the engine's speculative config (None: speculative decoding is off). The platform
-        refuses every method but n-gram."""
+        """The n-gram drafter of the engine's speculative config (None: speculative decoding is off, or a
+        draft model proposes: worker/draft_model.py)."""
         speculative = vllm_config.speculative_config
-        if speculative is None:
+        if speculative is None or speculative.method != "ngram":
             return None
-        assert speculative.method == "ngram", speculative.method
         return cls(vllm_config)
 
     def propose(
