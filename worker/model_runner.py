@@ -578,8 +578,9 @@ class NeuronModelRunner:
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode. Level 1: free the KV cache (its contents are lost; vLLM resets the prefix cache
-        before it sleeps) and move the weights to host memory. Level 2: the same, but the weights are
-        discarded (buffers still move to the host): reload them after wake_up (reload_weights). The compiled
+        before it sleeps) and move the weights to host memory. Level 2: the same, but the model's weights
+        are discarded (buffers and a draft model's weights still move to the host): reload them after wake_up
+        (reload_weights). The compiled
         graphs take the weights and the KV cache as inputs and guard on their shapes, strides, dtypes and
         devices only, so wake_up's tensors run them as they are: no recompile."""
         if level not in (1, 2):
@@ -599,9 +600,11 @@ class NeuronModelRunner:
             for t in {id(t): t for model in models for t in model.buffers()}.values()
             if id(t) not in parameters
         ]
+        # reload_weights loads the target's: a draft model's weights are kept at level 2 too.
+        discarded = {id(t) for t in self.model.parameters()} if level == 2 else set()
         self._weights_released = []
         for tensor in [*parameters.values(), *buffers]:
-            keep = level == 1 or id(tensor) not in parameters
+            keep = id(tensor) not in discarded
             self._weights_released.append(
                 _ReleasedTensor(tensor, tensor.device, tensor.shape, tensor.stride(), keep)
             )
