@@ -34,6 +34,7 @@ from server.cli import _serve_parser, parse_serve_args, platform_message, resolv
 from server.options import add_neuron_options
 from vllm_neuron import capacity, compile_cache, envs
 from vllm_neuron.config import NeuronConfig, NeuronConfigError, engine_limits
+from vllm_neuron.platform import speculative_method
 
 USAGE = "vllm-neuron check [MODEL] [any `vllm serve` option] [--json] [check options]"
 DEFAULT_LAYERS = 2
@@ -115,7 +116,7 @@ def run(parsed: argparse.Namespace) -> Report:
         model=model_config.model,
         dtype=str(model_config.dtype).removeprefix("torch."),
         verdict=Verdict(SERVES),
-        plan=_plan(vllm_config),
+        plan=plan_of(vllm_config),
         cache=_cache(vllm_config),
         price=price(parsed.check_price_per_hour),
     )
@@ -159,7 +160,8 @@ def _fresh_engine_args(parsed: argparse.Namespace):
     return AsyncEngineArgs.from_cli_args(parsed)
 
 
-def _plan(vllm_config) -> Plan:
+def plan_of(vllm_config) -> Plan:
+    """The limits and the graphs `serve` would run with this configuration."""
     scheduler_config = vllm_config.scheduler_config
     return Plan(
         max_model_len=vllm_config.model_config.max_model_len,
@@ -167,6 +169,7 @@ def _plan(vllm_config) -> Plan:
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
         neuron=NeuronConfig.from_vllm_config(vllm_config),
+        draft_model=speculative_method(vllm_config) == "draft_model",
     )
 
 

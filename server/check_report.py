@@ -35,16 +35,18 @@ class Plan:
     max_num_batched_tokens: int
     tensor_parallel_size: int
     neuron: NeuronConfig
+    draft_model: bool = False  # speculative decoding with a draft model: a draft graph for each shape
 
     @property
     def graphs(self) -> dict[str, int]:
         buckets = self.neuron.buckets
-        return {
+        graphs = {
             "prefill": len(buckets.prefill_shapes()),
             "decode": len(buckets.decode_shapes()),
             "mixed": len(buckets.mixed_shapes()),
             "verify": len(buckets.verify_shapes()),
         }
+        return graphs | ({"draft": buckets.num_graphs} if self.draft_model else {})
 
     @property
     def largest_batch(self) -> int:
