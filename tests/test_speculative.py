@@ -329,14 +329,15 @@ def test_a_speculating_server_answers_greedy_requests_as_hf_and_reports_its_acce
 
 
 @pytest.mark.slow
-def test_verify_graphs_lower_with_the_cache_written_in_place(tiny_model_dir, tmp_path):
-    """Verify calls go the way TorchNeuron lowers them (TorchNeuron's route to StableHLO; the other engines of
-    this module lower theirs in float32), in bfloat16: each layer's KV cache aliased and scattered with the
-    call's new rows only, a row's drafts included."""
+def test_verify_and_draft_graphs_lower_with_the_cache_written_in_place(tiny_model_dir, tmp_path):
+    """Verify calls and a draft model's graphs go the way TorchNeuron lowers them (TorchNeuron's route to
+    StableHLO; the other engines of this module lower theirs in float32), in bfloat16: each layer's KV cache
+    aliased and scattered with the call's new rows only, a row's drafts included."""
+    speculative = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": DRAFTS}
     engine = {
         **ENGINE_KWARGS,
         "dtype": "bfloat16",
-        "speculative_config": SPECULATIVE,
+        "speculative_config": speculative,
         "additional_config": {"prefill_buckets": [64], "decode_batch_buckets": [4], "context_buckets": [256]},
     }
     # Lowered, not run (`vllm-neuron check`'s backend): running bfloat16 graphs on the CPU is slow, and the
@@ -349,11 +350,15 @@ def test_verify_graphs_lower_with_the_cache_written_in_place(tiny_model_dir, tmp
     prompts = [copy_friendly_prompt(40, seed=1), random_prompt(20, seed=2)]
     result = run_engine(tiny_model_dir, engine, env, prompts=prompts, max_tokens=16)
     [stats] = result["compile_stats"]
-    assert (stats["graphs"], stats["unexpected_recompiles"]) == (3, 0)  # prefill, decode, verify
-    [verify] = [path for path in tmp_path.glob("*.stablehlo.mlir") if "-verify-of-" in path.name]
-    writes = hlo_text.cache_writes(verify.read_text())
-    assert len(writes) == 2  # the tiny model's two layers
-    for write in writes:
-        assert write.problems == [], write.problems
-        (updates,) = write.scatters
-        assert updates[0] <= 2 * 2 * 4 * (1 + DRAFTS)  # K and V, 2 KV heads, 4 rows of 1 + 3 queries
+    # prefill, decode, verify: each the target's graph and the draft's
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (6, 0)
+    dumps = sorted(tmp_path.glob("*.stablehlo.mlir"))
+    assert len(dumps) == 6
+    for dump in dumps:
+        writes = hlo_text.cache_writes(dump.read_text())
+        assert len(writes) == 2, dump.name  # each model's two layers
+        for write in writes:
+            assert write.problems == [], (dump.name, write.problems)
+            if "-verify-of-" in dump.name:
+                (updates,) = write.scatters
+                assert updates[0] <= 2 * 2 * 4 * (1 + DRAFTS)  # K and V, 2 KV heads, 4 rows of 1 + 3 queries
