@@ -155,7 +155,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
     ) -> torch.Tensor:
         ops.write_kv(kv_cache, key, value, attn_metadata.slot_mapping)
         query = query.view(-1, self.num_heads, self.head_size)
-        attended = output.view(-1, self.num_heads, self.head_size)
+        parts: list[torch.Tensor] = []
         first_paged = 0
         if (table := attn_metadata.table) is not None:
             rows, queries_per_row = table.positions.shape
@@ -176,7 +176,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                 table.masks[window],
                 self.soft_cap,
             )
-            attended[:first_paged].copy_(out.view(first_paged, self.num_heads, self.head_size))
+            parts.append(out.view(first_paged, self.num_heads, self.head_size))
         if (paged := attn_metadata.paged) is not None:
             window = self.sliding_window
             if window not in paged.masks:
@@ -184,16 +184,23 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                 paged.masks[window] = ops.page_masks(
                     paged.page_rows, paged.page_starts, paged.positions, page_tokens, window
                 )
-            out = ops.page_attention(
-                query[first_paged:],
-                kv_cache,
-                paged.page_blocks,
-                paged.page_rows,
-                paged.page_starts,
-                paged.positions,
-                self.scale,
-                paged.masks[window],
-                self.soft_cap,
+            parts.append(
+                ops.page_attention(
+                    query[first_paged:],
+                    kv_cache,
+                    paged.page_blocks,
+                    paged.page_rows,
+                    paged.page_starts,
+                    paged.positions,
+                    self.scale,
+                    paged.masks[window],
+                    self.soft_cap,
+                )
             )
-            attended[first_paged : first_paged + out.shape[0]].copy_(out)
+        # vLLM hands an uninitialised buffer (torch.empty). The table and paged rows are all its rows, written
+        # in one copy, so the lowered graph never reads it (torch-mlir lowers such a read to a tensor.empty,
+        # which is not StableHLO).
+        output.view(-1, self.num_heads, self.head_size).copy_(
+            torch.cat(parts) if len(parts) > 1 else parts[0]
+        )
         return output

@@ -1,5 +1,7 @@
 """Where KV lives: per-layer tensor shapes, allocation in device memory, the null block, slot mapping."""
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -20,11 +22,14 @@ def allocate(
     head_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    zeros: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One contiguous, zeroed layer cache (zeros keep padded reads of the null block finite)."""
-    return torch.zeros(
-        kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype, device=device
-    )
+    """One contiguous, zeroed layer cache (zeros keep padded reads of the null block finite). zeros: the
+    allocator of the compile backend, where it must own the memory it updates in place (`xla`)."""
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    if zeros is not None:
+        return zeros(shape, dtype, device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def slot_mapping(block_row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

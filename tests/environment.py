@@ -15,9 +15,10 @@ TEST_ENVIRONMENT = dict(
     # Any compile after warm-up fails the test that caused it. (So no test may call torch._dynamo.reset() in
     # the pytest process: it would drop the graphs of the engine the session shares.)
     VLLM_NEURON_STRICT_SHAPES="1",
-    # Every engine compiles through TorchNeuron's lowering route (to StableHLO, then run on the CPU): each
-    # graph it compiles is proven to lower, with the KV cache aliased in place.
-    VLLM_NEURON_COMPILE_BACKEND="stablehlo",
+    # Every engine compiles through TorchNeuron's lowering route to StableHLO, and XLA compiles and runs that
+    # very program: each graph is proven to lower, to compute the tokens, and to keep the KV cache in place
+    # (tensor parallelism: the stablehlo backend, tests/test_tensor_parallel.py).
+    VLLM_NEURON_COMPILE_BACKEND="xla",
     # Every graph before the engine serves, so each test sees the calls of the whole bucket set; staged
     # readiness has its own tests (tests/test_staged_readiness.py).
     VLLM_NEURON_READINESS="full",

@@ -174,6 +174,8 @@ def cache_problems(graphs: list, layers: int) -> list[str]:
         if len(writes) != layers:
             problems.append(f"{graph.label}: {len(writes)} cache writes for {layers} layers")
         problems += [f"{graph.label}: {problem}" for write in writes for problem in write.problems]
+        if graph.compiled is not None:  # what XLA's buffer assignment made of it
+            problems += [f"{graph.label}: XLA {problem}" for problem in graph.compiled.problems]
     return problems
 
 

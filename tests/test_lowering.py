@@ -79,7 +79,7 @@ def test_kv_write_is_one_aliased_scatter_of_the_new_rows():
 def test_lower_only_lowers_the_graph_and_runs_nothing():
     """The `lower-only` backend (`vllm-neuron check`): the graph is lowered with its cache aliased, and the
     call returns zeros of its output's shape, leaving the cache as it was."""
-    backend = StableHLOBackend(execute=False)
+    backend = StableHLOBackend(execute="none")
     module = WriteThenRead(write_kv)
     out = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(*write_inputs())
     (graph,) = backend.graphs

@@ -273,7 +273,7 @@ def test_neuron_info_endpoint(server):
     info = json.loads(body)
     buckets = ENGINE_KWARGS["additional_config"]
     assert status == 200
-    assert info["device_mode"] == "cpu" and info["compile_backend"] == "stablehlo"
+    assert info["device_mode"] == "cpu" and info["compile_backend"] == "xla"
     assert info["buckets"] == {
         "prefill_tokens": buckets["prefill_buckets"],
         "decode_batch": buckets["decode_batch_buckets"],
@@ -288,6 +288,8 @@ def test_neuron_info_endpoint(server):
     for graph in lowered:
         assert graph["lowering_seconds"] > 0 and graph["stablehlo_ops"] > 100, graph
         assert graph["largest_tensor"]["bytes"] > 0 and len(graph["aliased_inputs"]) == 2, graph
+        # XLA's figures for the graph it compiled and ran, the caches in place.
+        assert graph["caches_in_place"] and graph["flops"] > 0 and graph["alias_bytes"] > 0, graph
     assert lowered[0]["call"].startswith("prefill of")
     # This server compiled every graph before serving (the suite's engines run VLLM_NEURON_READINESS=full).
     assert info["compile"]["readiness"] == "full"

@@ -1,7 +1,8 @@
 """The only caller of torch.compile: static shapes, full graphs, every graph recorded, recompiles guarded.
 
 `CompileRecorder` sits between dynamo and the real backend (neuron; stablehlo, which lowers each graph along
-TorchNeuron's route and runs it on the CPU, vllm_neuron/stablehlo.py; lower-only, which lowers without
+TorchNeuron's route and runs its FX graph on the CPU, vllm_neuron/stablehlo.py; xla, the same lowering then
+XLA compiles and runs the StableHLO itself, vllm_neuron/xla_graph.py; lower-only, which lowers without
 running; eager; inductor, compiled in separate processes, vllm_neuron/compile_pool.py). Dynamo hands a
 backend one graph per new input signature, so the recorder sees every compile, whatever the backend:
 - it refuses what TorchNeuron's compiler refuses (symbolic shapes, float64, non-contiguous inputs), so CPU
@@ -29,6 +30,11 @@ from vllm_neuron.compile_pool import OutOfProcessInductor
 logger = logging.getLogger("vllm.vllm_neuron.compile")
 
 Shapes = tuple[tuple[int, ...], ...]
+
+
+# The backends that lower each graph along TorchNeuron's route (vllm_neuron/stablehlo.py), and how each runs
+# the lowered graph.
+_EXECUTION = {"stablehlo": "fx", "xla": "xla", "lower-only": "none"}
 
 
 class NeuronCompileError(RuntimeError):
@@ -82,10 +88,10 @@ class CompileRecorder:
         # graph is expected there. Serving and background compiles run in different threads.
         self._thread = threading.local()
         self.compile_pool: OutOfProcessInductor | None = None
-        if self.backend_name in ("stablehlo", "lower-only"):
+        if self.backend_name in _EXECUTION:
             from vllm_neuron.stablehlo import StableHLOBackend
 
-            execute = self.backend_name == "stablehlo"
+            execute = _EXECUTION[self.backend_name]
             self.lowering: StableHLOBackend | None = StableHLOBackend(self.dump_dir, execute=execute)
             self._inner = self.lowering
             return
@@ -148,6 +154,15 @@ class CompileRecorder:
     @property
     def num_graphs(self) -> int:
         return len(self.graphs)
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed buffer the graphs update in place (a KV cache). Under `xla` its memory is XLA's, so the
+        compiled programs can write it in place (vllm_neuron/xla.py)."""
+        if self.backend_name == "xla":
+            from vllm_neuron import xla
+
+            return xla.allocate_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def compile_config() -> Callable[[], None]:

@@ -141,9 +141,10 @@ def disable_fallback_execution() -> None:
         os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] = "1"
 
 
-# Ours, beside the names torch._dynamo lists: TorchNeuron's route to StableHLO on a CPU (then the graph runs
-# there), the same route without running the graphs (`vllm-neuron check`), and no compile.
-PLUGIN_BACKENDS = ("stablehlo", "lower-only", "none")
+# Ours, beside the names torch._dynamo lists: TorchNeuron's route to StableHLO on a CPU (then the FX graph
+# runs there), the same route with XLA compiling and running the StableHLO, the route without running the
+# graphs (`vllm-neuron check`), and no compile.
+PLUGIN_BACKENDS = ("stablehlo", "xla", "lower-only", "none")
 
 
 def compile_backend() -> str:
@@ -161,10 +162,15 @@ def compile_backend() -> str:
         raise ValueError(
             f"VLLM_NEURON_COMPILE_BACKEND={chosen!r} is not a compile backend: use one of {known}"
         )
-    if chosen in ("stablehlo", "lower-only") and importlib.util.find_spec("torch_mlir") is None:
+    if chosen in ("stablehlo", "xla", "lower-only") and importlib.util.find_spec("torch_mlir") is None:
         raise ValueError(
             f"VLLM_NEURON_COMPILE_BACKEND={chosen} needs torch-mlir: pip install torch-mlir==20261001 (the "
             "cpu extra installs it)"
+        )
+    if chosen == "xla" and importlib.util.find_spec("jaxlib") is None:
+        raise ValueError(
+            "VLLM_NEURON_COMPILE_BACKEND=xla needs XLA's CPU compiler: pip install jax==0.10.2 "
+            "jaxlib==0.10.2 (the cpu extra installs them)"
         )
     return chosen
 

@@ -19,12 +19,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
 from vllm_neuron.decompositions import decomposition_table
+from vllm_neuron.plain_stablehlo import NotStableHLOError, make_plain
+from vllm_neuron.xla_graph import CompiledGraph, compile_graph
+
+if TYPE_CHECKING:
+    from vllm_neuron import xla
 
 aten = torch.ops.aten
 # Ops whose result is the same buffer as their first argument, reshaped.
@@ -59,6 +64,7 @@ class LoweredGraph:
     largest_tensor: tuple[tuple[int, ...], str]  # shape and dtype of the largest intermediate
     op_histogram: dict[str, int] = field(default_factory=dict)
     collectives: list[str] = field(default_factory=list)  # lowered by TorchNeuron's own pipeline
+    compiled: "CompiledGraph | None" = None  # what XLA made of it (the `xla` backend)
 
     @property
     def op_count(self) -> int:
@@ -78,6 +84,7 @@ class LoweredGraph:
             "largest_tensor": {"shape": list(shape), "dtype": dtype, "bytes": self.largest_tensor_bytes},
             "aliased_inputs": [alias.parameter for alias in self.aliases],
             "collectives": len(self.collectives),
+            **(self.compiled.summary() if self.compiled is not None else {}),
         }
 
 
@@ -280,6 +287,10 @@ def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
         )
     except Exception as error:  # torch-mlir raises plain RuntimeError / MLIRError subclasses
         raise _explain("\n".join([*diagnostics, str(error)]), gm, label) from error
+    try:
+        make_plain(module)
+    except NotStableHLOError as error:
+        raise LoweringError(f"{label}: {error}", call=label, op=str(error).split(": ", 1)[-1]) from error
     if aliases:
         with module.context:
             module.operation.attributes["mhlo.input_output_alias"] = ir.Attribute.parse(
@@ -343,8 +354,7 @@ def _run_with_aliases(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callabl
             args[alias.parameter].copy_(outputs[alias.output])
         return list(outputs[: len(outputs) - extra])
 
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
+    return _boxed(run)
 
 
 def _zeros_instead(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callable:
@@ -358,18 +368,28 @@ def _zeros_instead(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callable:
     def run(args: list[Any]) -> list[Any]:
         return [torch.zeros(value.shape, dtype=value.dtype, device=value.device) for value in values]
 
+    return _boxed(run)
+
+
+def _boxed(run: Callable[[list[Any]], list[Any]]) -> Callable:
+    """A compiled graph as AOTAutograd calls it when boxed: one list of inputs, which it may clear."""
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+# How a lowered graph runs: its functional FX graph on the CPU (`stablehlo`), XLA's program compiled from the
+# StableHLO itself (`xla`), or not at all (`lower-only`).
+Execution = Literal["fx", "xla", "none"]
 
 
 class StableHLOBackend:
     """torch.compile backend: AOTAutograd (mutations kept, TorchNeuron's decompositions), then `lower`.
 
     `label` names the next graph (the call being compiled); every lowered graph is kept in `graphs`, and
-    written to `dump_dir` (FX graph and StableHLO) when one is given. With `execute=False` (the `lower-only`
-    backend) the graphs are lowered but not run: calls return zeros."""
+    written to `dump_dir` (FX graph, StableHLO, and XLA's optimised HLO) when one is given. `execute`: how
+    each graph runs (Execution); with "none" (the `lower-only` backend) calls return zeros."""
 
-    def __init__(self, dump_dir: Path | None = None, *, execute: bool = True) -> None:
+    def __init__(self, dump_dir: Path | None = None, *, execute: Execution = "fx") -> None:
         self.dump_dir = dump_dir
         self.execute = execute
         self.label = ""
@@ -382,10 +402,23 @@ class StableHLOBackend:
         def fw_compiler(aot_gm: torch.fx.GraphModule, aot_inputs: list[Any]) -> Callable:
             fx_text = aot_gm.print_readable(print_output=False)
             lowered = lower(aot_gm, label)
+            program = None
+            if self.execute == "xla":
+                if lowered.collectives:
+                    raise LoweringError(
+                        f"{label}: the xla backend runs one rank; a graph with collectives "
+                        f"({', '.join(sorted(set(lowered.collectives)))}) runs under the stablehlo backend "
+                        "(VLLM_NEURON_COMPILE_BACKEND=stablehlo)",
+                        call=label,
+                    )
+                aliases = {alias.parameter: alias.output for alias in lowered.aliases}
+                program, lowered.compiled = compile_graph(lowered.stablehlo, aliases, aot_inputs)
             self.graphs.append(lowered)
             if self.dump_dir is not None:
-                self._dump(len(self.graphs) - 1, lowered, fx_text)
-            if not self.execute:
+                self._dump(len(self.graphs) - 1, lowered, fx_text, program)
+            if program is not None:
+                return _boxed(lambda args: program.run(args))
+            if self.execute == "none":
                 return _zeros_instead(aot_gm, lowered.aliases)
             return _run_with_aliases(aot_gm, lowered.aliases)
 
@@ -395,8 +428,10 @@ class StableHLOBackend:
             decompositions=self._decompositions,
         )(gm, example_inputs)
 
-    def _dump(self, index: int, lowered: LoweredGraph, fx_text: str) -> None:
+    def _dump(self, index: int, lowered: LoweredGraph, fx_text: str, program: "xla.Program | None") -> None:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         stem = f"{index:03d}-" + re.sub(r"[^A-Za-z0-9]+", "-", lowered.label).strip("-")
         (self.dump_dir / f"{stem}.fx.txt").write_text(fx_text)
         (self.dump_dir / f"{stem}.stablehlo.mlir").write_text(lowered.stablehlo)
+        if program is not None:
+            (self.dump_dir / f"{stem}.xla.hlo.txt").write_text(program.optimized_hlo)

@@ -333,6 +333,7 @@ class NeuronModelRunner:
                     spec.head_size,
                     spec.dtype,
                     self.device,
+                    self.recorder.zeros,
                 )
         bind_kv_cache(caches, self.vllm_config.compilation_config.static_forward_context, self.kv_caches)
         self.attention_layers = list(caches)  # every call gives each of them the same metadata
