@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -324,12 +325,17 @@ class VllmCpuServer(Server):
         ]
 
 
-def serve_and_load(server: Server, requests: list[int], json_out: Path) -> dict:
+def serve_and_load(
+    server: Server, requests: list[int], json_out: Path, info: Callable[[Server], dict] | None = None
+) -> dict:
+    """Load the server at each concurrency and stop it. info: what to ask the healthy server before the load
+    (doc["info"])."""
     from loadtest.cli import main as loadtest_main
 
     try:
-        healthy_s = server.wait_healthy(limit_s=1200)
+        healthy_s = server.wait_healthy(limit_s=1800)
         print(f"{server.__class__.__name__}: healthy after {healthy_s:.1f} s", flush=True)
+        asked = info(server) if info is not None else None
         args = ["--base-url", server.base, "--model", "m", "--endpoint", "completions"]
         args += ["--concurrency", ",".join(map(str, CONCURRENCY)), "--requests", ",".join(map(str, requests))]
         args += ["--warmup", "2", "--input-len", str(PROMPT_TOKENS), "--output-len", str(OUTPUT_TOKENS)]
@@ -337,6 +343,8 @@ def serve_and_load(server: Server, requests: list[int], json_out: Path) -> dict:
         args += ["--ignore-eos", "--seed", str(SEED), "--no-progress", "--json-out", str(json_out)]
         doc = loadtest_main(args)
         doc["healthy_s"] = healthy_s
+        if asked is not None:
+            doc["info"] = asked
         return doc
     finally:
         server.stop()

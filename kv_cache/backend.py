@@ -162,7 +162,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
             first_paged = rows * queries_per_row
             window = self.sliding_window
             if window not in table.masks:
-                context = table.block_table.shape[1] * kv_cache.shape[3]
+                context = table.block_table.shape[1] * kv_cache.shape[2]
                 group = self.num_heads // self.num_kv_heads
                 table.masks[window] = ops.context_mask(
                     table.positions, context, group, query.dtype, table.first_keys, window
@@ -180,7 +180,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         if (paged := attn_metadata.paged) is not None:
             window = self.sliding_window
             if window not in paged.masks:
-                page_tokens = paged.page_blocks.shape[1] * kv_cache.shape[3]
+                page_tokens = paged.page_blocks.shape[1] * kv_cache.shape[2]
                 paged.masks[window] = ops.page_masks(
                     paged.page_rows, paged.page_starts, paged.positions, page_tokens, window
                 )

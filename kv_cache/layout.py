@@ -10,9 +10,12 @@ NULL_BLOCK = 0
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-    """[K/V, kv_heads, blocks, block_size, head_size]: heads lead, so gathering a row's blocks yields each
-    head's context as one contiguous [tokens, head_size] matrix that attention multiplies as it is."""
-    return (2, num_kv_heads, num_blocks, block_size, head_size)
+    """[2 * kv_heads, blocks, block_size, head_size]: the keys of each KV head, then the values of each (copy
+    kv * kv_heads + head). Heads lead, so gathering a row's blocks yields each head's context as one
+    contiguous [tokens, head_size] matrix that attention multiplies as it is. K/V and heads share one
+    dimension so that no dimension is 1 (one KV head): XLA's layout assignment copies a cache with a
+    dimension of 1, twice per call, where its in-place write's result is reshaped back (docs/lowering.md)."""
+    return (2 * num_kv_heads, num_blocks, block_size, head_size)
 
 
 def allocate(

@@ -2,8 +2,9 @@
 
 No vLLM imports: these are the kernels, and NKI kernels can later sit behind the same signatures.
 
-Layout (see kv_cache/layout.py): one tensor per layer, [2, num_kv_heads, num_blocks, block_size, head_size],
-index 0 holding keys and 1 values. Block 0 is vLLM's null block: padded rows write there and read from it.
+Layout (see kv_cache/layout.py): one tensor per layer, [2 * num_kv_heads, num_blocks, block_size, head_size],
+the keys of each KV head then the values of each. Block 0 is vLLM's null block: padded rows write there and
+read from it.
 
 table_attention: queries come as [rows, queries_per_row, num_heads, head_size] (a prefill chunk is one row of
 chunk tokens). Each row has a block table over its context window and each query its absolute position; a
@@ -30,8 +31,8 @@ _MASKED = -1e30
 def _flat_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Row indices, in the cache seen as a flat [2 * kv_heads * slots, head_size] table, of `slots` [n]: the
     key rows then the value rows of each KV head, [2 * kv_heads * n]."""
-    _, kv_heads, num_blocks, block_size, _ = kv_cache.shape
-    copy_offsets = torch.arange(2 * kv_heads, device=slots.device).view(-1, 1) * (num_blocks * block_size)
+    copies, num_blocks, block_size, _ = kv_cache.shape
+    copy_offsets = torch.arange(copies, device=slots.device).view(-1, 1) * (num_blocks * block_size)
     return (copy_offsets + slots.view(1, -1)).reshape(-1)
 
 
@@ -51,14 +52,15 @@ def write_kv(
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the blocks in each row of block_ids [rows, blocks], each row's blocks contiguous:
     [kv_heads, rows, blocks * block_size, head_size]."""
-    _, kv_heads, num_blocks, block_size, head_size = kv_cache.shape
+    copies, num_blocks, block_size, head_size = kv_cache.shape
+    kv_heads = copies // 2
     rows, blocks = block_ids.shape
     # One gather of whole blocks along dim 0 of a [2 * kv_heads * blocks, block] view (K or V of a head's
     # copy of a block at (kv * kv_heads + head) * num_blocks + block): several times faster on CPU than
     # index_select along an inner dimension.
-    copy_offsets = torch.arange(2 * kv_heads, device=block_ids.device).view(-1, 1) * num_blocks
+    copy_offsets = torch.arange(copies, device=block_ids.device).view(-1, 1) * num_blocks
     flat_ids = (copy_offsets + block_ids.reshape(1, -1)).reshape(-1)
-    table = kv_cache.view(2 * kv_heads * num_blocks, block_size * head_size)
+    table = kv_cache.view(copies * num_blocks, block_size * head_size)
     both = table.index_select(0, flat_ids).view(2, kv_heads, rows, blocks * block_size, head_size)
     return both[0], both[1]
 

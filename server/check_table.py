@@ -62,6 +62,7 @@ def _graphs(report: Report) -> list[str]:
             f"  StableHLO ops per graph of {layers}: {min(ops)}-{max(ops)}; largest intermediate "
             f"{largest['dtype']} {largest['shape']} ({largest['bytes'] / 2**20:.1f} MiB)"
         )
+        lines += _compiled(lowering.graphs, layers)
     if report.figures is not None:
         lines.append(f"  trn2 warm-up compile, estimate: {_compile(total, report)} per rank")
         lines.append(f"    basis: {capacity.COMPILE_BASIS}")
@@ -72,6 +73,28 @@ def _graphs(report: Report) -> list[str]:
         lines.append(f"  compile cache {cache.root}: {held}{cache.note}")
     if report.suggested_buckets is not None:
         lines += _fewer_graphs(report.suggested_buckets, report)
+    return lines
+
+
+def _compiled(graphs: list[dict[str, object]], layers: str) -> list[str]:
+    """What XLA's CPU compiler (neuronx-cc's closest public stand-in) made of each graph, where it ran."""
+    compiled = [graph for graph in graphs if "flops" in graph]
+    if not compiled:
+        return []
+    in_place = sum(bool(graph["caches_in_place"]) for graph in compiled)
+    temp = max(graph["temp_bytes"] for graph in compiled)
+    lines = [
+        f"  XLA (CPU) compiled {len(compiled)} graphs: {in_place} keep every KV cache in place (aliased, no "
+        f"copy), temporaries up to {temp / 2**20:.1f} MiB",
+        f"  per call on one trn2 core, graphs of {layers}: estimate from XLA's flops and bytes, and what "
+        "bounds it | minimum (its weights and attended KV read once, its writes) | XLA's bytes over those",
+    ]
+    for graph in compiled:
+        minimum, ratio = graph["minimum_ms"], graph["bytes_over_minimum"]
+        floor = f"{minimum:.3f} ms | {ratio:.1f}x" if minimum else "unknown"
+        lines.append(
+            f"    {graph['call']}: {graph['trn2_estimate_ms']:.3f} ms {graph['trn2_bound']} | {floor}"
+        )
     return lines
 
 

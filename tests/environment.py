@@ -17,9 +17,12 @@ TEST_ENVIRONMENT = dict(
     VLLM_NEURON_STRICT_SHAPES="1",
     # Every engine compiles through TorchNeuron's lowering route to StableHLO, and XLA compiles and runs that
     # very program: each graph is proven to lower, to compute the tokens, and to keep the KV cache in place
-    # (tensor parallelism: the stablehlo backend, tests/test_tensor_parallel.py).
+    # (tensor parallelism: TENSOR_PARALLEL_ENVIRONMENT below).
     VLLM_NEURON_COMPILE_BACKEND="xla",
     # Every graph before the engine serves, so each test sees the calls of the whole bucket set; staged
     # readiness has its own tests (tests/test_staged_readiness.py).
     VLLM_NEURON_READINESS="full",
 )
+# Tensor-parallel engines: XLA runs one rank's program, so the ranks' graphs (with their collectives) run as
+# FX graphs under the stablehlo backend, lowered all the same.
+TENSOR_PARALLEL_ENVIRONMENT = dict(VLLM_NEURON_DEVICE="cpu", VLLM_NEURON_COMPILE_BACKEND="stablehlo")

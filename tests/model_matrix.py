@@ -1,6 +1,6 @@
 """The architecture matrix: every case of tests/architectures.py served through the plugin in CPU mode, its
-graphs lowered through the `stablehlo` route, its greedy tokens compared with HF transformers (float32, eager
-attention), and docs/models.md rendered from the results.
+graphs lowered through the `stablehlo` route and run by XLA (the `xla` backend), its greedy tokens compared
+with HF transformers (float32, eager attention), and docs/models.md rendered from the results.
 
     python -m tests.model_matrix [--only NAME ... | --shard I/N] [--json FILE] [--write-doc docs/models.md]
 
@@ -211,12 +211,12 @@ your own, `vllm-neuron check MODEL` gives the same verdict before you rent a trn
 
 Each case is a tiny random-weight model built offline from the architecture's transformers config (2
 layers, hidden size 64; the structural features listed kept), served through the plugin in CPU mode with
-every graph lowered through TorchNeuron's route to StableHLO (the `stablehlo` backend), and compared with HF
-transformers in float32 with eager attention: prompts of {", ".join(map(str, PROMPT_LENGTHS))} tokens,
-{MAX_TOKENS} greedy tokens each, all equal, and each token's log-probability within
-{LOGPROB_TOLERANCE:g} of HF's. A sliding window is {WINDOW} tokens, shorter than the longer prompts. A
-feature marked **(proven)** is switched off in a second HF run, and that run fails the same comparison:
-serving with the feature ignored could not pass.
+every graph lowered through TorchNeuron's route to StableHLO, and that StableHLO compiled and run by XLA
+with every KV cache kept in place (the `xla` backend), and compared with HF transformers in float32 with
+eager attention: prompts of {", ".join(map(str, PROMPT_LENGTHS))} tokens, {MAX_TOKENS} greedy tokens each,
+all equal, and each token's log-probability within {LOGPROB_TOLERANCE:g} of HF's. A sliding window is
+{WINDOW} tokens, shorter than the longer prompts. A feature marked **(proven)** is switched off in a second
+HF run, and that run fails the same comparison: serving with the feature ignored could not pass.
 """
 
 

@@ -36,11 +36,12 @@ class WriteThenRead(torch.nn.Module):
 
 
 def whole_cache_write(kv_cache, key, value, slots):
-    """The write the plugin had: index_copy_ into kv_cache[0] and [1], a select_scatter of the whole cache."""
-    _, kv_heads, num_blocks, block_size, head_size = kv_cache.shape
-    flat = num_blocks * block_size
-    kv_cache[0].view(kv_heads, flat, head_size).index_copy_(1, slots, key.transpose(0, 1))
-    kv_cache[1].view(kv_heads, flat, head_size).index_copy_(1, slots, value.transpose(0, 1))
+    """The write the plugin had: index_copy_ into the keys and the values, a select_scatter of the whole
+    cache."""
+    copies, num_blocks, block_size, head_size = kv_cache.shape
+    kv_heads, flat = copies // 2, num_blocks * block_size
+    kv_cache[:kv_heads].view(kv_heads, flat, head_size).index_copy_(1, slots, key.transpose(0, 1))
+    kv_cache[kv_heads:].view(kv_heads, flat, head_size).index_copy_(1, slots, value.transpose(0, 1))
 
 
 def write_inputs(seed: int = 0):
@@ -64,7 +65,7 @@ def test_kv_write_is_one_aliased_scatter_of_the_new_rows():
     (graph,) = backend.graphs
     assert 'mhlo.input_output_alias = [{alias = {kind = "must_alias"' in graph.stablehlo
     (write,) = hlo_text.cache_writes(graph.stablehlo)
-    assert write.shape == (2, KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_SIZE)
+    assert write.shape == (2 * KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_SIZE)
     assert write.scatters == [(2 * KV_HEADS * TOKENS, HEAD_SIZE)]
     assert write.problems == []
     # The aliased output was stored into the cache, as the runtime's aliasing leaves it.
@@ -188,7 +189,7 @@ def test_every_warm_up_graph_of_the_engine_lowers_with_the_cache_in_place(llm):
     calls = [graph.label for graph in graphs]
     assert sum(call.startswith("prefill") for call in calls) == 4
     assert sum("with prefill" in call for call in calls) == 4  # the mixed calls
-    layers, kv_heads = len(runner.kv_caches), runner.kv_caches[0].shape[1]
+    layers, kv_heads = len(runner.kv_caches), runner.kv_caches[0].shape[0] // 2
     for graph in graphs:
         writes = hlo_text.cache_writes(graph.stablehlo)
         assert len(writes) == layers, graph.label

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.architectures import ARCHITECTURES, build
+from tests.environment import TENSOR_PARALLEL_ENVIRONMENT
 from tests.helpers import MAX_TOKENS, PROMPTS, engine_config, hf_greedy, run_engine
 from vllm_neuron import moe
 from vllm_neuron.stablehlo import StableHLOBackend
@@ -178,7 +179,7 @@ def test_tp2_shards_the_experts_and_equals_hf(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_dir = build(architecture("Qwen2-MoE"), tmp_path / "qwen2-moe")
-    result = run_engine(model_dir, ENGINE | {"tensor_parallel_size": 2}, {"VLLM_NEURON_DEVICE": "cpu"})
+    result = run_engine(model_dir, ENGINE | {"tensor_parallel_size": 2}, TENSOR_PARALLEL_ENVIRONMENT)
     reference = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()

@@ -165,7 +165,7 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
     assert compile_cache.is_warm(folder)  # the NEFFs are in this configuration's folder
     (stats,) = result["compile_stats"]
     assert stats["graphs"] == EXPECTED_GRAPHS and stats["unexpected_recompiles"] == 0
-    assert stats["kv_cache_shape"][2] == int(ENGINE_CORE_MEMORY * KV_CACHE_FRACTION) // KV_BLOCK_BYTES
+    assert stats["kv_cache_shape"][1] == int(ENGINE_CORE_MEMORY * KV_CACHE_FRACTION) // KV_BLOCK_BYTES
     # One graph for both modes: each bucket's StableHLO (the fake NEFF holds what neuronx-cc would get) is
     # the StableHLO of the same bucket in CPU mode, the shared engine's.
     neuron_mode = [Path(graph["neff"]).read_text() for graph in facts["compiles"]]

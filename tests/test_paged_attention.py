@@ -145,8 +145,8 @@ def test_write_kv_writes_exactly_the_targeted_slots(block_size, dtype):
     assert torch.equal(flat[:, :, untouched], before.view_as(flat)[:, :, untouched])
     # The slot formula is block * block_size + offset.
     block, offset = int(slots[0]) // block_size, int(slots[0]) % block_size
-    assert torch.equal(kv_cache[0, :, block, offset], key[0])
-    assert torch.equal(kv_cache[1, :, block, offset], value[0])
+    assert torch.equal(kv_cache[:kv_heads, block, offset], key[0])
+    assert torch.equal(kv_cache[kv_heads:, block, offset], value[0])
 
 
 # ---- decode ----------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def decode_case(heads, kv_heads, block_size, dtype, seed=2, num_padded_rows=2) -
     for seq in sequences:
         write_sequence(kv_cache, seq, block_size)
     # Garbage in the null block: padding pages and a row's null-padded last page must not read it.
-    kv_cache[:, :, NULL_BLOCK] = 7.0
+    kv_cache[:, NULL_BLOCK] = 7.0
     rows = len(sequences) + num_padded_rows
     query = randn(gen, rows, heads, HEAD_SIZE, dtype=dtype)
     positions = torch.zeros(rows, dtype=torch.int64)

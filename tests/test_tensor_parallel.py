@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS
+from tests.environment import TENSOR_PARALLEL_ENVIRONMENT
 from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, hf_greedy, run_engine
 from tests.serving import ServerProcess, http
 from tests.tiny_model import build_tiny_llama
@@ -15,8 +16,7 @@ from tests.tiny_model import build_tiny_llama
 pytestmark = pytest.mark.slow
 
 TP2 = {**ENGINE_KWARGS, "tensor_parallel_size": 2}
-# XLA runs one rank's program; the ranks' collectives run in the FX graphs the stablehlo backend executes.
-CPU_MODE = {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_COMPILE_BACKEND": "stablehlo"}
+CPU_MODE = TENSOR_PARALLEL_ENVIRONMENT
 
 
 def assert_every_rank_warm(result: dict, kv_heads_per_rank: int) -> None:
@@ -25,8 +25,8 @@ def assert_every_rank_warm(result: dict, kv_heads_per_rank: int) -> None:
     for rank in stats:
         assert rank["graphs"] == EXPECTED_GRAPHS, rank
         assert rank["unexpected_recompiles"] == 0, rank
-        # [K/V, kv_heads, blocks, block_size, head_size]: the cache is sharded (or replicated) by KV head.
-        assert rank["kv_cache_shape"][1] == kv_heads_per_rank, rank
+        # [2 * kv_heads, blocks, block_size, head_size]: the cache is sharded (or replicated) by KV head.
+        assert rank["kv_cache_shape"][0] == 2 * kv_heads_per_rank, rank
         # Each rank's graphs lowered (stablehlo backend), each with its collectives: two all-reduces per
         # layer (2 layers) and the gather of the logits.
         assert rank["lowered_graphs"] == EXPECTED_GRAPHS, rank

@@ -114,6 +114,7 @@ class CompileRecorder:
         self.graphs.append(shapes)
         if self.lowering is not None:
             self.lowering.label = str(self.current_call or f"graph {len(self.graphs) - 1}")
+            self.lowering.call = self.current_call
         return self._inner(graph_module, example_inputs)
 
     @property

@@ -100,13 +100,15 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         _str("VLLM_NEURON_COMPILE_BACKEND", ""),
         "torch.compile backend of the model step: neuron (default on Trainium), eager (default on CPU), "
         "stablehlo (TorchNeuron's lowering to StableHLO on a CPU: every graph must lower; docs/lowering.md), "
+        "xla (the same lowering, then XLA's CPU compiler compiles and runs that StableHLO, the KV caches in "
+        "place), "
         "lower-only (the same lowering without running the graphs: outputs are zeros; `vllm-neuron check`), "
         "inductor, any other registered torch.compile backend, or none (no torch.compile, for debugging).",
     ),
     "VLLM_NEURON_DUMP_GRAPHS": (
         lambda: os.environ.get("VLLM_NEURON_DUMP_GRAPHS", ""),
-        "Folder where the stablehlo backend writes each graph's FX graph and StableHLO, named by call "
-        "(phase and bucket).",
+        "Folder where the stablehlo and xla backends write each graph's FX graph and StableHLO (xla: and "
+        "XLA's optimised HLO), named by call (phase and bucket).",
     ),
     "VLLM_NEURON_STRICT_SHAPES": (
         _bool("VLLM_NEURON_STRICT_SHAPES"),

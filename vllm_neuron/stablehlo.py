@@ -4,15 +4,19 @@ TorchNeuron's `neuron` backend (torch_neuronx.neuron_dynamo_backend) takes a dyn
 with input mutations kept and its own decomposition table, turns the trailing `copy_` of each mutated input
 into an extra output aliased to that input (`mhlo.input_output_alias`, must_alias: the runtime passes the
 input's buffer as the output, no copy-back), imports the graph with torch-mlir's FX importer down to StableHLO
-and hands that to neuronx-cc. This backend walks the same route with the public torch-mlir wheel and stops
-before neuronx-cc, so "every graph lowers" is a fact CPU mode can check. The lowered graph is not executed:
-the functional FX graph that was lowered runs on the CPU, and each aliased output is stored back into its
-input, as the runtime's aliasing would leave it.
+and hands that to neuronx-cc. This backend walks the same route with the public torch-mlir wheel (and a
+clean-up to plain StableHLO, vllm_neuron/plain_stablehlo.py), so "every graph lowers" is a fact CPU mode can
+check. Then, by backend: `stablehlo` runs the functional FX graph that was lowered on the CPU, each aliased
+output stored back into its input as the runtime's aliasing would leave it; `xla` has XLA's CPU compiler
+compile the StableHLO itself and runs that program, the caches updated in place (vllm_neuron/xla_graph.py);
+`lower-only` runs nothing (calls return zeros) and, where jaxlib is installed, has XLA compile each graph
+for its report.
 
 A graph that does not lower raises LoweringError naming the op and the source line that produced it.
 """
 
 import collections
+import importlib.util
 import math
 import re
 import time
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
+from vllm_neuron.calls import Call
 from vllm_neuron.decompositions import decomposition_table
 from vllm_neuron.plain_stablehlo import NotStableHLOError, make_plain
 from vllm_neuron.xla_graph import CompiledGraph, compile_graph
@@ -65,6 +70,7 @@ class LoweredGraph:
     op_histogram: dict[str, int] = field(default_factory=dict)
     collectives: list[str] = field(default_factory=list)  # lowered by TorchNeuron's own pipeline
     compiled: "CompiledGraph | None" = None  # what XLA made of it (the `xla` backend)
+    program: "xla.Program | None" = None  # what runs it (the `xla` backend)
 
     @property
     def op_count(self) -> int:
@@ -387,36 +393,41 @@ class StableHLOBackend:
 
     `label` names the next graph (the call being compiled); every lowered graph is kept in `graphs`, and
     written to `dump_dir` (FX graph, StableHLO, and XLA's optimised HLO) when one is given. `execute`: how
-    each graph runs (Execution); with "none" (the `lower-only` backend) calls return zeros."""
+    each graph runs (Execution); with "none" (the `lower-only` backend) calls return zeros, and XLA compiles
+    each graph for its report (`LoweredGraph.compiled`) where jaxlib is installed."""
 
     def __init__(self, dump_dir: Path | None = None, *, execute: Execution = "fx") -> None:
         self.dump_dir = dump_dir
         self.execute = execute
         self.label = ""
+        self.call: Call | None = None  # the call the next graph is traced for, where known
         self.graphs: list[LoweredGraph] = []
         self._decompositions = decomposition_table()
+        # `lower-only` (`vllm-neuron check`) reports what XLA makes of each graph where XLA is installed.
+        self._xla_reports = execute == "none" and importlib.util.find_spec("jaxlib") is not None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        label = self.label or f"graph {len(self.graphs)}"
+        label, call = self.label or f"graph {len(self.graphs)}", self.call
 
         def fw_compiler(aot_gm: torch.fx.GraphModule, aot_inputs: list[Any]) -> Callable:
             fx_text = aot_gm.print_readable(print_output=False)
             lowered = lower(aot_gm, label)
+            if self.execute == "xla" and lowered.collectives:
+                raise LoweringError(
+                    f"{label}: the xla backend runs one rank; a graph with collectives "
+                    f"({', '.join(sorted(set(lowered.collectives)))}) runs under the stablehlo backend "
+                    "(VLLM_NEURON_COMPILE_BACKEND=stablehlo)",
+                    call=label,
+                )
             program = None
-            if self.execute == "xla":
-                if lowered.collectives:
-                    raise LoweringError(
-                        f"{label}: the xla backend runs one rank; a graph with collectives "
-                        f"({', '.join(sorted(set(lowered.collectives)))}) runs under the stablehlo backend "
-                        "(VLLM_NEURON_COMPILE_BACKEND=stablehlo)",
-                        call=label,
-                    )
+            if self.execute == "xla" or self._xla_reports:
                 aliases = {alias.parameter: alias.output for alias in lowered.aliases}
-                program, lowered.compiled = compile_graph(lowered.stablehlo, aliases, aot_inputs)
+                program, lowered.compiled = compile_graph(lowered.stablehlo, aliases, aot_inputs, call)
             self.graphs.append(lowered)
             if self.dump_dir is not None:
                 self._dump(len(self.graphs) - 1, lowered, fx_text, program)
-            if program is not None:
+            if self.execute == "xla":
+                lowered.program = program
                 return _boxed(lambda args: program.run(args))
             if self.execute == "none":
                 return _zeros_instead(aot_gm, lowered.aliases)

@@ -75,6 +75,7 @@ class _CacheMemory:
 
 # A cache's address -> its XLA buffer, while a torch view of it lives.
 _caches: "weakref.WeakValueDictionary[int, _CacheMemory]" = weakref.WeakValueDictionary()
+_donating = threading.Lock()
 
 
 def allocate_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -114,6 +115,9 @@ class Program:
         self._executable = executable
         self._donated = donated
         self._views: dict[int, tuple[tuple[int, tuple[int, ...], torch.dtype], Any]] = {}
+        # Inputs jax copied instead of viewing (memory not aligned as XLA needs: a slice of a step's input
+        # buffer), position -> address, at their last call.
+        self.copied_inputs: dict[int, int] = {}
 
     @property
     def memory(self) -> Memory:
@@ -142,26 +146,28 @@ class Program:
         """Outputs of one call as torch tensors (DLPack views of XLA's buffers), each donated argument
         updated in place, every output ready."""
         inputs = [self._input(position, tensor) for position, tensor in enumerate(args)]
-        owners = {}
-        for parameter in self._donated:
-            memory = _caches.get(args[parameter].data_ptr())
-            if memory is None:
-                raise CacheNotOwnedError(
-                    f"argument {parameter} is updated in place but XLA does not own its memory: allocate it "
-                    "with vllm_neuron.xla.allocate_zeros"
-                )
-            inputs[parameter], owners[parameter] = memory.array, memory
-        results = self._executable.execute_sharded(inputs).disassemble_into_single_device_arrays()
-        outputs = [arrays[0] for arrays in results]
-        for parameter, output in self._donated.items():
-            memory, array = owners[parameter], outputs[output]
-            if array.unsafe_buffer_pointer() != memory.address:
-                raise CacheNotOwnedError(
-                    f"XLA wrote argument {parameter}'s update to a new buffer instead of in place"
-                )
-            memory.array = array
-        for array in outputs:
-            array.block_until_ready()
+        # One call at a time donates a cache: a background compile's first run (staged readiness) and a
+        # serving step share the caches, and a donated buffer is gone until its call returns it.
+        with _donating:
+            for parameter in self._donated:
+                memory = _caches.get(args[parameter].data_ptr())
+                if memory is None:
+                    raise CacheNotOwnedError(
+                        f"argument {parameter} is updated in place but XLA does not own its memory: allocate "
+                        "it with vllm_neuron.xla.allocate_zeros"
+                    )
+                inputs[parameter] = memory.array
+            results = self._executable.execute_sharded(inputs).disassemble_into_single_device_arrays()
+            outputs = [arrays[0] for arrays in results]
+            for parameter, output in self._donated.items():
+                memory, array = _caches[args[parameter].data_ptr()], outputs[output]
+                if array.unsafe_buffer_pointer() != memory.address:
+                    raise CacheNotOwnedError(
+                        f"XLA wrote argument {parameter}'s update to a new buffer instead of in place"
+                    )
+                memory.array = array
+            for array in outputs:
+                array.block_until_ready()
         kept = [array for index, array in enumerate(outputs) if index not in self._donated.values()]
         return [torch.from_dlpack(array) for array in kept]
 
@@ -175,8 +181,12 @@ class Program:
             return kept[1]
         array = jax.dlpack.from_dlpack(tensor.detach())
         # Only a view (the same memory) stays valid when the tensor's contents change.
-        if tensor.numel() and array.unsafe_buffer_pointer() == tensor.data_ptr():
+        if not tensor.numel():
+            return array
+        if array.unsafe_buffer_pointer() == tensor.data_ptr():
             self._views[position] = (key, array)
+        else:
+            self.copied_inputs[position] = tensor.data_ptr()
         return array
 
 

@@ -519,7 +519,8 @@ class NeuronModelRunner:
         }
 
     def _log_lowered(self, first: int) -> None:
-        """What a Neuron engineer asks of each graph the stablehlo backend lowered since graph `first`."""
+        """What a Neuron engineer asks of each graph the stablehlo backend lowered since graph `first` (and,
+        under xla, of what XLA compiled)."""
         for graph in self.lowered_graphs()[first:]:
             largest = graph["largest_tensor"]
             logger.info(
@@ -531,6 +532,19 @@ class NeuronModelRunner:
                 largest["shape"],
                 largest["bytes"] / 2**20,
             )
+            if "flops" in graph:
+                logger.info(
+                    "XLA compiled it in %.2f s: %.3g flops, %.3g bytes accessed, %d alias and %d temp bytes, "
+                    "caches %s; trn2 estimate %.3f ms per call (minimum %s ms)",
+                    graph["xla_compile_seconds"],
+                    graph["flops"],
+                    graph["bytes_accessed"],
+                    graph["alias_bytes"],
+                    graph["temp_bytes"],
+                    "in place" if graph["caches_in_place"] else "COPIED",
+                    graph["trn2_estimate_ms"],
+                    graph["minimum_ms"],
+                )
 
     def lowered_graphs(self) -> list[dict[str, object]]:
         """Each compiled graph's lowering figures (the stablehlo backend; empty for the others)."""
@@ -538,7 +552,7 @@ class NeuronModelRunner:
         return [graph.summary() for graph in lowering.graphs] if lowering is not None else []
 
     def _log_effective_configuration(self) -> None:
-        blocks = self.kv_caches[0].shape[2] - 1 if self.kv_caches else 0
+        blocks = self.kv_caches[0].shape[1] - 1 if self.kv_caches else 0
         max_len = self.model_config.max_model_len
         logger.info(
             "Ready: %s mode, %d graphs, KV cache %d blocks of %d tokens (%.1f requests of max_model_len %d "
