@@ -14,6 +14,7 @@ address, which `Program.run` checks.
 """
 
 import ctypes
+import hashlib
 import threading
 import weakref
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+_executables: dict[str, Any] = {}  # sha256 of a module's text -> its loaded executable
 
 
 def _jax() -> Any:
@@ -191,9 +193,18 @@ class Program:
 
 
 def compile(stablehlo: str, donated: dict[int, int]) -> Program:  # noqa: A001 (XLA's own word)
-    """Compile a plain StableHLO module (its text) for the CPU. donated: parameter -> aliased output."""
+    """Compile a plain StableHLO module (its text) for the CPU. donated: parameter -> aliased output.
+
+    A module this process compiled before (another engine of the same shapes: the weights are parameters,
+    not in the text) reuses that executable, as TorchNeuron's compile cache reuses a NEFF."""
     from jax._src.lib import xla_client
 
-    client = _client()
-    executable = client.compile_and_load(stablehlo, client.devices()[:1], xla_client.CompileOptions())
+    key = hashlib.sha256(stablehlo.encode()).hexdigest()
+    with _lock:
+        executable = _executables.get(key)
+    if executable is None:
+        client = _client()
+        executable = client.compile_and_load(stablehlo, client.devices()[:1], xla_client.CompileOptions())
+        with _lock:
+            _executables[key] = executable
     return Program(executable, donated)
