@@ -116,3 +116,18 @@ def test_every_warm_up_graph_of_the_engine_runs_through_xla_with_its_caches_in_p
         assert compiled.cost.flops > 0
         # Weights reached XLA as views of the engine's tensors, never copied per call.
         assert weights.isdisjoint(graph.program.copied_inputs.values()), graph.label
+
+
+def test_a_compiled_module_is_kept_in_the_compile_cache_folder_and_loaded_from_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_NEURON_XLA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(xla, "_executables", {})  # as a new process starts
+    xla.compile(_SCATTER, {0: 1})
+    (kept,) = tmp_path.iterdir()
+    monkeypatch.setattr(xla, "_executables", {})
+    program = xla.compile(_SCATTER, {0: 1})  # loaded from the folder
+    assert list(tmp_path.iterdir()) == [kept]
+    cache = xla.allocate_zeros((64, 8), torch.float32)
+    updates = torch.randn(2, 8)
+    (doubled,) = program.run([cache, torch.tensor([[3], [60]]), updates])
+    torch.testing.assert_close(doubled, updates * 2)
+    torch.testing.assert_close(cache[[3, 60]], updates)

@@ -1,11 +1,11 @@
 """The persistent compile cache: one root, one folder per configuration that produces the same graphs.
 
 TorchNeuron's NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR) and, in CPU mode, inductor's cache
-(TORCHINDUCTOR_CACHE_DIR) live in <root>/<key>/. The key hashes everything a compiled artefact depends on
-(model and its config, dtype, buckets, block size, parallelism, software and compiler versions, compiler
-flags, backend), so a change of any of them starts a fresh folder instead of reusing a wrong artefact. Both
-caches write atomically, so several pods may share the root on a ReadWriteMany volume (see
-docs/compile-cache.md).
+(TORCHINDUCTOR_CACHE_DIR) and the xla backend's executables (VLLM_NEURON_XLA_CACHE_DIR) live in
+<root>/<key>/. The key hashes everything a compiled artefact depends on (model and its config, dtype,
+buckets, block size, parallelism, software and compiler versions, compiler flags, backend), so a change of
+any of them starts a fresh folder instead of reusing a wrong artefact. The caches write atomically, so
+several pods may share the root on a ReadWriteMany volume (see docs/compile-cache.md).
 """
 
 import hashlib
@@ -25,7 +25,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.vllm_neuron.compile_cache")
 
 # Where each backend keeps its artefacts, and the variable that moves it.
-CACHE_VARIABLES = {"neff": "TORCH_NEURONX_NEFF_CACHE_DIR", "inductor": "TORCHINDUCTOR_CACHE_DIR"}
+CACHE_VARIABLES = {
+    "neff": "TORCH_NEURONX_NEFF_CACHE_DIR",
+    "inductor": "TORCHINDUCTOR_CACHE_DIR",
+    "xla": "VLLM_NEURON_XLA_CACHE_DIR",
+}
 
 
 def _chosen_by_user(variable: str) -> bool:

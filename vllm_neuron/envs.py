@@ -151,6 +151,11 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "Root folder of the persistent compile cache (default: $XDG_CACHE_HOME/vllm-neuron/compile); "
         "share it across pods on a ReadWriteMany volume.",
     ),
+    "VLLM_NEURON_XLA_CACHE_DIR": (
+        lambda: os.environ.get("VLLM_NEURON_XLA_CACHE_DIR", ""),
+        "Folder where the xla backend keeps the executables XLA compiled, by StableHLO module and host "
+        "(default: the configuration's folder of the compile cache, <root>/<key>/xla).",
+    ),
     "VLLM_NEURON_MODEL_CACHE": (
         lambda: os.environ.get("VLLM_NEURON_MODEL_CACHE", ""),
         "Folder for the converted default model (default: $XDG_CACHE_HOME/vllm-neuron/models).",

@@ -15,9 +15,12 @@ address, which `Program.run` checks.
 
 import ctypes
 import hashlib
+import os
+import platform
 import threading
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -195,16 +198,41 @@ class Program:
 def compile(stablehlo: str, donated: dict[int, int]) -> Program:  # noqa: A001 (XLA's own word)
     """Compile a plain StableHLO module (its text) for the CPU. donated: parameter -> aliased output.
 
-    A module this process compiled before (another engine of the same shapes: the weights are parameters,
-    not in the text) reuses that executable, as TorchNeuron's compile cache reuses a NEFF."""
+    A module compiled before reuses that executable, as TorchNeuron's compile cache reuses a NEFF: from this
+    process (another engine of the same shapes: the weights are parameters, not in the text), or from the
+    compile cache's folder (VLLM_NEURON_XLA_CACHE_DIR), keyed by the module, jaxlib and the host's CPU."""
     from jax._src.lib import xla_client
 
-    key = hashlib.sha256(stablehlo.encode()).hexdigest()
+    key = hashlib.sha256("\n".join([stablehlo, *_host()]).encode()).hexdigest()
     with _lock:
         executable = _executables.get(key)
-    if executable is None:
-        client = _client()
-        executable = client.compile_and_load(stablehlo, client.devices()[:1], xla_client.CompileOptions())
-        with _lock:
-            _executables[key] = executable
+    if executable is not None:
+        return Program(executable, donated)
+    client, options = _client(), xla_client.CompileOptions()
+    devices = client.devices()[:1]
+    folder = os.environ.get("VLLM_NEURON_XLA_CACHE_DIR")
+    path = Path(folder) / f"{key}.xla" if folder else None
+    if path is not None and path.is_file():
+        executable = client.deserialize_executable(path.read_bytes(), devices, options)
+    else:
+        executable = client.compile_and_load(stablehlo, devices, options)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            written = path.with_suffix(f".{os.getpid()}.tmp")  # whole or absent, for processes sharing it
+            written.write_bytes(client.serialize_executable(executable))
+            os.replace(written, path)
+    with _lock:
+        _executables[key] = executable
     return Program(executable, donated)
+
+
+def _host() -> tuple[str, ...]:
+    """What an executable compiled here depends on besides its module: jaxlib, and the CPU's features (XLA
+    compiles for the host's instruction set)."""
+    import jaxlib
+
+    flags = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    return jaxlib.__version__, platform.machine(), flags
