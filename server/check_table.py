@@ -81,11 +81,13 @@ def _compiled(graphs: list[dict[str, object]], layers: str) -> list[str]:
     compiled = [graph for graph in graphs if "flops" in graph]
     if not compiled:
         return []
-    in_place = sum(bool(graph["caches_in_place"]) for graph in compiled)
+    not_in_place = [graph for graph in compiled if graph["cache_problems"]]
+    in_place = len(compiled) - len(not_in_place)
     temp = max(graph["temp_bytes"] for graph in compiled)
     lines = [
         f"  XLA (CPU) compiled {len(compiled)} graphs: {in_place} keep every KV cache in place (aliased, no "
         f"copy), temporaries up to {temp / 2**20:.1f} MiB",
+        *[f"    {graph['call']}: {graph['cache_problems'][0]}" for graph in not_in_place[:1]],
         f"  per call on one trn2 core, graphs of {layers}: estimate from XLA's flops and bytes, and what "
         "bounds it | minimum (its weights and attended KV read once, its writes) | XLA's bytes over those",
     ]

@@ -11,7 +11,7 @@ from tests.conftest import EXPECTED_GRAPHS, model_runner
 from tests.test_lowering import BLOCK_SIZE, BLOCKS, HEAD_SIZE, KV_HEADS, WriteThenRead, write_inputs
 from vllm_neuron import xla
 from vllm_neuron.stablehlo import StableHLOBackend
-from vllm_neuron.xla_graph import cache_buffers
+from vllm_neuron.xla_graph import cache_buffers, compile_graph
 
 _SCATTER = """module attributes {mhlo.input_output_alias = [{alias = {kind = "must_alias", parameter_index = \
 array<i64>, parameter_number = 0 : i64}, output_index = array<i64: 1>}]} {
@@ -42,8 +42,18 @@ def test_a_program_updates_an_xla_owned_cache_in_place_and_reports_its_buffers()
     assert cache.data_ptr() == address and cache.sum() == updates.sum()
     assert program.memory.alias == 64 * 8 * 4 and program.memory.temp < 64 * 8 * 4
     assert program.cost.bytes_accessed > 0
-    (write,) = cache_buffers(program.optimized_hlo, {("float32", 64 * 8)})
+    (write,) = cache_buffers(program.optimized_hlo, {64 * 8})
     assert "scatter" in write
+
+
+def test_a_bfloat16_cache_xlas_cpu_compiler_converts_around_its_write_is_reported_not_in_place():
+    """XLA's CPU compiler has no bfloat16 scatter: it converts the whole cache to float32 and back around the
+    write, on every call. Aliased all the same, so only the optimised HLO's buffers show it."""
+    caches = [torch.zeros(64, 8, dtype=torch.bfloat16)]
+    _, report = compile_graph(_SCATTER.replace("f32", "bf16"), {0: 1}, [*caches, None, None])
+    assert report.memory.alias == 64 * 8 * 2
+    assert any(problem.startswith("converts a cache") for problem in report.problems), report.problems
+    assert report.summary()["caches_in_place"] is False
 
 
 def test_a_cache_xla_does_not_own_is_refused_not_copied():
@@ -65,9 +75,10 @@ def test_buffers_of_a_caches_size_are_found_in_the_optimised_entry_computation()
         "  ROOT %w = f32[512,8]{1,0} fusion(%b), kind=kLoop\n"
         "}\n"
     )
-    found = cache_buffers(hlo, {("float32", 2 * 4 * 64 * 8)})
+    found = cache_buffers(hlo, {2 * 4 * 64 * 8})
     assert found == [
         "%copy.3 = f32[2,4,64,8]{3,2,1,0} copy(%a)",
+        "%d = bf16[2,4,64,8]{3,2,1,0} convert(%a)",
         "ROOT %w = f32[512,8]{1,0} fusion(%b), kind=kLoop",
     ]
 

@@ -227,12 +227,12 @@ def compile(stablehlo: str, donated: dict[int, int]) -> Program:  # noqa: A001 (
 
 
 def _host() -> tuple[str, ...]:
-    """What an executable compiled here depends on besides its module: jaxlib, and the CPU's features (XLA
-    compiles for the host's instruction set)."""
+    """What an executable compiled here depends on besides its module: jaxlib, the CPU's features (XLA
+    compiles for the host's instruction set) and XLA's own flags (XLA_FLAGS)."""
     import jaxlib
 
     flags = ""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as cpuinfo:
             flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    return jaxlib.__version__, platform.machine(), flags
+    return jaxlib.__version__, platform.machine(), flags, os.environ.get("XLA_FLAGS", "")

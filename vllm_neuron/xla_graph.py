@@ -24,11 +24,9 @@ from vllm_neuron.calls import Call
 _CORE_FLOPS = capacity.CHIP_BF16_FLOPS / capacity.RANKS_PER_CHIP
 
 # An instruction of the optimised HLO's entry computation: `%name = f32[2,4,64]{2,1,0} opcode(`.
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(")
 # What names a buffer without making one.
 _NO_BUFFER = {"parameter", "bitcast", "get-tuple-element", "tuple"}
-# XLA's element types as torch names them.
-_HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f8e4m3fn": "float8_e4m3fn"}
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,7 @@ class CompiledGraph:
     memory: xla.Memory
     cost: xla.Cost
     cache_bytes: tuple[int, ...]  # each in-place (aliased) input's size
-    cache_buffers: tuple[str, ...]  # instructions of the optimised HLO that make a buffer of a cache's type
+    cache_buffers: tuple[str, ...]  # instructions of the optimised HLO that make a buffer of a cache's size
     minimum_bytes: int | None = None  # the call's physical minimum (minimum_bytes); None without a call
 
     @property
@@ -57,9 +55,10 @@ class CompiledGraph:
     def problems(self) -> list[str]:
         """Why the caches are not written in place, if they are not; empty when they are."""
         found = [f"copies a cache: {line}" for line in self.cache_buffers if " copy" in line]
+        found += [f"converts a cache: {line}" for line in self.cache_buffers if "convert" in line]
         if len(self.cache_buffers) > len(self.cache_bytes):
             found.append(
-                f"makes {len(self.cache_buffers)} buffers of a cache's type and size for "
+                f"makes {len(self.cache_buffers)} buffers of a cache's size for "
                 f"{len(self.cache_bytes)} caches (one in-place write each)"
             )
         if self.memory.alias < sum(self.cache_bytes):
@@ -76,6 +75,7 @@ class CompiledGraph:
             "temp_bytes": self.memory.temp,
             "cache_bytes": sum(self.cache_bytes),
             "caches_in_place": not self.problems,
+            "cache_problems": self.problems,
             "trn2_estimate_ms": round(self.trn2_seconds * 1e3, 4),
             "trn2_bound": self.bound,
             "minimum_bytes": self.minimum_bytes,
@@ -110,18 +110,18 @@ def minimum_bytes(call: Call, memory: xla.Memory, caches: list[torch.Tensor]) ->
     return memory.argument - cache_total + (attended + written) * token_bytes + outputs
 
 
-def cache_buffers(optimized_hlo: str, caches: set[tuple[str, int]]) -> list[str]:
-    """The instructions of the optimised HLO's entry computation that make a buffer with a cache's dtype and
-    number of elements: one in-place write per cache when the caches stay in place; a copy, a select or a
-    second write of a whole cache besides."""
+def cache_buffers(optimized_hlo: str, cache_elements: set[int]) -> list[str]:
+    """The instructions of the optimised HLO's entry computation that make a buffer with a cache's number of
+    elements, in any element type: one in-place write per cache when the caches stay in place; a copy, a
+    select, a second write or a conversion of a whole cache besides (XLA's CPU compiler has no bfloat16
+    scatter: it converts a bfloat16 cache to float32 around the write)."""
     entry = optimized_hlo[optimized_hlo.find("\nENTRY ") :]
     found = []
     for line in entry.splitlines()[1:]:
         match = _INSTRUCTION.match(line)
-        if match is None or match.group(3) in _NO_BUFFER:
+        if match is None or match.group(2) in _NO_BUFFER:
             continue
-        dtype, dims = _HLO_DTYPES.get(match.group(1), match.group(1)), match.group(2)
-        if (dtype, math.prod(int(size) for size in dims.split(",") if size)) in caches:
+        if math.prod(int(size) for size in match.group(1).split(",") if size) in cache_elements:
             found.append(line.strip().split(", metadata=")[0])
         if line.startswith("}"):
             break
@@ -143,11 +143,7 @@ def compile_graph(
         memory=memory,
         cost=program.cost,
         cache_bytes=tuple(cache.numel() * cache.element_size() for cache in caches),
-        cache_buffers=tuple(cache_buffers(program.optimized_hlo, {_type(cache) for cache in caches})),
+        cache_buffers=tuple(cache_buffers(program.optimized_hlo, {cache.numel() for cache in caches})),
         minimum_bytes=None if call is None else minimum_bytes(call, memory, caches),
     )
     return program, report
-
-
-def _type(cache: torch.Tensor) -> tuple[str, int]:
-    return str(cache.dtype).removeprefix("torch."), cache.numel()

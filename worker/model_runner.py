@@ -541,7 +541,9 @@ class NeuronModelRunner:
                     graph["bytes_accessed"],
                     graph["alias_bytes"],
                     graph["temp_bytes"],
-                    "in place" if graph["caches_in_place"] else "COPIED",
+                    "in place"
+                    if graph["caches_in_place"]
+                    else f"NOT in place ({graph['cache_problems'][0]})",
                     graph["trn2_estimate_ms"],
                     graph["minimum_ms"],
                 )
