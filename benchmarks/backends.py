@@ -5,11 +5,13 @@ SmolLM2-135M-Instruct with benchmarks/compare.py's workload (128 random prompt t
 concurrency 1, 8 and 32) and one small bucket plan (BUCKETS).
 
     .venv/bin/python benchmarks/backends.py [--dtype bfloat16] [--requests 4,16,64] [--json-out FILE]
+    .venv/bin/python benchmarks/backends.py --agreement-only --backends stablehlo,xla
 
 Prints output tokens/s per backend and concurrency with the ratios to `eager`, time to healthy, per graph the
 lowering and XLA compile seconds (from /v1/neuron/info), and how far each backend's greedy tokens agree with
 `stablehlo`'s on the same prompts (8 prompts of 64 random token ids, 32 tokens each, asked before the load).
 Asserts nothing: in bfloat16 a different but valid order of additions can round a near-tie the other way.
+--agreement-only asks the agreement prompts and skips the load (xla in bfloat16 is slow: docs/lowering.md).
 """
 
 from __future__ import annotations
@@ -70,13 +72,20 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int,
     return same, statistics.mean(shares)
 
 
-def run_backend(backend: str, model: str, dtype: str, requests: list[int], workdir: Path) -> dict:
+def run_backend(backend: str, model: str, dtype: str, requests: list[int] | None, workdir: Path) -> dict:
+    """The backend's load figures at each concurrency (none where requests is None) and its probe."""
     print(f"{backend} ...", flush=True)
     serve_args = ["--dtype", dtype, "--additional-config", json.dumps(BUCKETS)]
     config = Config(backend, model, serve_args, MAX_LEN, backend=backend)
     wait_quiet()
     server = Server(config, str(workdir / f"cache-{backend}"), workdir / f"{backend}.log")
-    return serve_and_load(server, requests, workdir / f"{backend}.json", probe)
+    if requests is not None:
+        return serve_and_load(server, requests, workdir / f"{backend}.json", probe)
+    try:
+        healthy_s = server.wait_healthy(limit_s=1800)
+        return {"levels": [], "healthy_s": healthy_s, "info": probe(server)}
+    finally:
+        server.stop()
 
 
 def markdown(results: dict[str, dict]) -> str:
@@ -87,9 +96,9 @@ def markdown(results: dict[str, dict]) -> str:
     heads = " | ".join(f"c={k}" for k in CONCURRENCY)
     lines = [f"| output tok/s | {heads} | healthy s |", "|---|" + "---|" * (len(CONCURRENCY) + 1)]
     for backend, doc in results.items():
-        values = " | ".join(f"{rate[backend][k]:.1f}" for k in CONCURRENCY)
+        values = " | ".join(f"{rate[backend][k]:.1f}" if k in rate[backend] else "-" for k in CONCURRENCY)
         lines.append(f"| {backend} | {values} | {doc['healthy_s']:.0f} |")
-    if "eager" in rate:
+    if "eager" in rate and all(rate.values()):
         lines += ["", f"| ratio to eager | {heads} |", "|---|" + "---|" * len(CONCURRENCY)]
         for backend in rate:
             ratios = " | ".join(f"{rate[backend][k] / rate['eager'][k]:.2f}" for k in CONCURRENCY)
@@ -127,6 +136,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--requests", default="4,16,64", help="measured requests at concurrency 1,8,32")
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--agreement-only", action="store_true", help="the probe, no load")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     for name, value in QUIET_ENV.items():
@@ -135,7 +145,7 @@ def main() -> None:
     from server.default_model import ensure_default_model
 
     model = str(ensure_default_model())
-    requests = [int(n) for n in args.requests.split(",")]
+    requests = None if args.agreement_only else [int(n) for n in args.requests.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="vllm-neuron-backends-"))
     print(json.dumps(machine()), flush=True)
     results = {

@@ -3,6 +3,7 @@ stand-in for TorchNeuron that enforces the Neuron runtime's start-up rules (see 
 start-up through warm-up to greedy tokens; and unit tests of each rule the plugin follows."""
 
 import json
+import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, model_runner
+from tests.environment import TEST_ENVIRONMENT
 from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
 from vllm_neuron import compile_cache, device
 from vllm_neuron.platform import NeuronPlatform
@@ -127,9 +129,9 @@ def test_weights_and_kv_cache_that_do_not_fit_fail_at_start_up(neuron_mode):
     kv_cache_bytes(weights // 4)
 
 
-# A core whose KV share is CPU mode's KV budget (512 MiB, 16384 blocks): the same cache shape in both modes,
-# so that each bucket's StableHLO can be compared whole.
-ENGINE_CORE_MEMORY = 1_789_569_707  # x 0.3 = 536,870,912.1 bytes
+# A core whose KV share is the test engines' CPU KV budget (tests/environment.py): the same cache shape in
+# both modes, so that each bucket's StableHLO can be compared whole.
+ENGINE_CORE_MEMORY = math.ceil(int(TEST_ENVIRONMENT["VLLM_NEURON_CPU_KV_CACHE_BYTES"]) / KV_CACHE_FRACTION)
 
 
 @pytest.mark.slow
