@@ -1,8 +1,8 @@
 """Trainium2 capacity model for docs/performance.md: decode roofline (tokens/s) and KV-cache capacity for
 Llama-3.1-8B and 70B under tensor parallelism, from published trn2 figures and the models' configs.
 Pure arithmetic, no device: `python benchmarks/capacity.py` prints the tables. The arithmetic is the
-package's (vllm_neuron/capacity.py, which `vllm-neuron check` uses for any model); this script gives it the
-two models and the settings of the doc.
+package's (vllm_neuron/planning/capacity.py, which `vllm-neuron check` uses for any model); this script gives
+it the two models and the settings of the doc.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_neuron import capacity  # noqa: E402
-from vllm_neuron.capacity import GIB, KVSettings, ModelFigures  # noqa: E402
+from vllm_neuron.planning import capacity  # noqa: E402
+from vllm_neuron.planning.capacity import ModelFigures  # noqa: E402
+from vllm_neuron.trn2 import GIB, KVSettings  # noqa: E402
 
 MAX_NUM_SEQS = 32  # vllm-neuron serve's default
 BF16 = 2

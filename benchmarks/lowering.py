@@ -4,9 +4,9 @@ stablehlo`): SmolLM2-135M-Instruct in bfloat16 with the settings `make serve` us
     .venv/bin/python benchmarks/lowering.py [--dtype bfloat16] [--dump-graphs DIR] [--json-out F]
 
 Prints, per graph: the call (phase, bucket), lowering seconds, StableHLO op count, largest intermediate and
-whether its KV cache writes are each one aliased scatter of the call's rows (vllm_neuron.hlo_text); then the
-totals (graphs, warm-up and lowering seconds, the process's peak resident memory) and the op histograms of
-one prefill and one decode graph. Too slow for CI (several minutes on 2 cores); asserts nothing.
+whether its KV cache writes are each one aliased scatter of the call's rows (vllm_neuron.compiler.hlo_text);
+then the totals (graphs, warm-up and lowering seconds, the process's peak resident memory) and the op
+histograms of one prefill and one decode graph. Too slow for CI (several minutes on 2 cores); asserts nothing.
 """
 
 import argparse
@@ -43,9 +43,9 @@ def main() -> None:
         os.environ["VLLM_NEURON_DUMP_GRAPHS"] = str(args.dump_graphs)
     from vllm import LLM
 
-    from server.cli import DEFAULT_MODEL_MAX_LEN
     from server.default_model import ensure_default_model
-    from vllm_neuron import hlo_text
+    from server.serve_args import DEFAULT_MODEL_MAX_LEN
+    from vllm_neuron.compiler import hlo_text
 
     model = ensure_default_model()
     start = time.perf_counter()

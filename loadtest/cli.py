@@ -35,7 +35,7 @@ from loadtest.client import CHAT, COMPLETIONS, Target
 from loadtest.metrics import neuron_info
 from loadtest.runner import Level, LevelResult, run_level
 from loadtest.workload import LengthDist, Workload
-from vllm_neuron.pricing import INSTANCES, instance_share
+from vllm_neuron.planning.pricing import INSTANCES, instance_share
 
 
 def _numbers(kind: type, text: str) -> list:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vllm_neuron.pricing import SECONDS_PER_HOUR, dollars_per_million_tokens
+from vllm_neuron.planning.pricing import SECONDS_PER_HOUR, dollars_per_million_tokens
 
 PERCENTILES = (50, 90, 99)
 

@@ -30,9 +30,10 @@ from server.check_report import (
     price,
     to_json,
 )
-from server.cli import _serve_parser, parse_serve_args, platform_message, resolve_engine_config
 from server.options import add_neuron_options
-from vllm_neuron import capacity, compile_cache, envs
+from server.serve_args import parse_serve_args, platform_message, resolve_engine_config, serve_parser
+from vllm_neuron import envs, trn2
+from vllm_neuron.compiler import compile_cache
 from vllm_neuron.config import NeuronConfig, NeuronConfigError, engine_limits
 from vllm_neuron.platform import speculative_method
 
@@ -87,7 +88,7 @@ def check(argv: list[str]) -> int:
     os.environ.update(
         VLLM_NEURON_DEVICE="cpu", VLLM_NEURON_TARGET="neuron", VLLM_ENABLE_V1_MULTIPROCESSING="0"
     )
-    parser, command = _serve_parser(USAGE, add_check_options)
+    parser, command = serve_parser(USAGE, add_check_options)
     parsed = parse_serve_args(parser, argv, ["Neuron", "Check"])
     # Whatever the serve options said: this machine lowers without running (and never has a Neuron device).
     os.environ.update(
@@ -141,14 +142,14 @@ def run(parsed: argparse.Namespace) -> Report:
     report.lowering = Lowering(checked_layers, layers, weights, checked.graphs, checked.seconds)
     heads = model_config.model_arch_config.total_num_attention_heads
     report.figures = checked.model.figures(model_config.served_model_name, layers, heads)
-    report.settings = capacity.KVSettings(
+    report.settings = trn2.KVSettings(
         kv_cache_fraction=envs.VLLM_NEURON_KV_CACHE_FRACTION,
         gpu_memory_utilization=vllm_config.cache_config.gpu_memory_utilization,
         graph_reserve_bytes=envs.VLLM_NEURON_GRAPH_RESERVE_BYTES,
         kv_cache_bytes=vllm_config.cache_config.kv_cache_memory_bytes,
     )
     report.suggested_buckets = _fewer_graphs(vllm_config, report.plan)
-    assess(report, max_ranks=report.price.instance_chips * capacity.RANKS_PER_CHIP)
+    assess(report, max_ranks=report.price.instance_chips * trn2.RANKS_PER_CHIP)
     return report
 
 

@@ -13,9 +13,9 @@ import torch
 
 from server.check_report import Verdict
 from vllm_neuron.buckets import ceil_div
-from vllm_neuron.capacity import ModelFigures
-from vllm_neuron.compile import NeuronCompileError
-from vllm_neuron.stablehlo import LoweringError
+from vllm_neuron.compiler.compile import NeuronCompileError
+from vllm_neuron.compiler.stablehlo import LoweringError
+from vllm_neuron.planning.capacity import ModelFigures
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -188,7 +188,7 @@ def verdict_of(error: BaseException) -> Verdict:
         source = "{}:{} in {}".format(*frames[-1]) if frames else ""
         return Verdict("graph break", _first_line(graph_break), source=source)
     if isinstance(error, ValueError | NotImplementedError):  # the platform's and vLLM's refusals
-        from server.cli import platform_message
+        from server.serve_args import platform_message
 
         return Verdict("refused", platform_message(error))
     return Verdict("failed", f"{type(error).__name__}: {_first_line(error)}")

@@ -1,14 +1,22 @@
 """`vllm-neuron check`'s findings as values: the verdict, the bucket plan and its graphs, memory and capacity
 per tensor-parallel size on trn2, decode throughput on the roofline and what it costs. `assess` derives the
-figures from the capacity model (vllm_neuron/capacity.py) and the prices (vllm_neuron/pricing.py);
-`to_json` gives every figure to scripts; server/check_table.py writes the table for people."""
+figures from the capacity model (vllm_neuron/planning/capacity.py) and the prices
+(vllm_neuron/planning/pricing.py); `to_json` gives every figure to scripts; server/check_table.py writes the
+table for people."""
 
 from dataclasses import asdict, dataclass, field
 
-from vllm_neuron import capacity
-from vllm_neuron.capacity import KVSettings, ModelFigures, RankCapacity, Throughput
+from vllm_neuron import trn2
 from vllm_neuron.config import NeuronConfig
-from vllm_neuron.pricing import DEFAULT_INSTANCE, INSTANCES, dollars_per_million_tokens, instance_share
+from vllm_neuron.planning import capacity
+from vllm_neuron.planning.capacity import ModelFigures, RankCapacity, Throughput
+from vllm_neuron.planning.pricing import (
+    DEFAULT_INSTANCE,
+    INSTANCES,
+    dollars_per_million_tokens,
+    instance_share,
+)
+from vllm_neuron.trn2 import KVSettings
 
 SERVES = "serves"
 
@@ -177,12 +185,12 @@ def assess(report: Report, max_ranks: int) -> None:
 
 
 def _misfit(report: Report, given: RankCapacity) -> str:
-    gib = capacity.GIB
+    gib = trn2.GIB
     if given.kv_tokens == 0:
         settings = report.settings
         why = (
             f"at --tensor-parallel-size {given.tp} a rank's weights ({given.weight_bytes / gib:.1f} GiB), "
-            f"its KV share ({settings.kv_cache_fraction} of {capacity.RANK_HBM_BYTES / gib:.0f} GiB) and "
+            f"its KV share ({settings.kv_cache_fraction} of {trn2.RANK_HBM_BYTES / gib:.0f} GiB) and "
             f"{settings.graph_reserve_bytes / gib:.0f} GiB for graphs exceed "
             f"{settings.gpu_memory_utilization} of a trn2 core"
         )
@@ -224,9 +232,9 @@ def to_json(report: Report) -> dict[str, object]:
         figures = report.figures
         out["model_figures"] = {**asdict(figures), "kv_bytes_per_token": figures.kv_bytes_per_token()}
         out["trn2"] = {
-            "rank_hbm_bytes": capacity.RANK_HBM_BYTES,
-            "rank_hbm_bytes_per_s": capacity.RANK_HBM_BW,
-            "ranks_per_chip": capacity.RANKS_PER_CHIP,
+            "rank_hbm_bytes": trn2.RANK_HBM_BYTES,
+            "rank_hbm_bytes_per_s": trn2.RANK_HBM_BW,
+            "ranks_per_chip": trn2.RANKS_PER_CHIP,
             **asdict(report.settings),
         }
         out["price"] = asdict(report.price)

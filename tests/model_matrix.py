@@ -71,7 +71,7 @@ class CaseResult:
     reason: str = ""
     graphs: int = 0
     lowered: int = 0
-    # What keeps a lowered graph's KV caches from being written in place (vllm_neuron.hlo_text).
+    # What keeps a lowered graph's KV caches from being written in place (vllm_neuron.compiler.hlo_text).
     cache_problems: list[str] = field(default_factory=list)
     logprob_error: float | None = None
     # Each feature_off variant of the case: whether HF with that feature off would fail the comparison.
@@ -166,7 +166,7 @@ def run_case(arch: Architecture, root: Path) -> CaseResult:
 def cache_problems(graphs: list, layers: int) -> list[str]:
     """Each graph must update every layer's cache with one aliased scatter of its new rows and copy no
     cache-sized tensor."""
-    from vllm_neuron import hlo_text
+    from vllm_neuron.compiler import hlo_text
 
     problems = []
     for graph in graphs:

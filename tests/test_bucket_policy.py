@@ -1,4 +1,4 @@
-"""vllm_neuron.bucket_policy: a bucket set measured on a simulated run, and the automatic policy."""
+"""vllm_neuron.planning.bucket_policy: a bucket set measured on a simulated run, and the automatic policy."""
 
 import itertools
 import math
@@ -8,18 +8,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from vllm_neuron.bucket_policy import (
-    FIT_REQUESTS,
-    TIME_TIE,
-    auto_buckets,
-    decode_context_options,
-    decode_options,
-    optimal_boundaries,
-    prefill_context_options,
-    prefill_options,
-    simulate,
-    simulated_run,
-)
 from vllm_neuron.buckets import (
     PACKED_CHUNKS,
     BucketConfig,
@@ -32,9 +20,21 @@ from vllm_neuron.buckets import (
 )
 from vllm_neuron.call_costs import CPU_SMOLLM2, TRN2_ESTIMATE
 from vllm_neuron.calls import plan_step
-from vllm_neuron.run_trace import causal_work, evaluate, mixed_steps, prefill_calls
-from vllm_neuron.step_simulation import traffic_steps
-from vllm_neuron.traffic import TrafficShape
+from vllm_neuron.planning.bucket_policy import (
+    FIT_REQUESTS,
+    TIME_TIE,
+    auto_buckets,
+    decode_context_options,
+    decode_options,
+    optimal_boundaries,
+    prefill_context_options,
+    prefill_options,
+    simulate,
+    simulated_run,
+)
+from vllm_neuron.planning.run_trace import causal_work, evaluate, mixed_steps, prefill_calls
+from vllm_neuron.planning.step_simulation import traffic_steps
+from vllm_neuron.planning.traffic import TrafficShape
 
 # The reference case of the docs: chat-like traffic on a 2048-token model.
 TRAFFIC = TrafficShape(prompt_len=(8, 2048), output_len=(8, 256), concurrency=32)
@@ -78,7 +78,7 @@ def test_simulate_small_run_by_hand(monkeypatch):
     step 1 prefills r0 (100) and the first 50 of r1; step 2 decodes r0 (context 101) and prefills r1's last
     50; step 3 decodes both (102, 101) and r0 finishes; step 4 decodes r1 (102), which finishes, and
     prefills r2 that arrived in r0's place."""
-    monkeypatch.setattr("vllm_neuron.traffic.LOAD_DIVISORS", (1, 1, 1))
+    monkeypatch.setattr("vllm_neuron.planning.traffic.LOAD_DIVISORS", (1, 1, 1))
     traffic = TrafficShape(prompt_len=(100, 100), output_len=(3, 3), concurrency=2)
     buckets = BucketConfig(prefill_tokens=(128,), decode_batch=(2,), context_tokens=(256,))
     limits = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=150)

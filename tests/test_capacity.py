@@ -1,7 +1,8 @@
-"""The trn2 capacity model (vllm_neuron/capacity.py) against the figures docs/performance.md publishes."""
+"""The trn2 capacity model (vllm_neuron/planning/capacity.py) against the figures docs/performance.md
+publishes."""
 
-from vllm_neuron import capacity
-from vllm_neuron.capacity import GIB, KVSettings
+from vllm_neuron.planning import capacity
+from vllm_neuron.trn2 import GIB, KVSettings
 
 
 def test_capacity_model_gives_the_published_figures():

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests.tiny_model import build_tiny_llama
-from vllm_neuron import capacity
-from vllm_neuron.capacity import GIB, KVSettings, ModelFigures
-from vllm_neuron.pricing import DEFAULT_INSTANCE, INSTANCES
+from vllm_neuron.planning import capacity
+from vllm_neuron.planning.capacity import ModelFigures
+from vllm_neuron.planning.pricing import DEFAULT_INSTANCE, INSTANCES
+from vllm_neuron.trn2 import GIB, KVSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 REMOTE_CODE = Path(__file__).with_name("remote_code") / "modeling_complex_llama.py"

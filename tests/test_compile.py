@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_neuron.calls import Call
-from vllm_neuron.compile import (
+from vllm_neuron.compiler.compile import (
     CompileRecorder,
     NeuronCompileError,
     UnexpectedRecompileError,
@@ -43,7 +43,7 @@ def test_new_shape_after_warm_up_is_counted_and_logged(caplog):
     recorder.on_unexpected = seen.append
     compiled(torch.ones(4))
     assert recorder.unexpected == []
-    with caplog.at_level(logging.WARNING, logger="vllm.vllm_neuron.compile"):
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_neuron.compiler.compile"):
         compiled(torch.ones(5))
     assert recorder.unexpected == [((5,),)] == seen
     assert "decode of 5 requests: batch 8 x context 256" in caplog.text and "(5,)" in caplog.text

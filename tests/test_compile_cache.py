@@ -7,7 +7,7 @@ import pytest
 from vllm.engine.arg_utils import EngineArgs
 
 from tests.conftest import ENGINE_KWARGS
-from vllm_neuron import compile_cache
+from vllm_neuron.compiler import compile_cache
 from vllm_neuron.config import NeuronConfig
 
 

@@ -1,4 +1,4 @@
-"""Inductor's compiles in compile processes (vllm_neuron/compile_pool.py): results equal eager, input
+"""Inductor's compiles in compile processes (vllm_neuron/compiler/compile_pool.py): results equal eager, input
 mutations (the KV cache write) kept, several graphs at once, artefacts reused, no process left behind."""
 
 import multiprocessing
@@ -10,8 +10,8 @@ from concurrent.futures.process import BrokenProcessPool
 import pytest
 import torch
 
-from vllm_neuron.compile import compile_static
-from vllm_neuron.compile_pool import OutOfProcessInductor
+from vllm_neuron.compiler.compile import compile_static
+from vllm_neuron.compiler.compile_pool import OutOfProcessInductor
 
 
 class CacheWrite(torch.nn.Module):

@@ -1,6 +1,6 @@
-"""TorchNeuron's lowering route on a CPU (vllm_neuron.stablehlo): the KV write as one aliased scatter, the
-decompositions, lowering failures that name their op, source line and call, and every warm-up graph of the
-test engine lowered (float32 here, through the shared engine; bfloat16 in test_vllm_parity)."""
+"""TorchNeuron's lowering route on a CPU (vllm_neuron.compiler.stablehlo): the KV write as one aliased
+scatter, the decompositions, lowering failures that name their op, source line and call, and every warm-up
+graph of the test engine lowered (float32 here, through the shared engine; bfloat16 in test_vllm_parity)."""
 
 import inspect
 
@@ -10,11 +10,11 @@ import torch
 from kv_cache.layout import allocate
 from kv_cache.ops import gather_blocks, write_kv
 from tests.conftest import EXPECTED_GRAPHS, model_runner
-from vllm_neuron import hlo_text
 from vllm_neuron.calls import Call
-from vllm_neuron.compile import CompileRecorder
-from vllm_neuron.decompositions import decomposition_table
-from vllm_neuron.stablehlo import StableHLOBackend
+from vllm_neuron.compiler import hlo_text
+from vllm_neuron.compiler.compile import CompileRecorder
+from vllm_neuron.compiler.decompositions import decomposition_table
+from vllm_neuron.compiler.stablehlo import StableHLOBackend
 
 KV_HEADS, BLOCKS, BLOCK_SIZE, HEAD_SIZE, TOKENS = 2, 64, 4, 8, 6
 

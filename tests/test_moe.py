@@ -16,7 +16,7 @@ from tests.architectures import ARCHITECTURES, build
 from tests.environment import TENSOR_PARALLEL_ENVIRONMENT
 from tests.helpers import MAX_TOKENS, PROMPTS, engine_config, hf_greedy, run_engine
 from vllm_neuron import moe
-from vllm_neuron.stablehlo import StableHLOBackend
+from vllm_neuron.compiler.stablehlo import StableHLOBackend
 
 TOKENS, HIDDEN, EXPERTS, INTER, TOP_K = 7, 8, 4, 5, 2
 IDLE = 3  # the expert no token selects in the "idle expert" case

@@ -14,7 +14,8 @@ import torch
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, model_runner
 from tests.environment import TEST_ENVIRONMENT
 from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
-from vllm_neuron import compile_cache, device
+from vllm_neuron import device
+from vllm_neuron.compiler import compile_cache
 from vllm_neuron.platform import NeuronPlatform
 from worker.neuron_worker import NeuronWorker
 

@@ -4,7 +4,7 @@ queue."""
 
 import pytest
 
-from vllm_neuron.scheduler import prefill_share
+from vllm_neuron.prefill_share import prefill_share
 
 MAX_NUM_SEQS, SHARE, BUDGET = 32, 16, 512
 

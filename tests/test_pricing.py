@@ -5,7 +5,12 @@ import math
 
 import pytest
 
-from vllm_neuron.pricing import DEFAULT_INSTANCE, INSTANCES, dollars_per_million_tokens, instance_share
+from vllm_neuron.planning.pricing import (
+    DEFAULT_INSTANCE,
+    INSTANCES,
+    dollars_per_million_tokens,
+    instance_share,
+)
 
 
 def test_dollars_per_million_tokens():

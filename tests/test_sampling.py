@@ -7,7 +7,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sampl
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron import sampling
-from vllm_neuron.stablehlo import StableHLOBackend
+from vllm_neuron.compiler.stablehlo import StableHLOBackend
 from worker import sampling_rows
 
 VOCAB = 300  # above TOP_K_CAP, so the candidates are a part of the vocabulary

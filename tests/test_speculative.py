@@ -17,9 +17,10 @@ from tests.serving import MODEL_NAME, ServerProcess, http
 from tests.test_preemption import BLOCK_BYTES
 from tests.test_server import metric_values
 from tests.tiny_model import build_tiny_llama
-from vllm_neuron import hlo_text, sampling
+from vllm_neuron import sampling
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import plan_step
+from vllm_neuron.compiler import hlo_text
 from worker.speculation import accepted_sampled, accepted_tokens
 
 DRAFTS = 3

@@ -1,6 +1,6 @@
-"""vllm_neuron.step_simulation: the bucket policy's model of the scheduler and the runner, checked against the
-calls the runner makes for a scripted workload (tests/scripted_steps.py, which tests/test_scheduler_steps.py
-proves on a running engine)."""
+"""vllm_neuron.planning.step_simulation: the bucket policy's model of the scheduler and the runner, checked
+against the calls the runner makes for a scripted workload (tests/scripted_steps.py, which
+tests/test_scheduler_steps.py proves on a running engine)."""
 
 from dataclasses import replace
 
@@ -9,7 +9,7 @@ from tests.scripted_steps import ARRIVALS, CANCELLED, EXPECTED
 from vllm_neuron.buckets import BucketConfig, decode_page_tokens, light_load_batches
 from vllm_neuron.calls import Call
 from vllm_neuron.config import DEFAULT_BLOCK_SIZE
-from vllm_neuron.step_simulation import SchedulerModel, Step, scripted_calls
+from vllm_neuron.planning.step_simulation import SchedulerModel, Step, scripted_calls
 
 # The suite's engine (tests/conftest.py), with the mixed calls the server gives its buckets by default.
 SETTINGS = ENGINE_KWARGS["additional_config"]

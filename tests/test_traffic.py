@@ -1,8 +1,8 @@
-"""vllm_neuron.traffic: declared traffic shapes, request sampling and the load profile."""
+"""vllm_neuron.planning.traffic: declared traffic shapes, request sampling and the load profile."""
 
 import pytest
 
-from vllm_neuron.traffic import TrafficShape, load_at, sample_requests
+from vllm_neuron.planning.traffic import TrafficShape, load_at, sample_requests
 
 TRAFFIC = TrafficShape(prompt_len=(8, 2048), output_len=(8, 256), concurrency=32)
 

@@ -5,7 +5,7 @@ import pytest
 
 from tests.conftest import ENGINE_KWARGS
 from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, hf_greedy, run_engine
-from vllm_neuron import hlo_text
+from vllm_neuron.compiler import hlo_text
 
 pytestmark = pytest.mark.slow
 

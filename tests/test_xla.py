@@ -1,6 +1,6 @@
 """The `xla` backend: XLA compiles each lowered graph's plain StableHLO and runs it, the KV cache updated in
-place in memory XLA owns. These tests also pin the parts of jax/jaxlib vllm_neuron/xla.py uses that are not
-public API: a jax upgrade that moves them fails here first."""
+place in memory XLA owns. These tests also pin the parts of jax/jaxlib vllm_neuron/compiler/xla.py uses that
+are not public API: a jax upgrade that moves them fails here first."""
 
 import pytest
 import torch
@@ -9,9 +9,9 @@ from kv_cache.layout import allocate
 from kv_cache.ops import write_kv
 from tests.conftest import EXPECTED_GRAPHS, model_runner
 from tests.test_lowering import BLOCK_SIZE, BLOCKS, HEAD_SIZE, KV_HEADS, WriteThenRead, write_inputs
-from vllm_neuron import xla
-from vllm_neuron.stablehlo import StableHLOBackend
-from vllm_neuron.xla_graph import cache_buffers, compile_graph
+from vllm_neuron.compiler import xla
+from vllm_neuron.compiler.stablehlo import StableHLOBackend
+from vllm_neuron.compiler.xla_graph import cache_buffers, compile_graph
 
 _SCATTER = """module attributes {mhlo.input_output_alias = [{alias = {kind = "must_alias", parameter_index = \
 array<i64>, parameter_number = 0 : i64}, output_index = array<i64: 1>}]} {

@@ -4,7 +4,7 @@ no torch.
 A `Call` is what the runner runs, what the compile recorder names in a recompile error and a lowered graph's
 label, what the padding metrics count, and what the bucket policy's simulation predicts. `plan_step` is the
 one rule that maps a step's decode rows and prefill chunks to calls: the runner (worker/model_runner.py) and
-the simulation (vllm_neuron/step_simulation.py) both call it. A step becomes one or more calls:
+the simulation (vllm_neuron/planning/step_simulation.py) both call it. A step becomes one or more calls:
 - prefill: one or more requests' chunks packed in one row of queries (`chunks`), `tokens` real tokens
   padded to `token_bucket`, attending over the context bucket `context`;
 - decode: `rows` requests of one token each, padded to the batch bucket `batch`, over the decode context

@@ -187,9 +187,9 @@ def _policy_buckets(additional: dict[str, Any], limits: dict[str, int]) -> Bucke
         return default_buckets(**limits)
     if policy != "auto":
         raise NeuronConfigError(f'bucket_policy must be "default" or "auto", got {policy!r}')
-    from vllm_neuron.bucket_policy import auto_buckets
     from vllm_neuron.call_costs import PROFILES, profile_for
-    from vllm_neuron.traffic import TrafficShape
+    from vllm_neuron.planning.bucket_policy import auto_buckets
+    from vllm_neuron.planning.traffic import TrafficShape
 
     budget = additional.get("graph_budget", DEFAULT_GRAPH_BUDGET)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:

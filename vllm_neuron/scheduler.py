@@ -17,21 +17,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_neuron.config import NeuronConfig
-
-# Prompts waiting beyond one per this many decoding streams are a queue, not an arrival beside running
-# streams: a capped share would hold all of them to one share-sized piece of one prompt per step (at the
-# ramp of a busy server, half the batch decoding while the other half waits for its prompts).
-STREAMS_PER_WAITING_PROMPT = 4
-
-
-def prefill_share(decoding: int, prefilling: int, max_num_seqs: int, share: int, full_budget: int) -> int:
-    """Prefill tokens a step may carry beside `decoding` decode rows while `prefilling` requests wait for
-    (more of) their prompt; 0 means vLLM's whole budget."""
-    few_waiting = prefilling <= max(1, decoding // STREAMS_PER_WAITING_PROMPT)
-    light_load = decoding <= max_num_seqs // 2 and few_waiting
-    if not decoding or not light_load or not share:
-        return 0
-    return min(share, full_budget)
+from vllm_neuron.prefill_share import prefill_share
 
 
 class PrefillShare:

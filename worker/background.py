@@ -5,7 +5,7 @@ The order follows the traffic: the serving thread reports, per step, the work ea
 saved (`add_demand`), and the next compile is the pending graph with the most saved so far (the bucket set's
 order breaks ties, smallest shapes first). Several workers compile at once (`VLLM_NEURON_COMPILE_WORKERS`):
 dynamo traces one graph at a time, and the backend's compile runs in another process, in parallel
-(neuronx-cc; in CPU mode inductor, vllm_neuron/compile_pool.py).
+(neuronx-cc; in CPU mode inductor, vllm_neuron/compiler/compile_pool.py).
 
 Tracing a graph is Python, and a thread running Python holds the GIL for the interpreter's switch interval
 (5 ms) whenever another thread asks for it: the serving thread, which takes and releases the GIL around every

@@ -36,12 +36,12 @@ from vllm.v1.worker.utils import bind_kv_cache
 
 from kv_cache import layout
 from kv_cache.backend import NeuronAttentionMetadata
-from vllm_neuron import compile as neuron_compile
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, fused_moe, metrics, sampling
 from vllm_neuron.buckets import GraphKey
 from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call, CallPlan, plan_step
+from vllm_neuron.compiler import compile as neuron_compile
 from vllm_neuron.config import NeuronConfig
 from worker import call_inputs, draft_model, sampling_rows, speculation, warmup
 from worker.async_steps import DeviceThread, StepOutput

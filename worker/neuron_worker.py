@@ -9,8 +9,9 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from vllm_neuron import capacity, compile_cache, envs
 from vllm_neuron import device as neuron_device
+from vllm_neuron import envs, trn2
+from vllm_neuron.compiler import compile_cache
 from vllm_neuron.config import NeuronConfig
 from worker.model_runner import NeuronModelRunner
 
@@ -225,7 +226,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def neuron_kv_cache_bytes(total: int, weights: int, utilization: float) -> int:
     """The KV cache of one NeuronCore: VLLM_NEURON_KV_CACHE_FRACTION of its memory, if the weights, that and
-    VLLM_NEURON_GRAPH_RESERVE_BYTES fit in --gpu-memory-utilization of it (capacity.core_budget, the rule
+    VLLM_NEURON_GRAPH_RESERVE_BYTES fit in --gpu-memory-utilization of it (trn2.core_budget, the rule
     `vllm-neuron check` applies too)."""
     if total <= 0:
         raise RuntimeError(
@@ -233,7 +234,7 @@ def neuron_kv_cache_bytes(total: int, weights: int, utilization: float) -> int:
             "be sized: check the Neuron driver and runtime (neuron-ls), or give --kv-cache-memory-bytes."
         )
     fraction, reserve = envs.VLLM_NEURON_KV_CACHE_FRACTION, envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
-    core = capacity.core_budget(total, weights, capacity.KVSettings(fraction, utilization, reserve))
+    core = trn2.core_budget(total, weights, trn2.KVSettings(fraction, utilization, reserve))
     if not core.fits:
         gib = 1024**3
         raise RuntimeError(

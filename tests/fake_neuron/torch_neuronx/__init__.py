@@ -25,8 +25,8 @@ Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the
 to FAKE_NEURON_RECORD (when set) after every event: what started the runtime, the NEFF cache folder and the
 visible cores it read then, whether the process group came first, and per compile whether fallback to eager
 execution was disabled (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1) and its NEFF. The `neuron` compile backend
-lowers each graph as TorchNeuron does up to StableHLO (vllm_neuron.stablehlo), writes that StableHLO as the
-graph's .neff file into the cache folder, and runs the graph on the host.
+lowers each graph as TorchNeuron does up to StableHLO (vllm_neuron.compiler.stablehlo), writes that StableHLO
+as the graph's .neff file into the cache folder, and runs the graph on the host.
 """
 
 import hashlib
@@ -108,7 +108,7 @@ class Runtime:
     def compile(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         """TorchNeuron's route up to StableHLO is the plugin's stablehlo backend (the same passes); the fake
         NEFF holds the StableHLO neuronx-cc would compile, and the graph runs on the host."""
-        from vllm_neuron.stablehlo import StableHLOBackend
+        from vllm_neuron.compiler.stablehlo import StableHLOBackend
 
         self.start("compile")
         folder = Path(self.check_neff_cache_dir())

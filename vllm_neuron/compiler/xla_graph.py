@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
-from vllm_neuron import capacity, xla
+from vllm_neuron import trn2
 from vllm_neuron.calls import Call
+from vllm_neuron.compiler import xla
 
 # One logical core of a trn2 (LNC=2): its share of the chip's HBM bandwidth and dense BF16 FLOP/s.
-_CORE_FLOPS = capacity.CHIP_BF16_FLOPS / capacity.RANKS_PER_CHIP
+_CORE_FLOPS = trn2.CHIP_BF16_FLOPS / trn2.RANKS_PER_CHIP
 
 # An instruction of the optimised HLO's entry computation: `%name = f32[2,4,64]{2,1,0} opcode(`.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = \w+\[([\d,]*)\]\S* ([\w-]+)\(")
@@ -44,11 +45,11 @@ class CompiledGraph:
     def trn2_seconds(self) -> float:
         """Estimate of a call on one trn2 logical core: XLA's bytes over HBM bandwidth or its flops over the
         Tensor Engine's dense BF16 peak, whichever is longer."""
-        return max(self.cost.bytes_accessed / capacity.RANK_HBM_BW, self.cost.flops / _CORE_FLOPS)
+        return max(self.cost.bytes_accessed / trn2.RANK_HBM_BW, self.cost.flops / _CORE_FLOPS)
 
     @property
     def bound(self) -> str:
-        memory = self.cost.bytes_accessed / capacity.RANK_HBM_BW >= self.cost.flops / _CORE_FLOPS
+        memory = self.cost.bytes_accessed / trn2.RANK_HBM_BW >= self.cost.flops / _CORE_FLOPS
         return "memory" if memory else "compute"
 
     @property
@@ -81,7 +82,7 @@ class CompiledGraph:
             "minimum_bytes": self.minimum_bytes,
             "minimum_ms": None
             if self.minimum_bytes is None
-            else round(self.minimum_bytes / capacity.RANK_HBM_BW * 1e3, 4),
+            else round(self.minimum_bytes / trn2.RANK_HBM_BW * 1e3, 4),
             "bytes_over_minimum": None
             if not self.minimum_bytes
             else round(self.cost.bytes_accessed / self.minimum_bytes, 2),

@@ -33,7 +33,7 @@ from vllm_neuron.buckets import (
     validate_buckets,
 )
 from vllm_neuron.call_costs import CallCosts
-from vllm_neuron.run_trace import (
+from vllm_neuron.planning.run_trace import (
     PrefillCalls,
     Trace,
     decode_figures,
@@ -44,8 +44,8 @@ from vllm_neuron.run_trace import (
     prefill_figures,
     record,
 )
-from vllm_neuron.step_simulation import traffic_steps
-from vllm_neuron.traffic import TrafficShape
+from vllm_neuron.planning.step_simulation import traffic_steps
+from vllm_neuron.planning.traffic import TrafficShape
 
 # Prefill boundaries are rounded up to these multiples (tried in order) where that costs at most
 # ROUNDING_TOLERANCE more token slots: hardware tiles and DMA prefer aligned sizes.

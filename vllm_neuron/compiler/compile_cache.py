@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from vllm_neuron.config import NeuronConfig
 
-logger = logging.getLogger("vllm.vllm_neuron.compile_cache")
+logger = logging.getLogger("vllm.vllm_neuron.compiler.compile_cache")
 
 # Where each backend keeps its artefacts, and the variable that moves it.
 CACHE_VARIABLES = {

@@ -2,7 +2,7 @@
 
 `SchedulerModel` is vLLM's v1 scheduler with chunked prefill as `NeuronScheduler` runs it: running requests
 in order, then waiting ones admitted while fewer than max_num_seqs run, within the step's token budget; under
-light load the budget and every chunk are capped by `scheduler.prefill_share`, the rule the scheduler itself
+light load the budget and every chunk are capped by `prefill_share`, the rule the scheduler itself
 calls. The KV cache is assumed large enough (no preemption) and nothing hits the prefix cache. A step is
 recorded as the runner receives it (`Step`: decode rows and prefill chunks in batch order, with admission
 order standing in for the runner's batch order), before bucketing, and `calls.plan_step` turns it into calls.
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import Call, plan_step
-from vllm_neuron.scheduler import prefill_share
-from vllm_neuron.traffic import TrafficShape, load_at, sample_requests
+from vllm_neuron.planning.traffic import TrafficShape, load_at, sample_requests
+from vllm_neuron.prefill_share import prefill_share
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ traced graph, hands it to a pool of compile processes (AOTAutograd and inductor,
 is free for the next trace while the compile runs: with N background workers N graphs compile at once, and
 the serving thread no longer shares the GIL with inductor's code generation. A graph's first call waits for
 its compile and loads the artefact. Artefacts are kept in inductor's cache folder (the compile cache's, see
-vllm_neuron/compile_cache.py) under a digest of the traced graph and its input shapes, so a restart loads
-them without compiling.
+vllm_neuron/compiler/compile_cache.py) under a digest of the traced graph and its input shapes, so a restart
+loads them without compiling.
 """
 
 import concurrent.futures
@@ -29,7 +29,7 @@ from torch.fx._graph_pickler import GraphPickler, Options
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
-logger = logging.getLogger("vllm.vllm_neuron.compile_pool")
+logger = logging.getLogger("vllm.vllm_neuron.compiler.compile_pool")
 
 # One file: loading it puts its entries into inductor's cache, where the compile process left the kernels it
 # built, so nothing is built twice.

@@ -5,12 +5,12 @@ with input mutations kept and its own decomposition table, turns the trailing `c
 into an extra output aliased to that input (`mhlo.input_output_alias`, must_alias: the runtime passes the
 input's buffer as the output, no copy-back), imports the graph with torch-mlir's FX importer down to StableHLO
 and hands that to neuronx-cc. This backend walks the same route with the public torch-mlir wheel (and a
-clean-up to plain StableHLO, vllm_neuron/plain_stablehlo.py), so "every graph lowers" is a fact CPU mode can
-check. Then, by backend: `stablehlo` runs the functional FX graph that was lowered on the CPU, each aliased
-output stored back into its input as the runtime's aliasing would leave it; `xla` has XLA's CPU compiler
-compile the StableHLO itself and runs that program, the caches updated in place (vllm_neuron/xla_graph.py);
-`lower-only` runs nothing (calls return zeros) and, where jaxlib is installed, has XLA compile each graph
-for its report.
+clean-up to plain StableHLO, vllm_neuron/compiler/plain_stablehlo.py), so "every graph lowers" is a fact CPU
+mode can check. Then, by backend: `stablehlo` runs the functional FX graph that was lowered on the CPU, each
+aliased output stored back into its input as the runtime's aliasing would leave it; `xla` has XLA's CPU
+compiler compile the StableHLO itself and runs that program, the caches updated in place
+(vllm_neuron/compiler/xla_graph.py); `lower-only` runs nothing (calls return zeros) and, where jaxlib is
+installed, has XLA compile each graph for its report.
 
 A graph that does not lower raises LoweringError naming the op and the source line that produced it.
 """
@@ -29,12 +29,12 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 
 from vllm_neuron.calls import Call
-from vllm_neuron.decompositions import decomposition_table
-from vllm_neuron.plain_stablehlo import NotStableHLOError, make_plain
-from vllm_neuron.xla_graph import CompiledGraph, compile_graph
+from vllm_neuron.compiler.decompositions import decomposition_table
+from vllm_neuron.compiler.plain_stablehlo import NotStableHLOError, make_plain
+from vllm_neuron.compiler.xla_graph import CompiledGraph, compile_graph
 
 if TYPE_CHECKING:
-    from vllm_neuron import xla
+    from vllm_neuron.compiler import xla
 
 aten = torch.ops.aten
 # Ops whose result is the same buffer as their first argument, reshaped.

@@ -1,10 +1,11 @@
 """The only caller of torch.compile: static shapes, full graphs, every graph recorded, recompiles guarded.
 
 `CompileRecorder` sits between dynamo and the real backend (neuron; stablehlo, which lowers each graph along
-TorchNeuron's route and runs its FX graph on the CPU, vllm_neuron/stablehlo.py; xla, the same lowering then
-XLA compiles and runs the StableHLO itself, vllm_neuron/xla_graph.py; lower-only, which lowers without
-running; eager; inductor, compiled in separate processes, vllm_neuron/compile_pool.py). Dynamo hands a
-backend one graph per new input signature, so the recorder sees every compile, whatever the backend:
+TorchNeuron's route and runs its FX graph on the CPU, vllm_neuron/compiler/stablehlo.py; xla, the same
+lowering then XLA compiles and runs the StableHLO itself, vllm_neuron/compiler/xla_graph.py; lower-only, which
+lowers without running; eager; inductor, compiled in separate processes,
+vllm_neuron/compiler/compile_pool.py). Dynamo hands a backend one graph per new input signature, so the
+recorder sees every compile, whatever the backend:
 - it refuses what TorchNeuron's compiler refuses (symbolic shapes, float64, non-contiguous inputs), so CPU
   runs fail where a Neuron compile would;
 - it records the input shapes of each graph;
@@ -25,15 +26,15 @@ from typing import Any
 import torch
 
 from vllm_neuron.calls import Call
-from vllm_neuron.compile_pool import OutOfProcessInductor
+from vllm_neuron.compiler.compile_pool import OutOfProcessInductor
 
-logger = logging.getLogger("vllm.vllm_neuron.compile")
+logger = logging.getLogger("vllm.vllm_neuron.compiler.compile")
 
 Shapes = tuple[tuple[int, ...], ...]
 
 
-# The backends that lower each graph along TorchNeuron's route (vllm_neuron/stablehlo.py), and how each runs
-# the lowered graph.
+# The backends that lower each graph along TorchNeuron's route (vllm_neuron/compiler/stablehlo.py), and how
+# each runs the lowered graph.
 _EXECUTION = {"stablehlo": "fx", "xla": "xla", "lower-only": "none"}
 
 
@@ -89,7 +90,7 @@ class CompileRecorder:
         self._thread = threading.local()
         self.compile_pool: OutOfProcessInductor | None = None
         if self.backend_name in _EXECUTION:
-            from vllm_neuron.stablehlo import StableHLOBackend
+            from vllm_neuron.compiler.stablehlo import StableHLOBackend
 
             execute = _EXECUTION[self.backend_name]
             self.lowering: StableHLOBackend | None = StableHLOBackend(self.dump_dir, execute=execute)
@@ -158,9 +159,9 @@ class CompileRecorder:
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed buffer the graphs update in place (a KV cache). Under `xla` its memory is XLA's, so the
-        compiled programs can write it in place (vllm_neuron/xla.py)."""
+        compiled programs can write it in place (vllm_neuron/compiler/xla.py)."""
         if self.backend_name == "xla":
-            from vllm_neuron import xla
+            from vllm_neuron.compiler import xla
 
             return xla.allocate_zeros(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -17,7 +17,7 @@ import numpy as np
 
 from vllm_neuron.buckets import BucketConfig, BucketError, ceil_div, pack_prefill
 from vllm_neuron.call_costs import CallCosts
-from vllm_neuron.step_simulation import Step
+from vllm_neuron.planning.step_simulation import Step
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ class Program:
                 if memory is None:
                     raise CacheNotOwnedError(
                         f"argument {parameter} is updated in place but XLA does not own its memory: allocate "
-                        "it with vllm_neuron.xla.allocate_zeros"
+                        "it with vllm_neuron.compiler.xla.allocate_zeros"
                     )
                 inputs[parameter] = memory.array
             results = self._executable.execute_sharded(inputs).disassemble_into_single_device_arrays()

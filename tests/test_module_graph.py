@@ -1,0 +1,89 @@
+"""The shape of the code: the product's modules import each other without cycles, the planning package stays
+out of serving (docs/architecture.md, "Where things live")."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("vllm_neuron", "worker", "kv_cache", "server", "loadtest")
+# Modules that may import the planning package: the commands and models that plan, and the configuration,
+# which runs the automatic bucket policy once at start-up when asked to.
+PLANNERS = ("vllm_neuron.planning", "server.check", "loadtest", "vllm_neuron.config")
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the product's modules it imports, at any depth of its code (a lazy import is an edge)."""
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {owner(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found |= {owner(f"{node.module}.{alias.name}") or owner(node.module) for alias in node.names}
+        edges[module] = found - {None, module}
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in edges[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_imports(_modules()))
+    assert not cycles, f"import cycles (break each by moving the shared piece down): {cycles}"
+
+
+def test_serving_does_not_import_planning():
+    edges = _imports(_modules())
+    serving = [m for m in edges if not m.startswith(PLANNERS)]
+    offenders = {m: sorted(t for t in edges[m] if t.startswith("vllm_neuron.planning")) for m in serving}
+    assert not {m: t for m, t in offenders.items() if t}, "serving modules import the planning package"
