@@ -73,7 +73,7 @@ def main() -> None:
     ours = type(current_platform).__name__ == "NeuronPlatform"
     if request.get("wait_background"):  # staged readiness: until every graph is compiled
         runner = core.model_executor.driver_worker.worker.model_runner
-        if runner.background is not None and not runner.background.wait(timeout=600):
+        if runner.readiness.background is not None and not runner.readiness.background.wait(timeout=600):
             raise TimeoutError("background compiles did not finish")
     metrics = None
     if request.get("metrics"):

@@ -136,7 +136,7 @@ def run_case(arch: Architecture, root: Path) -> CaseResult:
         got = plugin_generation(llm)
         result.graphs = runner.recorder.num_graphs
         result.lowered = len(runner.lowered_graphs())
-        result.cache_problems = cache_problems(runner.recorder.lowering.graphs, len(runner.kv_caches))
+        result.cache_problems = cache_problems(runner.recorder.lowering.graphs, len(runner.kv_cache.tensors))
         expected = hf_generation(model_dir, arch.reference_config)
         result.logprob_error = got.error(expected)
         if result.logprob_error <= LOGPROB_TOLERANCE:

@@ -40,7 +40,7 @@ def main() -> None:
     run = runner._run
 
     def recording_run(inputs, params, call):
-        ready = runner.ready_graphs
+        ready = runner.readiness.ready_graphs
         calls.append(
             {"graph": list(call.graph), "ready": call.graph in ready, "pending": len(ready) < len(all_graphs)}
         )
@@ -52,7 +52,9 @@ def main() -> None:
     after_first = runner.compile_progress()
     calls_during = calls[:]
     calls.clear()
-    finished = runner.background.wait(timeout=600) if runner.background is not None else True
+    finished = (
+        runner.readiness.background.wait(timeout=600) if runner.readiness.background is not None else True
+    )
     after = generate_ids(llm, request["prompts"], params)
     stats = worker.compile_stats()
     result = {

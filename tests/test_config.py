@@ -235,7 +235,7 @@ def test_state_space_models_are_refused(tmp_path, tiny_model_dir):
         engine_config(tmp_path)
 
 
-def test_readme_documents_every_variable():
+def test_configuration_doc_documents_every_variable():
     from pathlib import Path
 
     from vllm_neuron import envs

@@ -189,7 +189,7 @@ def test_every_warm_up_graph_of_the_engine_lowers_with_the_cache_in_place(llm):
     calls = [graph.label for graph in graphs]
     assert sum(call.startswith("prefill") for call in calls) == 4
     assert sum("with prefill" in call for call in calls) == 4  # the mixed calls
-    layers, kv_heads = len(runner.kv_caches), runner.kv_caches[0].shape[0] // 2
+    layers, kv_heads = len(runner.kv_cache.tensors), runner.kv_cache.tensors[0].shape[0] // 2
     for graph in graphs:
         writes = hlo_text.cache_writes(graph.stablehlo)
         assert len(writes) == layers, graph.label

@@ -1,11 +1,14 @@
 """The shape of the code: the product's modules import each other without cycles, the planning package stays
-out of serving (docs/architecture.md, "Where things live")."""
+out of serving, and no module outgrows 500 lines (docs/architecture.md, "Where things live")."""
 
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("vllm_neuron", "worker", "kv_cache", "server", "loadtest")
+MAX_LINES = 500
 # Modules that may import the planning package: the commands and models that plan, and the configuration,
 # which runs the automatic bucket policy once at start-up when asked to.
 PLANNERS = ("vllm_neuron.planning", "server.check", "loadtest", "vllm_neuron.config")
@@ -87,3 +90,13 @@ def test_serving_does_not_import_planning():
     serving = [m for m in edges if not m.startswith(PLANNERS)]
     offenders = {m: sorted(t for t in edges[m] if t.startswith("vllm_neuron.planning")) for m in serving}
     assert not {m: t for m, t in offenders.items() if t}, "serving modules import the planning package"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_module_over_the_limit(package: str):
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in (ROOT / package).rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"

@@ -24,31 +24,32 @@ def sleeping(llm) -> bool:
 def attention_caches(llm) -> list[torch.Tensor]:
     runner = model_runner(llm)
     layers = runner.vllm_config.compilation_config.static_forward_context
-    return [layers[name].kv_cache for name in runner.attention_layers]
+    return [layers[name].kv_cache for name in runner.kv_cache.layers]
 
 
 def test_level_1_frees_the_kv_cache_and_wakes_up_to_the_same_tokens_without_recompiling(llm):
     runner = model_runner(llm)
     before = generate_ids(llm, PROMPTS, greedy(12))
-    graphs, shapes = runner.recorder.num_graphs, [tuple(c.shape) for c in runner.kv_caches]
+    graphs, shapes = runner.recorder.num_graphs, [tuple(c.shape) for c in runner.kv_cache.tensors]
     weights = {name: p.detach().clone() for name, p in runner.model.named_parameters()}
-    freed = [weakref.ref(cache) for cache in runner.kv_caches]
+    freed = [weakref.ref(cache) for cache in runner.kv_cache.tensors]
 
     llm.sleep(level=1)
     try:
         assert sleeping(llm)
-        assert runner.sleeping == {"weights", "kv_cache"}
-        assert runner.kv_caches == [] and all(c.numel() == 0 for c in attention_caches(llm))
+        assert runner.sleep_mode.sleeping == {"weights", "kv_cache"}
+        assert runner.kv_cache.tensors == [] and all(c.numel() == 0 for c in attention_caches(llm))
         gc.collect()
         assert all(ref() is None for ref in freed)  # nothing else held the KV cache: its memory is free
         assert all(p.device.type == "cpu" for p in runner.model.parameters())
     finally:
         llm.wake_up()
 
-    assert not sleeping(llm) and runner.sleeping == set()
-    assert [tuple(c.shape) for c in runner.kv_caches] == shapes
-    assert [c for c in attention_caches(llm)] == list(runner.kv_caches)  # the layers hold the new caches
-    assert all(not c.any() for c in runner.kv_caches)
+    assert not sleeping(llm) and runner.sleep_mode.sleeping == set()
+    assert [tuple(c.shape) for c in runner.kv_cache.tensors] == shapes
+    caches = list(runner.kv_cache.tensors)
+    assert [c for c in attention_caches(llm)] == caches  # the layers hold the new caches
+    assert all(not c.any() for c in runner.kv_cache.tensors)
     assert all(torch.equal(p, weights[name]) for name, p in runner.model.named_parameters())
     assert generate_ids(llm, PROMPTS, greedy(12)) == before
     # The graphs took the new KV tensors as inputs (VLLM_NEURON_STRICT_SHAPES would raise on a recompile).
@@ -63,7 +64,7 @@ def test_a_request_added_while_asleep_waits_and_is_served_after_wake_up(llm):
         engine.add_request("added-while-asleep", TokensPrompt(prompt_token_ids=PROMPTS[1]), greedy(8))
         for _ in range(3):
             assert engine.step() == []  # vLLM's scheduler is paused: the request waits
-        assert runner.sleeping == {"weights", "kv_cache"}
+        assert runner.sleep_mode.sleeping == {"weights", "kv_cache"}
     finally:
         llm.wake_up()
     tokens: list[int] = []
@@ -96,7 +97,7 @@ def test_wake_up_by_tag_resumes_serving_only_when_everything_is_back(llm):
     llm.sleep(level=1)
     try:
         llm.wake_up(tags=["weights"])
-        assert runner.sleeping == {"kv_cache"} and sleeping(llm)
+        assert runner.sleep_mode.sleeping == {"kv_cache"} and sleeping(llm)
     finally:
         llm.wake_up(tags=["kv_cache"])
     assert not sleeping(llm)
@@ -113,7 +114,7 @@ def test_release_kv_cache_memory_after_a_level_0_pause(llm):
         for _ in range(2):
             llm.llm_engine.step()
         llm.release_kv_cache_memory()
-        assert runner.kv_caches == [] and runner.sleeping == {"kv_cache"}
+        assert runner.kv_cache.tensors == [] and runner.sleep_mode.sleeping == {"kv_cache"}
     finally:
         llm.wake_up(tags=["kv_cache"])
     assert generate_ids(llm, PROMPTS[:2], greedy(6)) == expected
@@ -127,7 +128,7 @@ def test_level_2_discards_the_weights_and_serves_again_once_they_are_reloaded(ll
 
     llm.sleep(level=2)
     try:
-        assert runner.sleeping == {"weights", "kv_cache"}
+        assert runner.sleep_mode.sleeping == {"weights", "kv_cache"}
         assert all(p.numel() == 0 for p in runner.model.parameters())  # discarded, in CPU mode too
         llm.wake_up(tags=["weights"])
         assert all(not p.any() for p in runner.model.parameters())  # back in place, not loaded yet

@@ -28,11 +28,11 @@ def test_the_runner_closes_its_trace_at_shutdown(llm, tmp_path):
     from tests.test_engine import generate_ids, greedy
 
     runner = model_runner(llm)
-    assert runner.trace is None  # the shared engine traces nothing
-    trace = runner.trace = StepTrace(str(tmp_path / "steps.jsonl"))
+    assert runner.step_metrics.trace is None  # the shared engine traces nothing
+    trace = runner.step_metrics.trace = StepTrace(str(tmp_path / "steps.jsonl"))
     try:
         generate_ids(llm, [[11, 12, 13]], greedy(3))
     finally:
         runner.shutdown()  # what NeuronWorker.shutdown calls; the engine serves on, untraced
-    assert trace._file.closed and runner.trace is None
+    assert trace._file.closed and runner.step_metrics.trace is None
     assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == 3

@@ -116,13 +116,13 @@ def test_every_warm_up_graph_of_the_engine_runs_through_xla_with_its_caches_in_p
     runner = model_runner(llm)
     graphs = runner.recorder.lowering.graphs
     assert len(graphs) == EXPECTED_GRAPHS
-    layer_bytes = runner.kv_caches[0].numel() * runner.kv_caches[0].element_size()
+    layer_bytes = runner.kv_cache.tensors[0].numel() * runner.kv_cache.tensors[0].element_size()
     weights = {parameter.data_ptr() for parameter in runner.model.parameters()}
     for graph in graphs:
         compiled = graph.compiled
         assert compiled is not None, graph.label
         assert compiled.problems == [], (graph.label, compiled.problems)
-        assert compiled.memory.alias >= layer_bytes * len(runner.kv_caches)
+        assert compiled.memory.alias >= layer_bytes * len(runner.kv_cache.tensors)
         assert compiled.memory.temp < layer_bytes
         assert compiled.cost.flops > 0
         # Weights reached XLA as views of the engine's tensors, never copied per call.

@@ -11,11 +11,22 @@ same forward context), so they share each request's block table. Its graphs have
 So each bucket shape compiles one graph for the target and one for the draft, both at warm-up.
 """
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from vllm.forward_context import ForwardContext, override_forward_context
+from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+from vllm_neuron import device as neuron_device
+from vllm_neuron.calls import Call, plan_step
+from worker.call_inputs import CallInputs, Chunk
+from worker.call_planner import CallPlanner
+from worker.input_batch import PersistentBatch
+from worker.readiness import Readiness
+from worker.step_state import RunningStep
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,3 +60,46 @@ class DraftForward(torch.nn.Module):
             hidden = self.model(input_ids=input_ids, positions=positions)
             logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         return logits.argmax(dim=-1)
+
+
+def propose(
+    step: RunningStep,
+    sampled_ids: list[list[int]],
+    batch: PersistentBatch,
+    speculating: list[bool],
+    planner: CallPlanner,
+    readiness: Readiness,
+    run_draft: Callable[[Call, CallInputs], torch.Tensor],
+) -> DraftTokenIds:
+    """The draft model's greedy drafts for the step's rows that sampled a token and may speculate: decode
+    calls of the draft alone (`run_draft`), the first from each row's newest token, each next from the draft
+    before, up to the scheduler's number of drafts and the model's length. The scheduler reserved KV slots
+    for them (vLLM's lookahead tokens); the draft's cache already holds every earlier position."""
+    input_batch = batch.batch
+    assert input_batch.req_ids == step.req_ids, "the batch changed between a step and its drafts"
+    wanted = step.scheduler_output.num_spec_tokens_to_schedule
+    max_model_len = batch.max_model_len
+    drafts: list[list[int]] = [[] for _ in step.req_ids]
+    newest: dict[int, int] = {}  # batch row -> its newest token's position
+    for row in range(len(step.req_ids)):
+        position = int(input_batch.num_tokens_no_spec[row]) - 1
+        if sampled_ids[row] and speculating[row] and position < max_model_len - 1:
+            newest[row] = position
+    ready = readiness.ready_graphs if readiness.staging else None
+    for index in range(wanted):
+        rows = [row for row, position in newest.items() if position + index < max_model_len - 1]
+        chunks = [
+            Chunk(
+                np.array([drafts[row][-1] if index else input_batch.token_ids_cpu[row, newest[row]]]),
+                newest[row] + index,
+                batch.block_table[row],
+            )
+            for row in rows
+        ]
+        contexts = [chunk.start + 1 for chunk in chunks]
+        for plan in plan_step(contexts, [], planner.buckets, planner.block_size, ready):
+            inputs = planner.inputs(plan.call, [], [chunks[j] for j in plan.decode_rows])
+            tokens = neuron_device.to_host(run_draft(plan.call, inputs)[: len(plan.decode_rows)])
+            for j, token in zip(plan.decode_rows, tokens.tolist(), strict=True):
+                drafts[rows[j]].append(token)
+    return DraftTokenIds(list(step.req_ids), drafts)

@@ -97,7 +97,7 @@ class NeuronWorker(WorkerBase):
 
     def compile_stats(self) -> dict[str, object]:
         """This rank's compiled graphs and recompiles after warm-up (collective_rpc("compile_stats"))."""
-        recorder, caches = self.model_runner.recorder, self.model_runner.kv_caches
+        recorder, caches = self.model_runner.recorder, self.model_runner.kv_cache.tensors
         return {
             "rank": self.rank,
             "graphs": recorder.num_graphs,
@@ -133,9 +133,10 @@ class NeuronWorker(WorkerBase):
         )
 
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput | None":
-        if self.model_runner.sleeping and scheduler_output.total_num_scheduled_tokens:
+        sleeping = self.model_runner.sleep_mode.sleeping
+        if sleeping and scheduler_output.total_num_scheduled_tokens:
             raise RuntimeError(
-                f"a step was scheduled while sleep mode holds {sorted(self.model_runner.sleeping)}: "
+                f"a step was scheduled while sleep mode holds {sorted(sleeping)}: "
                 "wake_up() first (vLLM pauses its scheduler while the engine sleeps)"
             )
         return self.model_runner.execute_model(scheduler_output)

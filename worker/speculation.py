@@ -24,6 +24,7 @@ from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm_neuron import sampling
 from worker import sampling_rows
 from worker.sampling_rows import RowSampling
+from worker.step_state import RunningStep, ToHost
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,3 +110,41 @@ class Drafter:
     def take(self) -> DraftTokenIds | None:
         drafts, self._drafts = self._drafts, None
         return drafts
+
+
+def accept_drafts(
+    step: RunningStep,
+    sampled_ids: list[list[int]],
+    to_host: ToHost,
+    speculating: list[bool],
+    greedy: list[bool],
+    generators: dict[int, torch.Generator],
+) -> None:
+    """Verify rows' tokens in place of their one token: a greedy row's drafts equal to the target's token,
+    then the target's token (accepted_tokens); a random row's drafts accepted by their probability, then the
+    target's token drawn without the first rejected one (accepted_sampled). `speculating`, `greedy`: per
+    batch row; a request that may not speculate got no drafts, and its one token stands."""
+    for call_index, out in enumerate(step.outputs):
+        if out.queries == 1:
+            continue
+        targets = to_host(out.all_queries(out.token_ids)).numpy()
+        draft_probs = None
+        for index, row in enumerate(out.batch_rows):
+            row_drafts = step.drafts.get(row)
+            if not row_drafts or not speculating[row]:
+                continue
+            if greedy[row]:
+                sampled_ids[row] = accepted_tokens(row_drafts, targets[index])
+                continue
+            if draft_probs is None:
+                draft_probs = to_host(out.all_queries(out.draft_probs)).numpy()
+            row_targets, row_probs = targets[index], draft_probs[index]
+            if (row_targets[: len(row_drafts) + 1] == sampling.NO_TOKEN).any():
+                # A top-p cut beyond the graph's candidates: the row's queries again over the whole
+                # vocabulary, with their own parameters and draws.
+                queries = slice(index * out.queries, (index + 1) * out.queries)
+                logits = to_host(out.logits[queries]).float()
+                params = to_host(step.planned[call_index].params[queries])
+                done = sampling.sample(logits, params, candidates=logits.shape[-1])
+                row_targets, row_probs = done.token_ids.numpy(), done.draft_probs.numpy()
+            sampled_ids[row] = accepted_sampled(row_drafts, row_targets, row_probs, generators.get(row, True))

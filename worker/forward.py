@@ -1,0 +1,120 @@
+"""What a call runs: the model forward and its sampler, compiled once per bucket shape (and, with a draft
+model, the draft's forward beside it), and the forward context every attention layer reads."""
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.forward_context import ForwardContext, create_forward_context, override_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader import get_model
+
+from kv_cache.backend import NeuronAttentionMetadata
+from vllm_neuron import envs, fused_moe, sampling
+from vllm_neuron.compiler import compile as neuron_compile
+from worker import draft_model
+from worker.call_inputs import CallInputs
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger("vllm.vllm_neuron.forward")
+
+
+class ForwardAndSample(torch.nn.Module):
+    """What gets compiled: the model forward, the logits of the rows we keep, and a token sampled from each
+    (with each row's parameters, vllm_neuron/sampling.py). The logits stay on the device unless a step needs
+    vLLM's host sampler."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        sampling_params: torch.Tensor,
+        forward_context: ForwardContext,
+    ) -> tuple[torch.Tensor, ...]:
+        # vLLM's layers read the forward context from a global; set here, in the traced code, dynamo takes
+        # the attention metadata from this argument, so serving and a background compile, in two threads,
+        # each run with their own.
+        with override_forward_context(forward_context):
+            hidden = self.model(input_ids=input_ids, positions=positions)
+            logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        sampled = sampling.sample(logits, sampling_params)
+        return (
+            logits,
+            sampled.token_ids,
+            sampled.logprob_token_ids,
+            sampled.logprobs,
+            sampled.ranks,
+            sampled.draft_probs,
+        )
+
+
+class CompiledModel:
+    """The target model, and the draft model with speculative decoding's draft_model method, loaded by vLLM
+    and compiled through one compile recorder (vllm_neuron/compiler/compile.py) with `num_graphs` graphs
+    each."""
+
+    def __init__(
+        self, vllm_config: "VllmConfig", backend: str, num_graphs: int, compile_workers: int, tp_rank: int
+    ) -> None:
+        start = time.perf_counter()
+        self.vllm_config = vllm_config
+        fused_moe.register()  # before vLLM builds the model's MoE layers
+        self.model = get_model(vllm_config=vllm_config)
+        dump_dir = envs.VLLM_NEURON_DUMP_GRAPHS
+        if dump_dir and vllm_config.parallel_config.tensor_parallel_size > 1:
+            dump_dir = f"{dump_dir}/rank-{tp_rank}"
+        self.step, self.recorder = neuron_compile.compile_static(
+            ForwardAndSample(self.model),
+            backend,
+            num_graphs,
+            strict=envs.VLLM_NEURON_STRICT_SHAPES,
+            dump_dir=Path(dump_dir) if dump_dir else None,
+            compile_workers=compile_workers,
+        )
+        speculative = vllm_config.speculative_config
+        self.draft_model: torch.nn.Module | None = None
+        self.draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            self.draft_model = draft_model.load_draft_model(vllm_config)
+            self.draft, _ = neuron_compile.compile_static(
+                draft_model.DraftForward(self.draft_model), backend, num_graphs, recorder=self.recorder
+            )
+        # The layers whose KV cache a call's metadata describes (the draft model's too): set once the cache is
+        # bound to them.
+        self.attention_layers: list[str] = []
+        logger.info("Model loaded in %.1f s", time.perf_counter() - start)
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        return [self.model, *([self.draft_model] if self.draft_model is not None else [])]
+
+    def forward(self, inputs: CallInputs, params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The compiled model and sampler on one call's inputs, then the draft model's on the same inputs
+        (its KV cache follows the target's); the outputs (ForwardAndSample's) stay on the device."""
+        outputs = self.step(
+            inputs.input_ids, inputs.positions, inputs.logits_indices, params, self._context(inputs.metadata)
+        )
+        if self.draft is not None:
+            self.draft_tokens(inputs)
+        return outputs
+
+    def draft_tokens(self, inputs: CallInputs) -> torch.Tensor:
+        """The compiled draft model on a call's inputs: each logits row's greedy token, on the device."""
+        return self.draft(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.logits_indices,
+            self._context(inputs.metadata.without_masks()),
+        )
+
+    def _context(self, metadata: NeuronAttentionMetadata) -> ForwardContext:
+        # Every attention layer, the draft model's too, reads the call's metadata: they share block tables.
+        return create_forward_context(dict.fromkeys(self.attention_layers, metadata), self.vllm_config)

@@ -1,0 +1,66 @@
+"""What each served step leaves on /metrics (vllm_neuron:* series) and in the step trace
+(VLLM_NEURON_STEP_TRACE): its parts' seconds, the bytes it copied to the host, where it sampled, and the KV
+blocks and device memory in use. Only the driver rank (TP rank 0) records, so that Prometheus counters count
+steps once, not once per rank."""
+
+import numpy as np
+
+from kv_cache import layout
+from vllm_neuron import device as neuron_device
+from vllm_neuron import envs, metrics
+from worker.step_state import RunningStep
+from worker.step_trace import StepTrace
+
+
+class StepMetrics:
+    def __init__(self, records_traffic: bool) -> None:
+        self.records_traffic = records_traffic
+        path = envs.VLLM_NEURON_STEP_TRACE
+        self.trace = StepTrace(path) if path and records_traffic else None
+        self._memory_sampled_at = 0.0
+
+    def record(self, step: RunningStep) -> None:
+        """The step's parts on /metrics and in the step trace."""
+        figures = step.figures
+        if figures is None:  # warm-up, or a rank that records no traffic
+            return
+        host = figures.sampled_on_host
+        parts = {
+            "prepare": step.prepare_seconds,
+            "forward": step.forward_seconds,
+            "sample": figures.sample_seconds,
+        }
+        parts |= {"schedule": step.schedule_seconds, "host": figures.host_seconds}
+        for part, seconds in parts.items():
+            if seconds is not None:
+                metrics.STEP_SECONDS.labels(part=part).observe(seconds)
+        metrics.DEVICE_TO_HOST_BYTES.observe(figures.to_host_bytes)
+        metrics.SAMPLED_STEPS.labels(sampler="host" if host else "device").inc()
+        if self.trace is not None:
+            self.trace.record(
+                step.started,
+                figures.ended,
+                [str(item.call) for item in step.planned],
+                decode_rows=sum(item.call.rows for item in step.planned),  # verify rows too
+                prefill_tokens=sum(item.call.tokens for item in step.planned),
+                prepare_s=step.prepare_seconds,
+                forward_s=step.forward_seconds,
+                sample_s=figures.sample_seconds,
+                host_s=figures.host_seconds,
+                to_host_bytes=figures.to_host_bytes,
+                sampler="host" if host else "device",
+            )
+
+    def sample_usage(self, now: float, block_table: np.ndarray) -> None:
+        """KV blocks held by the batch's requests (`block_table`: their rows), and device memory (at most
+        once a second)."""
+        metrics.KV_BLOCKS_USED.set(len(np.unique(block_table[block_table != layout.NULL_BLOCK])))
+        if now - self._memory_sampled_at >= 1.0:
+            self._memory_sampled_at = now
+            metrics.DEVICE_MEMORY_USED.set(neuron_device.memory_in_use())
+            metrics.sample_process("engine")
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None

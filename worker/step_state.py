@@ -1,0 +1,120 @@
+"""A step's state between execute_model and its output, shared by the runner's parts: its planned calls,
+their outputs on the device, and the figures /metrics and the step trace get."""
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from vllm.v1.outputs import ModelRunnerOutput
+
+from vllm_neuron import device as neuron_device
+from vllm_neuron.calls import Call
+from worker.call_inputs import CallInputs
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+
+
+@dataclass
+class CallOutputs:
+    """A compiled call's outputs (device tensors), for the batch rows its first rows are."""
+
+    batch_rows: list[int]
+    logits: torch.Tensor
+    token_ids: torch.Tensor
+    logprob_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    draft_probs: torch.Tensor
+    queries: int = 1  # logits rows a batch row has (a verify call's: its last token's, then its drafts')
+
+    def real(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The batch rows' outputs: of each row's first query (a verify row's last token)."""
+        return tensor[: len(self.batch_rows) * self.queries : self.queries]
+
+    def all_queries(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[batch rows, queries, ...]: every query's output (a verify call's)."""
+        rows = len(self.batch_rows)
+        return tensor[: rows * self.queries].view(rows, self.queries, *tensor.shape[1:])
+
+
+class ToHost:
+    """Device-to-host copies of one step, counted in bytes."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes += tensor.numel() * tensor.element_size()
+        return neuron_device.to_host(tensor)
+
+
+@dataclass
+class PlannedCall:
+    """One compiled call of a step, its inputs on the device, and the batch rows of its first logits rows."""
+
+    call: Call
+    inputs: CallInputs
+    params: torch.Tensor
+    batch_rows: list[int]
+    # Decode rows whose token is the previous step's sample, not yet on the host when the call was prepared:
+    # (index in input_ids, request id), filled in on the device thread.
+    fills: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass
+class StepFigures:
+    ended: float  # time.perf_counter() when the output was made
+    sample_seconds: float
+    host_seconds: float | None  # the device's idle time since the previous step's calls (None: not after one)
+    to_host_bytes: int
+    sampled_on_host: bool
+
+
+@dataclass
+class RunningStep:
+    """A step from execute_model until its output is made: its calls run (on the device thread with async
+    scheduling), then sample_tokens or, with async scheduling, the engine or the next step asks for its
+    output (the grammar bitmask arrives in between). Times are time.perf_counter()."""
+
+    scheduler_output: "SchedulerOutput"
+    planned: list[PlannedCall]
+    partial_prefill_rows: list[int]
+    # The batch as the step was prepared (the next step may update it before this one's output is made).
+    req_ids: list[str]
+    host_rows: list[bool]  # rows that need vLLM's host sampler: their logits come to the host
+    num_logprobs: int | None  # the most logprobs a row asks for (None: no row asks)
+    started: float  # execute_model
+    schedule_seconds: float | None  # the engine's time since the previous step (None: it may have idled)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> the draft tokens it verifies
+    prepare_seconds: float = 0.0
+    outputs: list[CallOutputs] | Future = field(default_factory=list)  # in call order: later rows win
+    forward_seconds: float = 0.0
+    device_started: float = 0.0
+    device_ended: float = 0.0
+    grammar_output: "GrammarOutput | None" = None
+    result: ModelRunnerOutput | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    figures: StepFigures | None = None  # what /metrics and the step trace get, once the output is made
+    tokens: np.ndarray | None = None  # each row's token, once the output is made
+    tokens_ready: threading.Event = field(default_factory=threading.Event)  # set then (or on failure)
+    # The step still running when this one was prepared, and its outputs: fills come from them.
+    previous: "RunningStep | None" = None
+    previous_outputs: "list[CallOutputs] | Future | None" = None
+
+    @property
+    def host_bound(self) -> bool:
+        return any(self.host_rows)
+
+
+def final_rows(outputs: list[CallOutputs]) -> dict[int, tuple[int, int]]:
+    """Batch row -> (call, row in the call) of the call whose sample is the row's: the last one (a prompt's
+    sub-chunks each sample its row; the last part gives its token)."""
+    final = {}
+    for call_index, out in enumerate(outputs):
+        for j, row in enumerate(out.batch_rows):
+            final[row] = (call_index, j * out.queries)  # a verify row's first query
+    return final
