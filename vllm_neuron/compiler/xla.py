@@ -154,6 +154,7 @@ class Program:
         # One call at a time donates a cache: a background compile's first run (staged readiness) and a
         # serving step share the caches, and a donated buffer is gone until its call returns it.
         with _donating:
+            donated = {}
             for parameter in self._donated:
                 memory = _caches.get(args[parameter].data_ptr())
                 if memory is None:
@@ -161,11 +162,11 @@ class Program:
                         f"argument {parameter} is updated in place but XLA does not own its memory: allocate "
                         "it with vllm_neuron.compiler.xla.allocate_zeros"
                     )
-                inputs[parameter] = memory.array
+                inputs[parameter], donated[parameter] = memory.array, memory
             results = self._executable.execute_sharded(inputs).disassemble_into_single_device_arrays()
             outputs = [arrays[0] for arrays in results]
             for parameter, output in self._donated.items():
-                memory, array = _caches[args[parameter].data_ptr()], outputs[output]
+                memory, array = donated[parameter], outputs[output]
                 if array.unsafe_buffer_pointer() != memory.address:
                     raise CacheNotOwnedError(
                         f"XLA wrote argument {parameter}'s update to a new buffer instead of in place"

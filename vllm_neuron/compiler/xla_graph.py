@@ -67,6 +67,7 @@ class CompiledGraph:
         return found
 
     def summary(self) -> dict[str, object]:
+        problems = self.problems
         return {
             "xla_compile_seconds": round(self.seconds, 3),
             "flops": self.cost.flops,
@@ -75,8 +76,8 @@ class CompiledGraph:
             "alias_bytes": self.memory.alias,
             "temp_bytes": self.memory.temp,
             "cache_bytes": sum(self.cache_bytes),
-            "caches_in_place": not self.problems,
-            "cache_problems": self.problems,
+            "caches_in_place": not problems,
+            "cache_problems": problems,
             "trn2_estimate_ms": round(self.trn2_seconds * 1e3, 4),
             "trn2_bound": self.bound,
             "minimum_bytes": self.minimum_bytes,
