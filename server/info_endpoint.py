@@ -84,13 +84,13 @@ def _registry_totals(names: tuple[str, ...]) -> list[float]:
 
 def describe(vllm_config) -> dict[str, Any]:
     """What this server runs, from the engine's resolved configuration."""
-    neuron_config = NeuronConfig.from_vllm_config(vllm_config)
+    neuron_config = NeuronConfig.of(vllm_config)
     buckets = neuron_config.buckets
     cache = vllm_config.cache_config
     scheduler = vllm_config.scheduler_config
     return {
         "device_mode": device.mode(),
-        "compile_backend": device.compile_backend(),
+        "compile_backend": neuron_config.compile_backend,
         "model": vllm_config.model_config.served_model_name,
         "dtype": str(vllm_config.model_config.dtype).removeprefix("torch."),
         "max_model_len": vllm_config.model_config.max_model_len,

@@ -1,4 +1,12 @@
-"""NeuronConfig: the plugin's settings from --additional-config and VLLM_NEURON_* variables, checked once."""
+"""NeuronConfig: the plugin's settings from --additional-config and VLLM_NEURON_* variables, resolved once.
+
+The platform's check of each VllmConfig (`NeuronPlatform.check_and_update_config`) resolves them: the bucket
+policy, the environment's overrides, the defaults of the device, the checks. It writes the result back as the
+config's `additional_config`, a `ResolvedSettings`: the resolved keys, what vLLM's config hash, the logs and a
+fresh engine given them again see, and the `NeuronConfig` itself, which travels with the VllmConfig to the
+engine core and worker processes (pickled with it). Everything else reads it back with `NeuronConfig.of`,
+which re-derives nothing.
+"""
 
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -51,12 +59,34 @@ class NeuronConfigError(ValueError):
 
 @dataclass(frozen=True)
 class NeuronConfig:
+    """The resolved settings (see the module docstring): resolved once per VllmConfig by `resolve_for`, read
+    back with `of`."""
+
     buckets: BucketConfig
     block_size: int
-    prefill_tokens_while_decoding: int
+    prefill_tokens_while_decoding: int  # the prefill share (vllm_neuron/prefill_share.py); 0: no cap
+    compile_backend: str  # the torch.compile backend of the model step (device.compile_backend)
+
+    @classmethod
+    def of(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
+        """The settings the platform resolved for this VllmConfig, in any of the engine's processes."""
+        settings = vllm_config.additional_config
+        if not isinstance(settings, ResolvedSettings):
+            raise NeuronConfigError(
+                "the Neuron plugin's settings were not resolved for this engine configuration: "
+                "NeuronPlatform.check_and_update_config resolves them when vLLM builds a VllmConfig"
+            )
+        return settings.neuron_config
 
     @classmethod
     def from_vllm_config(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
+        """Deprecated: `of` (kept for worker/model_runner.py until it calls `of`)."""
+        return cls.of(vllm_config)
+
+    @classmethod
+    def resolve_for(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
+        """Resolve the settings of a VllmConfig from its --additional-config: the platform's check only;
+        everything else reads the result back with `of`."""
         speculative = vllm_config.speculative_config
         verify_tokens = 1 + speculative.num_speculative_tokens if speculative is not None else 0
         return cls.resolve(
@@ -67,8 +97,9 @@ class NeuronConfig:
     def resolve(
         cls, additional: dict[str, Any], limits: dict[str, int], verify_tokens: int = 0
     ) -> "NeuronConfig":
-        """The settings from --additional-config's keys and the engine's limits (engine_limits);
-        `verify_tokens`: with speculative decoding, 1 + its draft tokens (verify calls' queries a row)."""
+        """The settings from --additional-config's keys, the engine's limits (engine_limits) and the
+        environment (bucket overrides, the compile backend); `verify_tokens`: with speculative decoding,
+        1 + its draft tokens (verify calls' queries a row)."""
         accepted = {*BUCKET_SETTINGS, *POLICY_SETTINGS, INTERLEAVE_SETTING, MIXED_SETTING}
         unknown = sorted(set(additional) - accepted)
         if unknown:
@@ -104,14 +135,19 @@ class NeuronConfig:
             validate_buckets(buckets, **limits)
         except BucketError as err:
             raise NeuronConfigError(f"invalid Neuron bucket configuration: {err}") from None
+        try:
+            compile_backend = neuron_device.compile_backend()
+        except ValueError as err:
+            raise NeuronConfigError(str(err)) from None
         return cls(
             buckets=buckets,
             block_size=limits["block_size"],
             prefill_tokens_while_decoding=interleave,
+            compile_backend=compile_backend,
         )
 
     def as_additional_config(self) -> dict[str, Any]:
-        """The resolved settings, written back so every process and the logs see the same ones."""
+        """The resolved settings as --additional-config keys: what every process and the logs see."""
         return {
             "prefill_buckets": list(self.buckets.prefill_tokens),
             "decode_batch_buckets": list(self.buckets.decode_batch),
@@ -120,6 +156,17 @@ class NeuronConfig:
             INTERLEAVE_SETTING: self.prefill_tokens_while_decoding,
             MIXED_SETTING: list(self.buckets.mixed_batch),
         }
+
+
+class ResolvedSettings(dict):
+    """A VllmConfig's `additional_config` once the platform resolved it: the resolved settings as keys
+    (`NeuronConfig.as_additional_config`), and `neuron_config`, the resolved NeuronConfig itself. A plain
+    dict to vLLM (its config hash, its logs); pickled with the VllmConfig into the engine core and worker
+    processes, attribute included. A copy made with dict() is user input again: resolved afresh."""
+
+    def __init__(self, neuron_config: NeuronConfig) -> None:
+        super().__init__(neuron_config.as_additional_config())
+        self.neuron_config = neuron_config
 
 
 def engine_limits(vllm_config: "VllmConfig") -> dict[str, int]:

@@ -148,7 +148,9 @@ PLUGIN_BACKENDS = ("stablehlo", "xla", "lower-only", "none")
 
 
 def compile_backend() -> str:
-    """The torch.compile backend for the model step ("none" means run uncompiled)."""
+    """The torch.compile backend for the model step ("none" means run uncompiled), from
+    VLLM_NEURON_COMPILE_BACKEND and the device mode, checked. Resolved once, with the rest of the settings
+    (`NeuronConfig.resolve`): everything else reads `NeuronConfig.compile_backend`."""
     chosen = envs.VLLM_NEURON_COMPILE_BACKEND
     if not chosen:
         return "neuron" if mode() == "neuron" else "eager"

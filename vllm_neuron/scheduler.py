@@ -26,9 +26,7 @@ class PrefillShare:
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        self.prefill_tokens_while_decoding = NeuronConfig.from_vllm_config(
-            vllm_config
-        ).prefill_tokens_while_decoding
+        self.prefill_tokens_while_decoding = NeuronConfig.of(vllm_config).prefill_tokens_while_decoding
         self.full_token_budget = self.max_num_scheduled_tokens
         # With speculative decoding a decoding request is scheduled its last token and its draft tokens.
         speculative = vllm_config.speculative_config

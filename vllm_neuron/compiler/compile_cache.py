@@ -81,7 +81,7 @@ def key_fields(
         # neuronx-cc's own options (optimisation level, target, ...) change the NEFFs it writes.
         "neuron_cc_flags": os.environ.get("NEURON_CC_FLAGS", ""),
         "device_mode": device.mode(),
-        "compile_backend": device.compile_backend(),
+        "compile_backend": neuron_config.compile_backend,
         "versions": device.versions(),
     }
 
