@@ -130,7 +130,7 @@ def test_mixed_calls(tiny_model_dir, additional_config, mixed_batch, graphs):
 @pytest.mark.parametrize(
     ("additional_config", "expected"),
     [
-        ({"prefill_buckets": [32, 64, 128]}, 16),  # rides in the decode call: device.mixed_chunk_tokens()
+        ({"prefill_buckets": [32, 64, 128]}, 16),  # rides in the decode call: mixed_call_prefill_share()
         ({"prefill_buckets": [8]}, 8),  # at most the largest prefill bucket
         # Mixed calls off: the chunk's own call; the smallest prefill bucket of at least 48 ...
         ({"prefill_buckets": [32, 64, 128], "mixed_batch_buckets": []}, 64),

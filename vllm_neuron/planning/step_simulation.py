@@ -55,7 +55,7 @@ class SchedulerModel:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, prefill_tokens_while_decoding: int):
         self.max_num_seqs = max_num_seqs
         self.full_budget = max_num_batched_tokens
-        self.share = prefill_tokens_while_decoding
+        self.prefill_tokens_while_decoding = prefill_tokens_while_decoding
         self.requests: dict[Hashable, _Request] = {}
         self.waiting: deque[Hashable] = deque()
         self.running: list[Hashable] = []  # admission order
@@ -100,17 +100,21 @@ class SchedulerModel:
     def _schedule(self) -> list[tuple[Hashable, int]]:
         """(request, tokens) of the next step, in batch order."""
         decoding = sum(1 for key in self.running if self.requests[key].decoding)
-        cap = prefill_share(
-            decoding, self.in_flight - decoding, self.max_num_seqs, self.share, self.full_budget
+        share = prefill_share(
+            decoding,
+            self.in_flight - decoding,
+            self.max_num_seqs,
+            self.prefill_tokens_while_decoding,
+            self.full_budget,
         )
         # As NeuronScheduler does: the step's budget leaves the decode rows theirs, and every chunk is capped
         # too (long_prefill_token_threshold), so a chunk ahead of decoding requests cannot take their tokens.
-        budget = min(self.full_budget, decoding + cap) if cap else self.full_budget
+        budget = min(self.full_budget, decoding + share) if share else self.full_budget
         scheduled: list[tuple[Hashable, int]] = []
 
         def take(key: Hashable, wanted: int) -> None:
             nonlocal budget
-            count = min(wanted, cap or wanted, budget)
+            count = min(wanted, share or wanted, budget)
             scheduled.append((key, count))
             budget -= count
 
