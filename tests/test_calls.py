@@ -6,12 +6,12 @@ from vllm_neuron.calls import Call, CallPlan, plan_step
 BLOCK_SIZE = 32
 # The suite's engine buckets (tests/conftest.py), mixed calls for batch buckets 1 and 2 with 64-token chunks.
 BUCKETS = BucketConfig(
-    prefill_tokens=(32, 64),
-    decode_batch=(1, 2, 4),
-    context_tokens=(128, 256),
+    prefill_buckets=(32, 64),
+    decode_batch_buckets=(1, 2, 4),
+    context_buckets=(128, 256),
     page_tokens=128,
-    mixed_tokens=64,
-    mixed_batch=(1, 2),
+    mixed_chunk_bucket=64,
+    mixed_batch_buckets=(1, 2),
 )
 
 

@@ -122,8 +122,8 @@ def test_mixed_calls(tiny_model_dir, additional_config, mixed_batch, graphs):
     config = engine_config(tiny_model_dir, additional_config=buckets | additional_config)
     resolved = NeuronConfig.of(config).buckets
     assert config.additional_config["mixed_batch_buckets"] == mixed_batch
-    assert resolved.mixed_batch == tuple(mixed_batch)
-    assert resolved.mixed_tokens == (16 if mixed_batch else 0)  # the chunk the cap (16) lets through
+    assert resolved.mixed_batch_buckets == tuple(mixed_batch)
+    assert resolved.mixed_chunk_bucket == (16 if mixed_batch else 0)  # the prefill share's chunk (16)
     assert resolved.num_graphs == graphs
 
 

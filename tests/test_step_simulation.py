@@ -18,12 +18,12 @@ LIMITS = dict(
     max_num_seqs=ENGINE_KWARGS["max_num_seqs"], max_num_batched_tokens=ENGINE_KWARGS["max_num_batched_tokens"]
 )
 BUCKETS = BucketConfig(
-    prefill_tokens=tuple(SETTINGS["prefill_buckets"]),
-    decode_batch=tuple(SETTINGS["decode_batch_buckets"]),
-    context_tokens=tuple(SETTINGS["context_buckets"]),
+    prefill_buckets=tuple(SETTINGS["prefill_buckets"]),
+    decode_batch_buckets=tuple(SETTINGS["decode_batch_buckets"]),
+    context_buckets=tuple(SETTINGS["context_buckets"]),
     page_tokens=decode_page_tokens(DEFAULT_BLOCK_SIZE),
-    mixed_tokens=SHARE,
-    mixed_batch=light_load_batches(SETTINGS["decode_batch_buckets"], LIMITS["max_num_seqs"]),
+    mixed_chunk_bucket=SHARE,
+    mixed_batch_buckets=light_load_batches(SETTINGS["decode_batch_buckets"], LIMITS["max_num_seqs"]),
 )
 
 
@@ -49,13 +49,18 @@ def test_stock_scheduling_or_no_mixed_calls_would_not_match():
     """What the policy simulated before: vLLM's scheduler without the light-load share, and a capped chunk
     as a call of its own."""
     stock = simulated(
-        ARRIVALS, len(EXPECTED), share=0, buckets=replace(BUCKETS, mixed_tokens=0, mixed_batch=())
+        ARRIVALS,
+        len(EXPECTED),
+        share=0,
+        buckets=replace(BUCKETS, mixed_chunk_bucket=0, mixed_batch_buckets=()),
     )
     assert stock[1] == [
         Call.decode(rows=1, batch=1, context=128),
         Call.prefill(tokens=44, token_bucket=64, context=128, start=56),
     ]
-    separate = simulated(ARRIVALS, len(EXPECTED), buckets=replace(BUCKETS, mixed_tokens=0, mixed_batch=()))
+    separate = simulated(
+        ARRIVALS, len(EXPECTED), buckets=replace(BUCKETS, mixed_chunk_bucket=0, mixed_batch_buckets=())
+    )
     assert separate[5] == [
         Call.decode(rows=1, batch=1, context=128),
         Call.prefill(tokens=57, token_bucket=64, context=256, start=93),

@@ -137,13 +137,13 @@ def plan_step(
 
     Decode rows run in calls of at most the largest batch bucket, each call the smallest shape that holds
     its rows; the first of those whose mixed graph exists takes along the first chunk of at most
-    `buckets.mixed_tokens` tokens. The other chunks are packed into prefill calls by `pack_prefill`, up to
-    the largest token bucket over the largest context, each call the smallest shape that holds it."""
+    `buckets.mixed_chunk_bucket` tokens. The other chunks are packed into prefill calls by `pack_prefill`,
+    up to the largest token bucket over the largest context, each call the smallest shape that holds it."""
     phase: Phase = "verify" if verify else "decode"
     decode_shapes = _usable(buckets.verify_shapes() if verify else buckets.decode_shapes(), phase, ready)
     plans: list[CallPlan] = []
-    mixed_tokens = 0 if verify else buckets.mixed_tokens
-    rider = next((i for i, (_, length) in enumerate(chunks) if length <= mixed_tokens), None)
+    chunk_bucket = 0 if verify else buckets.mixed_chunk_bucket
+    rider = next((i for i, (_, length) in enumerate(chunks) if length <= chunk_bucket), None)
     taken = None
     for rows, call in _decode_calls(decode_contexts, decode_shapes, buckets):
         if verify:
@@ -160,12 +160,12 @@ def plan_step(
         ):
             taken = rider
             start, length = chunks[rider]
-            call = call.with_chunk(length, start, buckets.mixed_tokens, buckets.context_tokens[-1])
+            call = call.with_chunk(length, start, buckets.mixed_chunk_bucket, buckets.context_buckets[-1])
             plans.append(CallPlan(call, rows, ((rider, start, length),)))
             continue
         plans.append(CallPlan(call, rows))
     prefill_shapes = _usable(buckets.prefill_shapes(), "prefill", ready)
-    largest_context = buckets.context_tokens[-1]
+    largest_context = buckets.context_buckets[-1]
     remaining = [index for index in range(len(chunks)) if index != taken]
     packed_calls = pack_prefill(
         [chunks[index] for index in remaining],

@@ -110,10 +110,10 @@ class NeuronConfig:
             )
         defaults = _policy_buckets(additional, limits)
         chosen = {
-            "prefill_buckets": defaults.prefill_tokens,
-            "decode_batch_buckets": defaults.decode_batch,
-            "context_buckets": defaults.context_tokens,
-            "decode_context_buckets": defaults.decode_context_tokens,
+            "prefill_buckets": defaults.prefill_buckets,
+            "decode_batch_buckets": defaults.decode_batch_buckets,
+            "context_buckets": defaults.context_buckets,
+            "decode_context_buckets": defaults.decode_context_buckets,
         }
         for key, env_name in BUCKET_SETTINGS.items():
             from_env = getattr(envs, env_name)
@@ -123,10 +123,10 @@ class NeuronConfig:
                     raise NeuronConfigError(f"{key} must be a list of integers, got {value!r}")
                 chosen[key] = tuple(value)
         buckets = BucketConfig(
-            prefill_tokens=chosen["prefill_buckets"],
-            decode_batch=chosen["decode_batch_buckets"],
-            context_tokens=chosen["context_buckets"],
-            decode_context_tokens=chosen["decode_context_buckets"],
+            prefill_buckets=chosen["prefill_buckets"],
+            decode_batch_buckets=chosen["decode_batch_buckets"],
+            context_buckets=chosen["context_buckets"],
+            decode_context_buckets=chosen["decode_context_buckets"],
             page_tokens=decode_page_tokens(limits["block_size"]),
             verify_tokens=verify_tokens,
         )
@@ -151,12 +151,12 @@ class NeuronConfig:
     def as_additional_config(self) -> dict[str, Any]:
         """The resolved settings as --additional-config keys: what every process and the logs see."""
         return {
-            "prefill_buckets": list(self.buckets.prefill_tokens),
-            "decode_batch_buckets": list(self.buckets.decode_batch),
-            "context_buckets": list(self.buckets.context_tokens),
-            "decode_context_buckets": list(self.buckets.decode_context_tokens),
+            "prefill_buckets": list(self.buckets.prefill_buckets),
+            "decode_batch_buckets": list(self.buckets.decode_batch_buckets),
+            "context_buckets": list(self.buckets.context_buckets),
+            "decode_context_buckets": list(self.buckets.decode_context_buckets),
             PREFILL_SHARE_SETTING: self.prefill_tokens_while_decoding,
-            MIXED_BATCH_SETTING: list(self.buckets.mixed_batch),
+            MIXED_BATCH_SETTING: list(self.buckets.mixed_batch_buckets),
         }
 
 
@@ -190,7 +190,7 @@ def _with_mixed_calls(
     if value is None:
         if not share:
             return buckets
-        value = light_load_batches(buckets.decode_batch, max_num_seqs)
+        value = light_load_batches(buckets.decode_batch_buckets, max_num_seqs)
     if not isinstance(value, list | tuple) or any(
         not isinstance(v, int) or isinstance(v, bool) for v in value
     ):
@@ -204,7 +204,7 @@ def _with_mixed_calls(
         )
     if not value:
         return buckets
-    return replace(buckets, mixed_tokens=share, mixed_batch=tuple(sorted(set(value))))
+    return replace(buckets, mixed_chunk_bucket=share, mixed_batch_buckets=tuple(sorted(set(value))))
 
 
 def _prefill_share(additional: dict[str, Any], buckets: BucketConfig) -> int:
@@ -216,9 +216,9 @@ def _prefill_share(additional: dict[str, Any], buckets: BucketConfig) -> int:
     value = additional.get(PREFILL_SHARE_SETTING)
     if value is None:
         if additional.get(MIXED_BATCH_SETTING) != []:
-            return min(neuron_device.mixed_call_prefill_share(), buckets.prefill_tokens[-1])
-        fitting = [size for size in buckets.prefill_tokens if size >= SEPARATE_CALL_MIN_SHARE]
-        return fitting[0] if fitting else buckets.prefill_tokens[-1]
+            return min(neuron_device.mixed_call_prefill_share(), buckets.prefill_buckets[-1])
+        fitting = [size for size in buckets.prefill_buckets if size >= SEPARATE_CALL_MIN_SHARE]
+        return fitting[0] if fitting else buckets.prefill_buckets[-1]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise NeuronConfigError(
             f"{PREFILL_SHARE_SETTING} must be a non-negative integer (0 disables the cap), got {value!r}"
