@@ -9,7 +9,7 @@ from tests.scripted_steps import ARRIVALS, CANCELLED, EXPECTED
 from vllm_neuron.buckets import BucketConfig, decode_page_tokens, light_load_batches
 from vllm_neuron.calls import Call
 from vllm_neuron.config import DEFAULT_BLOCK_SIZE
-from vllm_neuron.planning.step_simulation import SchedulerModel, Step, scripted_calls
+from vllm_neuron.planning.step_simulation import SchedulerModel, SimulatedStep, scripted_calls
 
 # The suite's engine (tests/conftest.py), with the mixed calls the server gives its buckets by default.
 SETTINGS = ENGINE_KWARGS["additional_config"]
@@ -80,11 +80,11 @@ def test_light_load_caps_prefill_and_a_queue_lifts_the_cap():
     model = SchedulerModel(max_num_seqs=8, max_num_batched_tokens=64, prefill_tokens_while_decoding=16)
     model.add("short", 10, 8)
     model.add("long", 200, 4)
-    assert model.step() == (Step((), ((0, 10), (0, 54))), [])  # nothing decodes: the whole budget
+    assert model.step() == (SimulatedStep((), ((0, 10), (0, 54))), [])  # nothing decodes: the whole budget
     # one stream decoding beside one prompt: light load, the chunk capped at the share of 16 tokens
-    assert model.step() == (Step((11,), ((54, 16),)), [])
+    assert model.step() == (SimulatedStep((11,), ((54, 16),)), [])
     model.add("late", 30, 2)  # two prompts waiting beside one stream: a queue, vLLM's whole budget
-    assert model.step() == (Step((12,), ((70, 63),)), [])
+    assert model.step() == (SimulatedStep((12,), ((70, 63),)), [])
 
 
 def test_decode_only_stretches_run_in_one_go_and_end_where_a_request_finishes():
@@ -94,6 +94,6 @@ def test_decode_only_stretches_run_in_one_go_and_end_where_a_request_finishes():
     model.step()
     assert model.decode_only_steps() == 2  # b has 2 tokens left to generate
     step, finished = model.decode_steps(2)
-    assert step == Step((11, 21), (), repeat=2) and finished == ["b"]
-    assert list(step.unrolled()) == [Step((11, 21), ()), Step((12, 22), ())]
+    assert step == SimulatedStep((11, 21), (), repeat=2) and finished == ["b"]
+    assert list(step.unrolled()) == [SimulatedStep((11, 21), ()), SimulatedStep((12, 22), ())]
     assert model.running == ["a"]

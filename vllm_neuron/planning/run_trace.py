@@ -17,7 +17,7 @@ import numpy as np
 
 from vllm_neuron.buckets import BucketConfig, BucketError, ceil_div, pack_prefill
 from vllm_neuron.call_costs import CallCosts
-from vllm_neuron.planning.step_simulation import Step
+from vllm_neuron.planning.step_simulation import SimulatedStep
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def causal_work(length: int, start: int) -> int:
     return length * start + length * (length + 1) // 2
 
 
-def record(steps: Iterable[Step], *, max_num_seqs: int, mixed_chunk_bucket: int) -> Trace:
+def record(steps: Iterable[SimulatedStep], *, max_num_seqs: int, mixed_chunk_bucket: int) -> Trace:
     """The trace of a run's steps (`step_simulation.traffic_steps`), for mixed calls of chunks of at most
     `mixed_chunk_bucket` tokens (0: no mixed calls)."""
     chunks: list[tuple[int, int, int, int]] = []  # (step, length, start, rider) of every prefill chunk
