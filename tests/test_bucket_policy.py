@@ -167,8 +167,8 @@ def reference_simulate(buckets, traffic, *, share, costs, num_requests, seed, bl
                 context = next(
                     c for c in buckets.decode_contexts() if ceil_div(c, page) * page * call.batch >= summed
                 )
-                assert context <= call.context  # the runner's rounding never needs less
-                call = replace(call, context=context)
+                assert context <= call.decode_context  # the runner's rounding never needs less
+                call = replace(call, decode_context=context)
                 total.update(
                     decode_rows=call.rows,
                     decode_slots=call.batch,
@@ -177,12 +177,11 @@ def reference_simulate(buckets, traffic, *, share, costs, num_requests, seed, bl
                     decode_ms=costs.of(call, page),
                 )
             if call.phase != "decode":
-                attends = call.context if call.phase == "prefill" else call.chunk_context
                 total.update(
                     prefill_tokens=call.tokens,
                     prefill_slots=call.token_bucket,
                     prefill_real=sum(causal_work(length, start) for _, start, length in plan.parts),
-                    prefill_padded=call.token_bucket * attends,
+                    prefill_padded=call.token_bucket * call.chunk_context,
                 )
             if call.phase == "prefill":
                 total["prefill_ms"] += costs.of(call, page)

@@ -158,7 +158,7 @@ def test_verify_calls_take_the_decode_shapes_and_no_chunk():
     plans = plan_step([40, 131], [(0, 20)], spec, 32, verify=True)
     assert [plan.call.phase for plan in plans] == ["verify", "prefill"]
     verify = plans[0].call
-    assert (verify.rows, verify.batch, verify.context, verify.queries) == (2, 2, 256, 4)  # 1 + 2 pages
+    assert (verify.rows, verify.batch, verify.decode_context, verify.queries) == (2, 2, 256, 4)  # 1 + 2 pages
     # Without drafts the same step rides the chunk in a mixed call.
     assert [plan.call.phase for plan in plan_step([40, 129], [(0, 20)], spec, 32)] == ["mixed"]
 

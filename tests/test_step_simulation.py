@@ -55,15 +55,15 @@ def test_stock_scheduling_or_no_mixed_calls_would_not_match():
         buckets=replace(BUCKETS, mixed_chunk_bucket=0, mixed_batch_buckets=()),
     )
     assert stock[1] == [
-        Call.decode(rows=1, batch=1, context=128),
-        Call.prefill(tokens=44, token_bucket=64, context=128, start=56),
+        Call.decode(rows=1, batch=1, decode_context=128),
+        Call.prefill(tokens=44, token_bucket=64, chunk_context=128, start=56),
     ]
     separate = simulated(
         ARRIVALS, len(EXPECTED), buckets=replace(BUCKETS, mixed_chunk_bucket=0, mixed_batch_buckets=())
     )
     assert separate[5] == [
-        Call.decode(rows=1, batch=1, context=128),
-        Call.prefill(tokens=57, token_bucket=64, context=256, start=93),
+        Call.decode(rows=1, batch=1, decode_context=128),
+        Call.prefill(tokens=57, token_bucket=64, chunk_context=256, start=93),
     ]
 
 
@@ -71,8 +71,11 @@ def test_a_short_chunk_beside_a_batch_without_mixed_calls_runs_on_its_own():
     # tests/test_scheduler_steps.py's second workload: three short prompts, then a fourth while they decode.
     arrivals = {0: [(f"busy-{i}", 5, 6) for i in range(3)], 1: [("short", 10, 2)]}
     assert simulated(arrivals, 2) == [
-        [Call.prefill(tokens=15, token_bucket=32, context=128, chunks=3)],
-        [Call.decode(rows=3, batch=4, context=128), Call.prefill(tokens=10, token_bucket=32, context=128)],
+        [Call.prefill(tokens=15, token_bucket=32, chunk_context=128, chunks=3)],
+        [
+            Call.decode(rows=3, batch=4, decode_context=128),
+            Call.prefill(tokens=10, token_bucket=32, chunk_context=128),
+        ],
     ]
 
 
