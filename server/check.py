@@ -169,7 +169,7 @@ def plan_of(vllm_config) -> Plan:
         max_num_seqs=scheduler_config.max_num_seqs,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
-        neuron=NeuronConfig.from_vllm_config(vllm_config),
+        neuron=NeuronConfig.of(vllm_config),
         draft_model=speculative_method(vllm_config) == "draft_model",
     )
 
@@ -187,7 +187,7 @@ def _fewer_graphs(vllm_config, plan: Plan) -> NeuronConfig | None:
 def _cache(vllm_config) -> CacheReport:
     """What the compile cache `serve` would use holds for this configuration, as far as a CPU can tell."""
     root = compile_cache.cache_root()
-    fields = compile_cache.key_fields(vllm_config, NeuronConfig.from_vllm_config(vllm_config))
+    fields = compile_cache.key_fields(vllm_config, NeuronConfig.of(vllm_config))
     folders = [
         CacheFolder(
             path=str(path),

@@ -58,7 +58,7 @@ class Plan:
 
     @property
     def largest_batch(self) -> int:
-        return self.neuron.buckets.decode_batch[-1]
+        return self.neuron.buckets.decode_batch_buckets[-1]
 
     @property
     def decode_contexts(self) -> list[int]:

@@ -84,13 +84,13 @@ def _registry_totals(names: tuple[str, ...]) -> list[float]:
 
 def describe(vllm_config) -> dict[str, Any]:
     """What this server runs, from the engine's resolved configuration."""
-    neuron_config = NeuronConfig.from_vllm_config(vllm_config)
+    neuron_config = NeuronConfig.of(vllm_config)
     buckets = neuron_config.buckets
     cache = vllm_config.cache_config
     scheduler = vllm_config.scheduler_config
     return {
         "device_mode": device.mode(),
-        "compile_backend": device.compile_backend(),
+        "compile_backend": neuron_config.compile_backend,
         "model": vllm_config.model_config.served_model_name,
         "dtype": str(vllm_config.model_config.dtype).removeprefix("torch."),
         "max_model_len": vllm_config.model_config.max_model_len,
@@ -100,10 +100,13 @@ def describe(vllm_config) -> dict[str, Any]:
         # With async scheduling: whether a step's calls run on a thread of their own (on Trainium).
         "device_thread": bool(scheduler.async_scheduling) and device.calls_on_a_thread(),
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
+        # The endpoint's published names (tests/test_server.py pins them); decode_context_tokens is the
+        # context buckets decode calls use (BucketConfig.decode_contexts), not the setting
+        # decode_context_buckets.
         "buckets": {
-            "prefill_tokens": list(buckets.prefill_tokens),
-            "decode_batch": list(buckets.decode_batch),
-            "context_tokens": list(buckets.context_tokens),
+            "prefill_tokens": list(buckets.prefill_buckets),
+            "decode_batch": list(buckets.decode_batch_buckets),
+            "context_tokens": list(buckets.context_buckets),
             "decode_context_tokens": buckets.decode_contexts(),
         },
         "graphs": buckets.num_graphs,

@@ -21,40 +21,40 @@ CANCELLED = {6: ["a"]}
 EXPECTED = [
     # step 0: nothing decodes yet: a's whole prompt and the first 56 tokens of b fill the 96-token budget
     [
-        Call.prefill(tokens=40, token_bucket=64, context=128),
-        Call.prefill(tokens=56, token_bucket=64, context=128),
+        Call.prefill(tokens=40, token_bucket=64, chunk_context=128),
+        Call.prefill(tokens=56, token_bucket=64, chunk_context=128),
     ],
     # step 1: a decodes while b's prefill finishes, in one call
     [
-        Call.decode(rows=1, batch=1, context=128).with_chunk(
+        Call.decode(rows=1, batch=1, decode_context=128).with_chunk(
             tokens=44, start=56, token_bucket=64, chunk_context=256
         )
     ],
     # step 2: c arrives and prefills beside two decodes
     [
-        Call.decode(rows=2, batch=2, context=128).with_chunk(
+        Call.decode(rows=2, batch=2, decode_context=128).with_chunk(
             tokens=5, start=0, token_bucket=64, chunk_context=256
         )
     ],
     # step 3: three decodes pad to the batch bucket of 4
-    [Call.decode(rows=3, batch=4, context=128)],
+    [Call.decode(rows=3, batch=4, decode_context=128)],
     # step 4: d arrives while three of four requests decode (more than half: no cap): its first 93 tokens
     # (96 minus 3 decodes) run as sub-chunks of 64 and 29, apart from the decode rows (batch 4 has no mixed
     # calls: steps that full are not capped); b and c finish
     [
-        Call.decode(rows=3, batch=4, context=128),
-        Call.prefill(tokens=64, token_bucket=64, context=128),
-        Call.prefill(tokens=29, token_bucket=32, context=128, start=64),
+        Call.decode(rows=3, batch=4, decode_context=128),
+        Call.prefill(tokens=64, token_bucket=64, chunk_context=128),
+        Call.prefill(tokens=29, token_bucket=32, chunk_context=128, start=64),
     ],
     # step 5: light load (a decodes, d prefills): d's prefill may take 64 tokens, and its last 57 need the
     # 256 context bucket
     [
-        Call.decode(rows=1, batch=1, context=128).with_chunk(
+        Call.decode(rows=1, batch=1, decode_context=128).with_chunk(
             tokens=57, start=93, token_bucket=64, chunk_context=256
         )
     ],
     # step 6: a was cancelled; d decodes alone and finishes
-    [Call.decode(rows=1, batch=1, context=256)],
+    [Call.decode(rows=1, batch=1, decode_context=256)],
     # step 7: nothing left
     [],
 ]

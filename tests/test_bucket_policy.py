@@ -51,7 +51,9 @@ SERVER = dict(prefill_tokens_while_decoding=SHARE, costs=CPU_SMOLLM2)
 def with_mixed_calls(buckets: BucketConfig, max_num_seqs: int, share: int = SHARE) -> BucketConfig:
     """The mixed calls the server gives a bucket set by default (vllm_neuron/config.py)."""
     return replace(
-        buckets, mixed_tokens=share, mixed_batch=light_load_batches(buckets.decode_batch, max_num_seqs)
+        buckets,
+        mixed_chunk_bucket=share,
+        mixed_batch_buckets=light_load_batches(buckets.decode_batch_buckets, max_num_seqs),
     )
 
 
@@ -80,7 +82,7 @@ def test_simulate_small_run_by_hand(monkeypatch):
     prefills r2 that arrived in r0's place."""
     monkeypatch.setattr("vllm_neuron.planning.traffic.LOAD_DIVISORS", (1, 1, 1))
     traffic = TrafficShape(prompt_len=(100, 100), output_len=(3, 3), concurrency=2)
-    buckets = BucketConfig(prefill_tokens=(128,), decode_batch=(2,), context_tokens=(256,))
+    buckets = BucketConfig(prefill_buckets=(128,), decode_batch_buckets=(2,), context_buckets=(256,))
     limits = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=150)
     result = simulate(buckets, traffic, **limits, **STOCK, num_requests=2)
     assert result["prefill_calls"] == 4 and result["decode_calls"] == 3
@@ -102,7 +104,11 @@ def test_simulate_small_run_by_hand(monkeypatch):
     # finishes; step 4 has nothing decoding, so r1's last 18 tokens and r2's 100 take the whole budget,
     # packed in one call (118 tokens, 4 + 4 blocks of context); steps 5 and 6 decode both, and r1 finishes.
     mixed = BucketConfig(
-        prefill_tokens=(128,), decode_batch=(1, 2), context_tokens=(256,), mixed_tokens=16, mixed_batch=(1,)
+        prefill_buckets=(128,),
+        decode_batch_buckets=(1, 2),
+        context_buckets=(256,),
+        mixed_chunk_bucket=16,
+        mixed_batch_buckets=(1,),
     )
     result = simulate(mixed, traffic, **limits, prefill_tokens_while_decoding=16, costs=costs, num_requests=2)
     assert (result["prefill_calls"], result["mixed_calls"], result["decode_calls"]) == (3, 2, 2)
@@ -113,13 +119,13 @@ def test_simulate_small_run_by_hand(monkeypatch):
 def test_every_size_a_bucket_gives_efficiency_one():
     # The sizes the run really produced, as buckets: nothing is padded.
     trace = simulated_run(
-        TRAFFIC, **LIMITS, prefill_tokens_while_decoding=0, mixed_tokens=0, num_requests=400, seed=0
+        TRAFFIC, **LIMITS, prefill_tokens_while_decoding=0, mixed_chunk_bucket=0, num_requests=400, seed=0
     )
     calls = prefill_calls(trace, mixed_steps(trace, (32,), (), 0), 2048, 2048, BLOCK)
     observed = BucketConfig(
-        prefill_tokens=tuple(int(n) for n in np.unique(calls.length)),
-        decode_batch=tuple(int(n) for n in np.unique(trace.decode.rows)),
-        context_tokens=(2048,),
+        prefill_buckets=tuple(int(n) for n in np.unique(calls.length)),
+        decode_batch_buckets=tuple(int(n) for n in np.unique(trace.decode.rows)),
+        context_buckets=(2048,),
     )
     result = simulate(observed, TRAFFIC, **LIMITS, **STOCK)
     assert result["prefill"] == 1.0 and result["decode"] == 1.0
@@ -133,7 +139,7 @@ def test_every_size_a_bucket_gives_efficiency_one():
 
 
 def test_simulate_raises_when_a_call_fits_no_bucket_or_a_setting_is_wrong():
-    small = BucketConfig(prefill_tokens=(64,), decode_batch=(32,), context_tokens=(1024,))
+    small = BucketConfig(prefill_buckets=(64,), decode_batch_buckets=(32,), context_buckets=(1024,))
     with pytest.raises(BucketError, match="context"):
         simulate(small, TRAFFIC, **LIMITS, **STOCK)
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
@@ -161,8 +167,8 @@ def reference_simulate(buckets, traffic, *, share, costs, num_requests, seed, bl
                 context = next(
                     c for c in buckets.decode_contexts() if ceil_div(c, page) * page * call.batch >= summed
                 )
-                assert context <= call.context  # the runner's rounding never needs less
-                call = replace(call, context=context)
+                assert context <= call.decode_context  # the runner's rounding never needs less
+                call = replace(call, decode_context=context)
                 total.update(
                     decode_rows=call.rows,
                     decode_slots=call.batch,
@@ -171,12 +177,11 @@ def reference_simulate(buckets, traffic, *, share, costs, num_requests, seed, bl
                     decode_ms=costs.of(call, page),
                 )
             if call.phase != "decode":
-                attends = call.context if call.phase == "prefill" else call.chunk_context
                 total.update(
                     prefill_tokens=call.tokens,
                     prefill_slots=call.token_bucket,
                     prefill_real=sum(causal_work(length, start) for _, start, length in plan.parts),
-                    prefill_padded=call.token_bucket * attends,
+                    prefill_padded=call.token_bucket * call.chunk_context,
                 )
             if call.phase == "prefill":
                 total["prefill_ms"] += costs.of(call, page)
@@ -194,9 +199,9 @@ def reference_simulate(buckets, traffic, *, share, costs, num_requests, seed, bl
 
 
 SPLIT_LIMITS = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
-SPLIT = BucketConfig(prefill_tokens=(16, 48), decode_batch=(1, 3), context_tokens=(64, 256, 512))
+SPLIT = BucketConfig(prefill_buckets=(16, 48), decode_batch_buckets=(1, 3), context_buckets=(64, 256, 512))
 QUEUE_LIMITS = dict(max_model_len=1000, max_num_seqs=6, max_num_batched_tokens=256)
-QUEUE = BucketConfig(prefill_tokens=(64, 256), decode_batch=(2, 6), context_tokens=(512, 1008))
+QUEUE = BucketConfig(prefill_buckets=(64, 256), decode_batch_buckets=(2, 6), context_buckets=(512, 1008))
 
 
 @pytest.mark.parametrize(
@@ -211,21 +216,25 @@ QUEUE = BucketConfig(prefill_tokens=(64, 256), decode_batch=(2, 6), context_toke
         (
             TrafficShape(prompt_len=(2, 300), output_len=(1, 40), concurrency=12),
             SPLIT_LIMITS,
-            replace(SPLIT, mixed_tokens=24, mixed_batch=(1, 3)),
+            replace(SPLIT, mixed_chunk_bucket=24, mixed_batch_buckets=(1, 3)),
             24,
         ),
         # one request at a time with long outputs: mostly skipped decode-only stretches
         (
             TrafficShape(prompt_len=(1, 50), output_len=(100, 400), concurrency=1),
             dict(max_model_len=300, max_num_seqs=4, max_num_batched_tokens=32),
-            BucketConfig(prefill_tokens=(8, 32), decode_batch=(1, 4), context_tokens=(16, 128, 304)),
+            BucketConfig(
+                prefill_buckets=(8, 32), decode_batch_buckets=(1, 4), context_buckets=(16, 128, 304)
+            ),
             0,
         ),
         # many short prompts at once: packed prefill calls, cut by PACKED_CHUNKS, tokens and context
         (
             TrafficShape(prompt_len=(2, 40), output_len=(1, 10), concurrency=20),
             dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128),
-            BucketConfig(prefill_tokens=(16, 64, 128), decode_batch=(1, 4, 16), context_tokens=(64, 256)),
+            BucketConfig(
+                prefill_buckets=(16, 64, 128), decode_batch_buckets=(1, 4, 16), context_buckets=(64, 256)
+            ),
             0,
         ),
         # more in flight than may run: a waiting queue; then a capped share in calls of its own
@@ -244,7 +253,7 @@ def test_simulate_equals_the_runners_calls_step_by_step(traffic, limits, buckets
     )
     for name, value in expected.items():
         assert result[name] == pytest.approx(value, rel=1e-12), name
-    assert (result["mixed_calls"] > 0) == bool(buckets.mixed_tokens)
+    assert (result["mixed_calls"] > 0) == bool(buckets.mixed_chunk_bucket)
 
 
 # ---- optimal 1-D bucketing ---------------------------------------------------------------------------
@@ -311,9 +320,9 @@ def test_auto_buckets_fit_the_budget_and_the_engine(traffic, limits, budget, sch
     assert buckets.num_graphs <= budget
     block_size, max_model_len = limits["block_size"], limits["max_model_len"]
     # The largest bucket of each dimension is the engine limit, so no chunk or decode step is ever split.
-    assert buckets.prefill_tokens[-1] == min(limits["max_num_batched_tokens"], max_model_len)
-    assert buckets.decode_batch[-1] == limits["max_num_seqs"]
-    assert buckets.context_tokens[-1] == ceil_div(max_model_len, block_size) * block_size
+    assert buckets.prefill_buckets[-1] == min(limits["max_num_batched_tokens"], max_model_len)
+    assert buckets.decode_batch_buckets[-1] == limits["max_num_seqs"]
+    assert buckets.context_buckets[-1] == ceil_div(max_model_len, block_size) * block_size
     simulation = {key: value for key, value in scheduling.items() if key != "mixed_calls"}
     result = simulate(buckets, traffic, **limits, **simulation)
     assert all(0 < result[name] <= 1 for name in EFFICIENCIES)
@@ -325,7 +334,7 @@ def test_auto_buckets_budget_covers_the_mixed_calls(budget):
         TRAFFIC, **LIMITS, block_size=BLOCK, graph_budget=budget, mixed_calls=True, **SERVER
     )
     # the set comes with the mixed calls the server gives it
-    assert buckets == with_mixed_calls(replace(buckets, mixed_tokens=0, mixed_batch=()), 32)
+    assert buckets == with_mixed_calls(replace(buckets, mixed_chunk_bucket=0, mixed_batch_buckets=()), 32)
     assert buckets.mixed_shapes() and buckets.num_graphs <= budget
     without = auto_buckets(TRAFFIC, **LIMITS, block_size=BLOCK, graph_budget=budget, **SERVER)
     assert not without.mixed_shapes()
@@ -363,7 +372,7 @@ def test_auto_buckets_beat_the_defaults_with_no_more_graphs():
         # the product's targets for a 24-graph budget
         assert ours["prefill"] >= 0.75 and ours["decode"] >= 0.85
     # Prefill boundaries are aligned for the hardware where that costs little.
-    assert all(tokens % 8 == 0 for tokens in auto.prefill_tokens)
+    assert all(tokens % 8 == 0 for tokens in auto.prefill_buckets)
 
 
 def test_auto_buckets_use_context_buckets_where_contexts_are_short():
@@ -371,7 +380,7 @@ def test_auto_buckets_use_context_buckets_where_contexts_are_short():
     traffic = TrafficShape(prompt_len=(16, 512), output_len=(16, 512), concurrency=8)
     limits = dict(max_model_len=8192, max_num_seqs=16, max_num_batched_tokens=4096)
     buckets = auto_buckets(traffic, **limits, block_size=32, graph_budget=24, **STOCK)
-    assert len(buckets.context_tokens) > 1 and buckets.context_tokens[0] <= 1024
+    assert len(buckets.context_buckets) > 1 and buckets.context_buckets[0] <= 1024
 
 
 @pytest.mark.parametrize("costs", [CPU_SMOLLM2, TRN2_ESTIMATE], ids=["cpu", "trn2"])
@@ -393,7 +402,7 @@ def test_auto_buckets_find_the_fastest_set_a_joint_search_finds(costs):
         traffic,
         **limits,
         prefill_tokens_while_decoding=SHARE,
-        mixed_tokens=SHARE,
+        mixed_chunk_bucket=SHARE,
         num_requests=FIT_REQUESTS,
         seed=0,
     )
@@ -412,7 +421,7 @@ def test_auto_buckets_find_the_fastest_set_a_joint_search_finds(costs):
             decode_context_options(trace, page, 512, budget),
         ):
             buckets = BucketConfig(
-                tokens, batch, contexts, page, SHARE, mixed_batch, decode_context_tokens=decode_contexts
+                tokens, batch, contexts, page, SHARE, mixed_batch, decode_context_buckets=decode_contexts
             )
             if buckets.num_graphs <= budget:
                 fastest = min(fastest, estimated_ms(buckets))
@@ -426,8 +435,8 @@ def test_auto_buckets_give_full_decode_batches_finer_context_buckets():
     traffic = TrafficShape(prompt_len=(16, 1024), output_len=(64, 128), concurrency=32)
     limits = dict(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512)
     buckets = auto_buckets(traffic, **limits, block_size=BLOCK, graph_budget=30, mixed_calls=True, **SERVER)
-    assert buckets.decode_context_tokens and buckets.decode_contexts()[0] < buckets.context_tokens[0]
-    shared = replace(buckets, decode_context_tokens=())
+    assert buckets.decode_context_buckets and buckets.decode_contexts()[0] < buckets.context_buckets[0]
+    shared = replace(buckets, decode_context_buckets=())
     ours, theirs = (
         simulate(buckets, traffic, **limits, **SERVER),
         simulate(shared, traffic, **limits, **SERVER),

@@ -71,13 +71,13 @@ def test_default_buckets_cover_the_engine_limits(limits):
     buckets = default_buckets(**limits)
     block_size, max_model_len = limits["block_size"], limits["max_model_len"]
 
-    assert buckets.prefill_tokens[-1] == min(limits["max_num_batched_tokens"], max_model_len)
-    assert buckets.decode_batch[-1] == limits["max_num_seqs"]
-    assert buckets.context_tokens[-1] >= max_model_len
-    assert buckets.context_tokens[-1] - max_model_len < block_size  # no more than one block of slack
-    assert all(c % block_size == 0 for c in buckets.context_tokens)
-    assert buckets.decode_batch[0] == 1
-    for values in (buckets.prefill_tokens, buckets.decode_batch, buckets.context_tokens):
+    assert buckets.prefill_buckets[-1] == min(limits["max_num_batched_tokens"], max_model_len)
+    assert buckets.decode_batch_buckets[-1] == limits["max_num_seqs"]
+    assert buckets.context_buckets[-1] >= max_model_len
+    assert buckets.context_buckets[-1] - max_model_len < block_size  # no more than one block of slack
+    assert all(c % block_size == 0 for c in buckets.context_buckets)
+    assert buckets.decode_batch_buckets[0] == 1
+    for values in (buckets.prefill_buckets, buckets.decode_batch_buckets, buckets.context_buckets):
         assert is_strictly_ascending(values)
     validate_buckets(buckets, **limits)  # the defaults are always a valid set
     assert set(reachable_prefill_shapes(buckets)) == set(buckets.prefill_shapes())
@@ -86,7 +86,7 @@ def test_default_buckets_cover_the_engine_limits(limits):
 def test_default_buckets_example():
     buckets = default_buckets(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512, block_size=16)
     assert buckets == BucketConfig(
-        prefill_tokens=(128, 256, 512), decode_batch=(1, 2, 4, 8), context_tokens=(512, 1024, 2048)
+        prefill_buckets=(128, 256, 512), decode_batch_buckets=(1, 2, 4, 8), context_buckets=(512, 1024, 2048)
     )
 
 
@@ -95,23 +95,35 @@ def test_default_buckets_example():
 PAGE = 8  # decode page tokens of these sets, small enough that most context buckets differ in pages
 CONFIGS = [
     BucketConfig(
-        prefill_tokens=(4, 16, 64), decode_batch=(1, 2), context_tokens=(8, 16, 32, 64), page_tokens=PAGE
+        prefill_buckets=(4, 16, 64),
+        decode_batch_buckets=(1, 2),
+        context_buckets=(8, 16, 32, 64),
+        page_tokens=PAGE,
     ),
-    BucketConfig(prefill_tokens=(8,), decode_batch=(1,), context_tokens=(8, 24, 40), page_tokens=PAGE),
     BucketConfig(
-        prefill_tokens=(3, 5, 32), decode_batch=(1, 4), context_tokens=(4, 12, 16, 48), page_tokens=PAGE
+        prefill_buckets=(8,), decode_batch_buckets=(1,), context_buckets=(8, 24, 40), page_tokens=PAGE
     ),
-    BucketConfig(prefill_tokens=(16, 32), decode_batch=(2,), context_tokens=(64,), page_tokens=PAGE),
+    BucketConfig(
+        prefill_buckets=(3, 5, 32),
+        decode_batch_buckets=(1, 4),
+        context_buckets=(4, 12, 16, 48),
+        page_tokens=PAGE,
+    ),
+    BucketConfig(
+        prefill_buckets=(16, 32), decode_batch_buckets=(2,), context_buckets=(64,), page_tokens=PAGE
+    ),
 ]
 
 
 def reachable_prefill_shapes(buckets: BucketConfig) -> set[tuple[int, int]]:
     """Brute force: every chunk of n tokens starting at `start` that fits the largest context bucket."""
-    max_context = buckets.context_tokens[-1]
-    context_of_end = np.array([pick_bucket(buckets.context_tokens, end) for end in range(1, max_context + 1)])
+    max_context = buckets.context_buckets[-1]
+    context_of_end = np.array(
+        [pick_bucket(buckets.context_buckets, end) for end in range(1, max_context + 1)]
+    )
     shapes = set()
-    for n in range(1, min(buckets.prefill_tokens[-1], max_context) + 1):
-        tokens = pick_bucket(buckets.prefill_tokens, n)
+    for n in range(1, min(buckets.prefill_buckets[-1], max_context) + 1):
+        tokens = pick_bucket(buckets.prefill_buckets, n)
         ends = n + np.arange(0, max_context - n + 1)  # start + n for every start
         shapes.update((tokens, int(context)) for context in np.unique(context_of_end[ends - 1]))
     return shapes
@@ -127,10 +139,10 @@ def test_prefill_shapes_hold_every_reachable_combination(buckets):
 @pytest.mark.parametrize("buckets", CONFIGS, ids=range(len(CONFIGS)))
 def test_prefill_shapes_skip_contexts_too_small_for_the_token_bucket(buckets):
     """A chunk using token bucket T is longer than the bucket below T, so needs at least that context."""
-    below = dict(zip(buckets.prefill_tokens, (0, *buckets.prefill_tokens[:-1]), strict=True))
+    below = dict(zip(buckets.prefill_buckets, (0, *buckets.prefill_buckets[:-1]), strict=True))
     for tokens, context in buckets.prefill_shapes():
-        assert tokens in buckets.prefill_tokens and context in buckets.context_tokens
-        assert context >= pick_bucket(buckets.context_tokens, below[tokens] + 1)
+        assert tokens in buckets.prefill_buckets and context in buckets.context_buckets
+        assert context >= pick_bucket(buckets.context_buckets, below[tokens] + 1)
     # ... and holds nothing no chunk can reach: every shape is a graph compiled at startup.
     assert set(buckets.prefill_shapes()) == reachable_prefill_shapes(buckets)
 
@@ -147,8 +159,8 @@ def test_prefill_shapes_example():
 @pytest.mark.parametrize("buckets", CONFIGS, ids=range(len(CONFIGS)))
 def test_decode_shapes_are_every_batch_with_every_distinct_page_count(buckets):
     shapes = buckets.decode_shapes()
-    assert shapes == list(itertools.product(buckets.decode_batch, buckets.decode_contexts()))
-    for batch in buckets.decode_batch:  # no two shapes of one batch bucket attend over the same pages
+    assert shapes == list(itertools.product(buckets.decode_batch_buckets, buckets.decode_contexts()))
+    for batch in buckets.decode_batch_buckets:  # no two shapes of one batch bucket attend over the same pages
         pages = [buckets.decode_pages(batch, context) for context in buckets.decode_contexts()]
         assert pages == sorted(set(pages))
 
@@ -162,8 +174,8 @@ def test_decode_contexts_keep_the_smallest_bucket_of_each_page_count():
 
 
 def test_decode_context_buckets_of_their_own_shape_decode_and_mixed_calls_only():
-    shared = replace(CONFIGS[0], mixed_tokens=16, mixed_batch=(2,))  # contexts 8, 16, 32, 64
-    own = replace(shared, decode_context_tokens=(24, 64))  # pages of 8: 3 and 8 a row
+    shared = replace(CONFIGS[0], mixed_chunk_bucket=16, mixed_batch_buckets=(2,))  # contexts 8, 16, 32, 64
+    own = replace(shared, decode_context_buckets=(24, 64))  # pages of 8: 3 and 8 a row
     assert own.prefill_shapes() == shared.prefill_shapes()
     assert own.decode_contexts() == [24, 64]
     assert own.decode_shapes() == [(1, 24), (1, 64), (2, 24), (2, 64)]
@@ -198,7 +210,7 @@ def test_num_graphs_counts_prefill_and_decode_shapes():
 
 def test_mixed_shapes_are_the_decode_shapes_of_the_mixed_batches():
     plain = CONFIGS[0]  # decode shapes: batch 1, 2 x contexts 8, 16, 32, 64
-    buckets = replace(plain, mixed_tokens=16, mixed_batch=(2,))
+    buckets = replace(plain, mixed_chunk_bucket=16, mixed_batch_buckets=(2,))
     assert buckets.mixed_shapes() == [(2, 8), (2, 16), (2, 32), (2, 64)]
     assert buckets.num_graphs == plain.num_graphs + 4
     assert "mixed: decode batch [2] + a chunk of 16 tokens -> 22 graphs" in buckets.describe()
@@ -255,7 +267,7 @@ def test_pack_prefill_runs_a_long_chunk_as_sub_chunks_each_alone():
 # ---- validate_buckets ------------------------------------------------------------------------------
 
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=8)
-VALID = dict(prefill_tokens=(8, 32), decode_batch=(1, 2, 4), context_tokens=(16, 64))
+VALID = dict(prefill_buckets=(8, 32), decode_batch_buckets=(1, 2, 4), context_buckets=(16, 64))
 
 
 def validate(**changes):
@@ -264,40 +276,40 @@ def validate(**changes):
 
 def test_validate_accepts_a_valid_set():
     validate()
-    validate(context_tokens=(72,))  # above max_model_len is fine, within the same decode page
+    validate(context_buckets=(72,))  # above max_model_len is fine, within the same decode page
     validate(page_tokens=16)
-    validate(decode_context_tokens=(24, 32, 64))  # decode calls' own, independent of the context buckets
+    validate(decode_context_buckets=(24, 32, 64))  # decode calls' own, independent of the context buckets
 
 
 @pytest.mark.parametrize(
     "changes, setting",
     [
-        (dict(prefill_tokens=()), "prefill_buckets"),
-        (dict(decode_batch=()), "decode_batch_buckets"),
-        (dict(context_tokens=()), "context_buckets"),
-        (dict(prefill_tokens=(32, 8)), "prefill_buckets"),
-        (dict(decode_batch=(1, 4, 2)), "decode_batch_buckets"),
-        (dict(context_tokens=(64, 16)), "context_buckets"),
-        (dict(prefill_tokens=(8, 8, 32)), "prefill_buckets"),
-        (dict(decode_batch=(1, 1, 4)), "VLLM_NEURON_DECODE_BATCH_BUCKETS"),
-        (dict(context_tokens=(16, 64, 64)), "VLLM_NEURON_CONTEXT_BUCKETS"),
-        (dict(prefill_tokens=(0, 32)), "prefill_buckets"),
-        (dict(decode_batch=(-1, 4)), "decode_batch_buckets"),
-        (dict(context_tokens=(0, 64)), "context_buckets"),
-        (dict(prefill_tokens=(8, 64)), "--max-num-batched-tokens"),
-        (dict(decode_batch=(1, 8)), "--max-num-seqs"),
-        (dict(context_tokens=(16, 56)), "--max-model-len"),
-        (dict(context_tokens=(16, 64, 256)), "--max-model-len"),
+        (dict(prefill_buckets=()), "prefill_buckets"),
+        (dict(decode_batch_buckets=()), "decode_batch_buckets"),
+        (dict(context_buckets=()), "context_buckets"),
+        (dict(prefill_buckets=(32, 8)), "prefill_buckets"),
+        (dict(decode_batch_buckets=(1, 4, 2)), "decode_batch_buckets"),
+        (dict(context_buckets=(64, 16)), "context_buckets"),
+        (dict(prefill_buckets=(8, 8, 32)), "prefill_buckets"),
+        (dict(decode_batch_buckets=(1, 1, 4)), "VLLM_NEURON_DECODE_BATCH_BUCKETS"),
+        (dict(context_buckets=(16, 64, 64)), "VLLM_NEURON_CONTEXT_BUCKETS"),
+        (dict(prefill_buckets=(0, 32)), "prefill_buckets"),
+        (dict(decode_batch_buckets=(-1, 4)), "decode_batch_buckets"),
+        (dict(context_buckets=(0, 64)), "context_buckets"),
+        (dict(prefill_buckets=(8, 64)), "--max-num-batched-tokens"),
+        (dict(decode_batch_buckets=(1, 8)), "--max-num-seqs"),
+        (dict(context_buckets=(16, 56)), "--max-model-len"),
+        (dict(context_buckets=(16, 64, 256)), "--max-model-len"),
         (dict(page_tokens=12), "decode_page_tokens(8) = 128"),
-        (dict(mixed_tokens=8, mixed_batch=(3,)), "mixed_batch_buckets"),
-        (dict(mixed_tokens=8, mixed_batch=(4,)), "no room for the prefilling request"),
-        (dict(decode_context_tokens=(64, 16)), "decode_context_buckets"),
-        (dict(decode_context_tokens=(0, 64)), "VLLM_NEURON_DECODE_CONTEXT_BUCKETS"),
-        (dict(decode_context_tokens=(12, 64)), "decode_context_buckets"),
-        (dict(decode_context_tokens=(16, 56)), "--max-model-len"),
-        (dict(decode_context_tokens=(64, 72)), "shorten decode_context_buckets"),
-        (dict(decode_context_tokens=(16, 256)), "--max-model-len"),
-        (dict(context_tokens=(16, 256), decode_context_tokens=(64,)), "--max-model-len"),
+        (dict(mixed_chunk_bucket=8, mixed_batch_buckets=(3,)), "mixed_batch_buckets"),
+        (dict(mixed_chunk_bucket=8, mixed_batch_buckets=(4,)), "no room for the prefilling request"),
+        (dict(decode_context_buckets=(64, 16)), "decode_context_buckets"),
+        (dict(decode_context_buckets=(0, 64)), "VLLM_NEURON_DECODE_CONTEXT_BUCKETS"),
+        (dict(decode_context_buckets=(12, 64)), "decode_context_buckets"),
+        (dict(decode_context_buckets=(16, 56)), "--max-model-len"),
+        (dict(decode_context_buckets=(64, 72)), "shorten decode_context_buckets"),
+        (dict(decode_context_buckets=(16, 256)), "--max-model-len"),
+        (dict(context_buckets=(16, 256), decode_context_buckets=(64,)), "--max-model-len"),
     ],
     ids=lambda value: "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else None,
 )
@@ -310,27 +322,27 @@ def test_validate_rejects_naming_the_setting(changes, setting):
 def test_validate_rejects_non_integers():
     for bad in [(True, 32), (8.0, 32)]:
         with pytest.raises(BucketError, match="prefill_buckets"):
-            validate(prefill_tokens=bad)
+            validate(prefill_buckets=bad)
 
 
 def test_validate_context_below_max_model_len_names_the_bucket_to_add():
     with pytest.raises(BucketError, match=r"context bucket >= 64"):
-        validate(context_tokens=(16, 56))
+        validate(context_buckets=(16, 56))
 
 
 def test_validate_rejects_context_not_a_multiple_of_the_block_size():
     with pytest.raises(BucketError, match=r"\[12\].*block size 8"):
-        validate(context_tokens=(12, 64))
+        validate(context_buckets=(12, 64))
 
 
 def test_validate_misaligned_context_names_the_setting():
     with pytest.raises(BucketError) as error:
-        validate(context_tokens=(12, 64))
+        validate(context_buckets=(12, 64))
     assert "context_buckets" in str(error.value) or "--block-size" in str(error.value)
 
 
 def test_validated_buckets_always_have_prefill_shapes():
-    buckets = BucketConfig(prefill_tokens=(32, 64), decode_batch=(1,), context_tokens=(32,))
+    buckets = BucketConfig(prefill_buckets=(32, 64), decode_batch_buckets=(1,), context_buckets=(32,))
     limits = dict(max_model_len=32, max_num_seqs=1, max_num_batched_tokens=64, block_size=16)
     try:
         validate_buckets(buckets, **limits)

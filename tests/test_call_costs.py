@@ -9,8 +9,8 @@ COSTS = CallCosts(call=10.0, token=0.5, row=2.0, kv_position=0.01, attention=0.0
 
 
 def test_a_call_costs_its_pass_over_the_weights_and_what_its_shape_computes():
-    prefill = Call.prefill(tokens=20, token_bucket=32, context=256)
-    decode = Call.decode(rows=3, batch=4, context=200)  # 2 pages of 128 a row
+    prefill = Call.prefill(tokens=20, token_bucket=32, chunk_context=256)
+    decode = Call.decode(rows=3, batch=4, decode_context=200)  # 2 pages of 128 a row
     assert COSTS.of(prefill, page_tokens=128) == pytest.approx(10 + 32 * 0.5 + 32 * 256 * 0.001)
     assert COSTS.of(decode, page_tokens=128) == pytest.approx(10 + 4 * 2.0 + 4 * 256 * 0.01)
     # A mixed call pays one pass over the weights for both: what it saves over two calls.

@@ -17,7 +17,7 @@ def test_a_failing_call_is_logged_with_its_phase_and_bucket(llm, monkeypatch, ca
 
     monkeypatch.setattr(runner.compiled, "forward", fail)
     monkeypatch.setattr(runner.step_metrics, "records_traffic", False)  # no call counted on /metrics
-    call = Call.decode(rows=3, batch=4, context=256)
+    call = Call.decode(rows=3, batch=4, decode_context=256)
     with (
         caplog.at_level(logging.ERROR, logger="vllm.vllm_neuron.model_runner"),
         pytest.raises(RuntimeError, match="NRT_EXEC_ERROR"),

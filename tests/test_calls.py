@@ -6,20 +6,20 @@ from vllm_neuron.calls import Call, CallPlan, plan_step
 BLOCK_SIZE = 32
 # The suite's engine buckets (tests/conftest.py), mixed calls for batch buckets 1 and 2 with 64-token chunks.
 BUCKETS = BucketConfig(
-    prefill_tokens=(32, 64),
-    decode_batch=(1, 2, 4),
-    context_tokens=(128, 256),
+    prefill_buckets=(32, 64),
+    decode_batch_buckets=(1, 2, 4),
+    context_buckets=(128, 256),
     page_tokens=128,
-    mixed_tokens=64,
-    mixed_batch=(1, 2),
+    mixed_chunk_bucket=64,
+    mixed_batch_buckets=(1, 2),
 )
 
 
 def test_a_call_describes_itself_its_bucket_and_its_padding():
-    prefill = Call.prefill(tokens=29, token_bucket=32, context=128, start=64)
-    packed = Call.prefill(tokens=15, token_bucket=32, context=128, chunks=3)
-    decode = Call.decode(rows=3, batch=4, context=256)
-    mixed = Call.decode(rows=2, batch=2, context=128).with_chunk(
+    prefill = Call.prefill(tokens=29, token_bucket=32, chunk_context=128, start=64)
+    packed = Call.prefill(tokens=15, token_bucket=32, chunk_context=128, chunks=3)
+    decode = Call.decode(rows=3, batch=4, decode_context=256)
+    mixed = Call.decode(rows=2, batch=2, decode_context=128).with_chunk(
         tokens=5, start=0, token_bucket=64, chunk_context=256
     )
     assert str(prefill) == "prefill of 29 tokens at 64: tokens 32 x context 128"
@@ -38,21 +38,21 @@ def test_a_short_chunk_rides_with_the_first_decode_call_that_has_mixed_calls():
     plans = plan_step([41, 9], [(0, 100), (0, 5), (0, 7)], BUCKETS, BLOCK_SIZE)
     assert plans == [
         CallPlan(
-            Call.decode(rows=2, batch=2, context=128).with_chunk(5, 0, 64, 256),
+            Call.decode(rows=2, batch=2, decode_context=128).with_chunk(5, 0, 64, 256),
             decode_rows=(0, 1),
             parts=((1, 0, 5),),
         ),
-        CallPlan(Call.prefill(tokens=64, token_bucket=64, context=128), parts=((0, 0, 64),)),
-        CallPlan(Call.prefill(tokens=36, token_bucket=64, context=128, start=64), parts=((0, 64, 36),)),
-        CallPlan(Call.prefill(tokens=7, token_bucket=32, context=128), parts=((2, 0, 7),)),
+        CallPlan(Call.prefill(tokens=64, token_bucket=64, chunk_context=128), parts=((0, 0, 64),)),
+        CallPlan(Call.prefill(tokens=36, token_bucket=64, chunk_context=128, start=64), parts=((0, 64, 36),)),
+        CallPlan(Call.prefill(tokens=7, token_bucket=32, chunk_context=128), parts=((2, 0, 7),)),
     ]
 
 
 def test_without_mixed_calls_for_the_batch_bucket_every_chunk_is_a_prefill_call():
     plans = plan_step([10, 20, 30], [(0, 10), (0, 5)], BUCKETS, BLOCK_SIZE)
     assert [plan.call for plan in plans] == [
-        Call.decode(rows=3, batch=4, context=128),
-        Call.prefill(tokens=15, token_bucket=32, context=128, chunks=2),
+        Call.decode(rows=3, batch=4, decode_context=128),
+        Call.prefill(tokens=15, token_bucket=32, chunk_context=128, chunks=2),
     ]
     assert plans[1].parts == ((0, 0, 10), (1, 0, 5))
 
@@ -60,8 +60,8 @@ def test_without_mixed_calls_for_the_batch_bucket_every_chunk_is_a_prefill_call(
 def test_decode_rows_beyond_the_largest_batch_bucket_run_in_several_calls():
     plans = plan_step([200] * 5, [], BUCKETS, BLOCK_SIZE)
     assert [(plan.call, plan.decode_rows) for plan in plans] == [
-        (Call.decode(rows=4, batch=4, context=256), (0, 1, 2, 3)),
-        (Call.decode(rows=1, batch=1, context=256), (4,)),
+        (Call.decode(rows=4, batch=4, decode_context=256), (0, 1, 2, 3)),
+        (Call.decode(rows=1, batch=1, decode_context=256), (4,)),
     ]
 
 

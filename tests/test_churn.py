@@ -97,7 +97,6 @@ def test_off_bucket_call_is_refused_in_strict_mode(llm):
         device=runner.device,
     )
     with pytest.raises(Exception, match="decode of 1 requests: batch 3 x context 128.*decode_batch_buckets"):
-        runner._run(
-            inputs, runner.planner.greedy_params(odd_batch), Call.decode(rows=1, batch=odd_batch, context=128)
-        )
+        call = Call.decode(rows=1, batch=odd_batch, decode_context=128)
+        runner._run(inputs, runner.planner.greedy_params(odd_batch), call)
     assert runner.recorder.num_graphs == EXPECTED_GRAPHS

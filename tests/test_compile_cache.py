@@ -15,7 +15,7 @@ def configs(model_dir, **overrides):
     kwargs = dict(model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=4)
     kwargs.update(overrides)
     vllm_config = EngineArgs(**kwargs).create_engine_config()
-    return vllm_config, NeuronConfig.from_vllm_config(vllm_config)
+    return vllm_config, NeuronConfig.of(vllm_config)
 
 
 def key_of(model_dir, **overrides) -> str:

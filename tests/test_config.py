@@ -120,17 +120,17 @@ def test_mixed_calls(tiny_model_dir, additional_config, mixed_batch, graphs):
 
     buckets = {"prefill_buckets": [32, 64], "decode_batch_buckets": [1, 2], "context_buckets": [128, 256]}
     config = engine_config(tiny_model_dir, additional_config=buckets | additional_config)
-    resolved = NeuronConfig.from_vllm_config(config).buckets
+    resolved = NeuronConfig.of(config).buckets
     assert config.additional_config["mixed_batch_buckets"] == mixed_batch
-    assert resolved.mixed_batch == tuple(mixed_batch)
-    assert resolved.mixed_tokens == (16 if mixed_batch else 0)  # the chunk the cap (16) lets through
+    assert resolved.mixed_batch_buckets == tuple(mixed_batch)
+    assert resolved.mixed_chunk_bucket == (16 if mixed_batch else 0)  # the prefill share's chunk (16)
     assert resolved.num_graphs == graphs
 
 
 @pytest.mark.parametrize(
     ("additional_config", "expected"),
     [
-        ({"prefill_buckets": [32, 64, 128]}, 16),  # rides in the decode call: device.mixed_chunk_tokens()
+        ({"prefill_buckets": [32, 64, 128]}, 16),  # rides in the decode call: mixed_call_prefill_share()
         ({"prefill_buckets": [8]}, 8),  # at most the largest prefill bucket
         # Mixed calls off: the chunk's own call; the smallest prefill bucket of at least 48 ...
         ({"prefill_buckets": [32, 64, 128], "mixed_batch_buckets": []}, 64),
@@ -253,7 +253,7 @@ def test_automatic_bucket_policy_fits_the_graph_budget(tiny_model_dir):
     )
     from vllm_neuron.config import NeuronConfig
 
-    resolved = NeuronConfig.from_vllm_config(config)
+    resolved = NeuronConfig.of(config)
     assert resolved.buckets.num_graphs <= 8
     assert set(config.additional_config) == {
         "prefill_buckets",
@@ -274,7 +274,7 @@ def test_automatic_bucket_policy_plans_with_the_cost_profile_asked_for(tiny_mode
     def chosen(**policy):
         settings = {"bucket_policy": "auto", "graph_budget": 12, **policy}
         config = engine_config(tiny_model_dir, max_num_batched_tokens=128, additional_config=settings)
-        return NeuronConfig.from_vllm_config(config).buckets
+        return NeuronConfig.of(config).buckets
 
     assert chosen() == chosen(call_costs="cpu") != chosen(call_costs="trn2")
 
@@ -312,3 +312,25 @@ def test_cpu_mode_keeps_freed_host_memory_for_the_next_step():
     activation = torch.ones(16 << 20, dtype=torch.uint8)
     del activation
     assert libc.mallinfo2().fordblks >= 16 << 20
+
+
+def test_the_settings_are_resolved_once_and_read_back(tiny_model_dir, monkeypatch):
+    """The platform's check resolves the settings once; the engine core and the workers read them back from
+    the VllmConfig they are sent (pickled), whatever the environment says by then."""
+    import pickle
+
+    from vllm_neuron.config import NeuronConfig, NeuronConfigError
+
+    config = engine_config(tiny_model_dir)
+    resolved = NeuronConfig.of(config)
+    assert resolved.compile_backend == "xla"  # tests/environment.py
+    assert NeuronConfig.of(config) is resolved
+    monkeypatch.setenv("VLLM_NEURON_DECODE_BATCH_BUCKETS", "2,4")
+    monkeypatch.setenv("VLLM_NEURON_COMPILE_BACKEND", "eager")
+    sent = pickle.loads(pickle.dumps(config))
+    assert NeuronConfig.of(sent) == resolved
+    assert sent.additional_config == config.additional_config
+    # Settings nobody resolved are refused, not resolved again behind the platform's back.
+    sent.additional_config = dict(sent.additional_config)
+    with pytest.raises(NeuronConfigError, match="not resolved"):
+        NeuronConfig.of(sent)

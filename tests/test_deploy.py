@@ -410,10 +410,10 @@ def test_example_buckets_pass_the_plugins_own_checks(render, example):
         return  # the plugin's defaults, derived from the engine limits
     config = json.loads(flag(args, "--additional-config"))
     buckets = BucketConfig(
-        prefill_tokens=tuple(config["prefill_buckets"]),
-        decode_batch=tuple(config["decode_batch_buckets"]),
-        context_tokens=tuple(config["context_buckets"]),
-        decode_context_tokens=tuple(config.get("decode_context_buckets", ())),
+        prefill_buckets=tuple(config["prefill_buckets"]),
+        decode_batch_buckets=tuple(config["decode_batch_buckets"]),
+        context_buckets=tuple(config["context_buckets"]),
+        decode_context_buckets=tuple(config.get("decode_context_buckets", ())),
     )
     validate_buckets(
         buckets,

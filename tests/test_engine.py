@@ -85,7 +85,7 @@ def test_a_long_row_shares_the_pages_of_short_ones_and_matches_hf(llm, hf_model)
         outputs = engine.step()
         calls += runner.step_calls
         finished |= {out.request_id: list(out.outputs[0].token_ids) for out in outputs if out.finished}
-    assert Call.decode(rows=3, batch=4, context=128) in calls
+    assert Call.decode(rows=3, batch=4, decode_context=128) in calls
     for req_id, prompt in prompts.items():
         assert finished[req_id] == hf_greedy(hf_model, prompt, 10), req_id
 

@@ -38,13 +38,13 @@ def test_a_short_chunk_beside_a_batch_without_mixed_calls_runs_once_on_its_own(l
         engine.add_request(f"busy-{index}", TokensPrompt(prompt_token_ids=prompt), greedy(6))
     runner.step_calls = []
     engine.step()  # their prompts, packed in one call: 3 chunks of one 32-token block each
-    assert runner.step_calls == [Call.prefill(tokens=15, token_bucket=32, context=128, chunks=3)]
+    assert runner.step_calls == [Call.prefill(tokens=15, token_bucket=32, chunk_context=128, chunks=3)]
     engine.add_request("short", TokensPrompt(prompt_token_ids=random_prompt(10, seed=9200)), greedy(2))
     runner.step_calls = []
     engine.step()
     assert runner.step_calls == [
-        Call.decode(rows=3, batch=4, context=128),
-        Call.prefill(tokens=10, token_bucket=32, context=128),
+        Call.decode(rows=3, batch=4, decode_context=128),
+        Call.prefill(tokens=10, token_bucket=32, chunk_context=128),
     ]
     while engine.has_unfinished_requests():
         engine.step()

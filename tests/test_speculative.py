@@ -149,7 +149,7 @@ def test_a_random_rows_draft_accepted_by_its_probability_draws_from_the_targets_
 
 def test_verify_calls_take_the_decode_shapes_and_no_chunk():
     buckets = BucketConfig(
-        (32, 64), (1, 2, 4), (128, 256), page_tokens=128, mixed_tokens=64, mixed_batch=(1, 2)
+        (32, 64), (1, 2, 4), (128, 256), page_tokens=128, mixed_chunk_bucket=64, mixed_batch_buckets=(1, 2)
     )
     spec = BucketConfig(**{**buckets.__dict__, "verify_tokens": 4})
     assert spec.num_graphs == buckets.num_graphs + len(buckets.decode_shapes())
@@ -158,7 +158,7 @@ def test_verify_calls_take_the_decode_shapes_and_no_chunk():
     plans = plan_step([40, 131], [(0, 20)], spec, 32, verify=True)
     assert [plan.call.phase for plan in plans] == ["verify", "prefill"]
     verify = plans[0].call
-    assert (verify.rows, verify.batch, verify.context, verify.queries) == (2, 2, 256, 4)  # 1 + 2 pages
+    assert (verify.rows, verify.batch, verify.decode_context, verify.queries) == (2, 2, 256, 4)  # 1 + 2 pages
     # Without drafts the same step rides the chunk in a mixed call.
     assert [plan.call.phase for plan in plan_step([40, 129], [(0, 20)], spec, 32)] == ["mixed"]
 

@@ -8,15 +8,16 @@ serving. Three dimensions:
   only the blocks they need instead of max_model_len. A prefill chunk attends to the context bucket of its
   end. A decode call of batch bucket B and context bucket c reads B x pages(c) pages of `page_tokens` KV
   positions, shared among its rows as each needs: the bucket follows the rows' average context, not the
-  longest one. Decode calls may have context buckets of their own (`decode_context_tokens`): a full batch
+  longest one. Decode calls may have context buckets of their own (`decode_context_buckets`): a full batch
   reads every page of its bucket, row after row, while a prefill chunk reads its context once for all its
   tokens, so decode gains from finer steps where prefill would only add graphs.
 
-A mixed call runs decode rows and one prefill chunk of at most `mixed_tokens` tokens together, in one pass
-over the weights: a step that carries a capped chunk beside running streams (vllm_neuron/scheduler.py)
-costs about one call, not two. Its shapes are those of the decode calls with a batch bucket in
-`mixed_batch`; the chunk attends over the largest context bucket (a small chunk's attention is cheap next
-to a pass over the weights, and a context dimension would multiply the graphs again).
+A mixed call runs decode rows and one prefill chunk of at most `mixed_chunk_bucket` tokens together, in one
+pass over the weights: a step that carries the prefill share's chunk beside running streams
+(vllm_neuron/scheduler.py) costs about one call, not two. Its shapes are those of the decode calls with a
+batch bucket in `mixed_batch_buckets`; the chunk attends over the largest context bucket (a small chunk's
+attention is cheap next to a pass over the weights, and a context dimension would multiply the graphs
+again).
 
 With speculative decoding, a verify call checks each decode row's draft tokens in one pass: the row's last
 token and its k drafts, `verify_tokens` = k + 1 queries a row, over the decode calls' shapes (batch bucket x
@@ -84,13 +85,15 @@ def decode_page_tokens(block_size: int) -> int:
 
 @dataclass(frozen=True)
 class BucketConfig:
-    prefill_tokens: tuple[int, ...]
-    decode_batch: tuple[int, ...]
-    context_tokens: tuple[int, ...]
+    # Each bucket list is named as its --additional-config key (config.py).
+    prefill_buckets: tuple[int, ...]
+    decode_batch_buckets: tuple[int, ...]
+    context_buckets: tuple[int, ...]
     page_tokens: int = PAGE_TARGET_TOKENS  # decode_page_tokens(block size)
-    mixed_tokens: int = 0  # the token bucket of a mixed call's chunk (the prefill cap); 0: no mixed calls
-    mixed_batch: tuple[int, ...] = ()  # the decode batch buckets with mixed calls
-    decode_context_tokens: tuple[int, ...] = ()  # the decode calls' context buckets; (): context_tokens
+    # The token bucket of a mixed call's chunk: the prefill share where the set has mixed calls; 0: none.
+    mixed_chunk_bucket: int = 0
+    mixed_batch_buckets: tuple[int, ...] = ()  # the decode batch buckets with mixed calls
+    decode_context_buckets: tuple[int, ...] = ()  # the decode calls' context buckets; (): context_buckets
     verify_tokens: int = (
         0  # queries a verify row (speculative decoding: 1 + draft tokens); 0: no verify calls
     )
@@ -100,24 +103,24 @@ class BucketConfig:
         the bucket below T, so it never uses a context bucket smaller than that."""
         shapes = []
         previous = 0
-        for tokens in self.prefill_tokens:
-            smallest_context = pick_bucket(self.context_tokens, previous + 1)
-            shapes += [(tokens, ctx) for ctx in self.context_tokens if ctx >= smallest_context]
+        for tokens in self.prefill_buckets:
+            smallest_context = pick_bucket(self.context_buckets, previous + 1)
+            shapes += [(tokens, ctx) for ctx in self.context_buckets if ctx >= smallest_context]
             previous = tokens
         return shapes
 
     def decode_contexts(self) -> list[int]:
-        """The context buckets decode calls use (`decode_context_tokens`, else the context buckets): the
+        """The context buckets decode calls use (`decode_context_buckets`, else the context buckets): the
         smallest of those with the same number of pages."""
         contexts: list[int] = []
-        for ctx in self.decode_context_tokens or self.context_tokens:
+        for ctx in self.decode_context_buckets or self.context_buckets:
             if not contexts or ceil_div(ctx, self.page_tokens) > ceil_div(contexts[-1], self.page_tokens):
                 contexts.append(ctx)
         return contexts
 
     def decode_shapes(self) -> list[tuple[int, int]]:
         """(batch, context) pairs of decode calls."""
-        return [(batch, ctx) for batch in self.decode_batch for ctx in self.decode_contexts()]
+        return [(batch, ctx) for batch in self.decode_batch_buckets for ctx in self.decode_contexts()]
 
     def verify_shapes(self) -> list[tuple[int, int]]:
         """(batch, context) pairs of verify calls: the decode shapes, with speculative decoding."""
@@ -140,13 +143,13 @@ class BucketConfig:
 
     def mixed_shapes(self) -> list[tuple[int, int]]:
         """(batch, context) pairs of mixed calls: decode shapes whose batch bucket has mixed calls."""
-        if not self.mixed_tokens:
+        if not self.mixed_chunk_bucket:
             return []
-        return [(batch, ctx) for batch, ctx in self.decode_shapes() if batch in self.mixed_batch]
+        return [(batch, ctx) for batch, ctx in self.decode_shapes() if batch in self.mixed_batch_buckets]
 
     def has_mixed(self, batch: int, chunk_tokens: int) -> bool:
         """Whether a decode call of this batch bucket can take a prefill chunk of this many tokens along."""
-        return batch in self.mixed_batch and 0 < chunk_tokens <= self.mixed_tokens
+        return batch in self.mixed_batch_buckets and 0 < chunk_tokens <= self.mixed_chunk_bucket
 
     @property
     def num_graphs(self) -> int:
@@ -173,26 +176,27 @@ class BucketConfig:
         row up to max_model_len. With speculative decoding, the smallest verify shape over the largest decode
         context too: a step with draft tokens verifies them."""
         graphs: list[GraphKey] = [
-            ("prefill", self.prefill_tokens[0], self.context_tokens[-1]),
-            ("decode", self.decode_batch[0], self.decode_contexts()[-1]),
+            ("prefill", self.prefill_buckets[0], self.context_buckets[-1]),
+            ("decode", self.decode_batch_buckets[0], self.decode_contexts()[-1]),
         ]
         if self.verify_tokens:
-            graphs.append(("verify", self.decode_batch[0], self.decode_contexts()[-1]))
+            graphs.append(("verify", self.decode_batch_buckets[0], self.decode_contexts()[-1]))
         return graphs
 
     def describe(self) -> str:
+        mixed_batch, chunk = list(self.mixed_batch_buckets), self.mixed_chunk_bucket
         mixed = (
-            f", mixed: decode batch {list(self.mixed_batch)} + a chunk of {self.mixed_tokens} tokens"
-            if self.mixed_tokens
+            f", mixed: decode batch {mixed_batch} + a chunk of {chunk} tokens"
+            if self.mixed_chunk_bucket
             else ""
         )
         decode_context = (
-            f", decode context {list(self.decode_context_tokens)}" if self.decode_context_tokens else ""
+            f", decode context {list(self.decode_context_buckets)}" if self.decode_context_buckets else ""
         )
         verify = f", verify: {self.verify_tokens} tokens a row" if self.verify_tokens else ""
         return (
-            f"prefill tokens {list(self.prefill_tokens)}, decode batch {list(self.decode_batch)}, "
-            f"context {list(self.context_tokens)}{decode_context}{mixed}{verify} -> {self.num_graphs} graphs"
+            f"prefill tokens {list(self.prefill_buckets)}, decode batch {list(self.decode_batch_buckets)}, "
+            f"context {list(self.context_buckets)}{decode_context}{mixed}{verify} -> {self.num_graphs} graphs"
         )
 
 
@@ -240,15 +244,15 @@ def pack_prefill(
     return calls
 
 
-def light_load_batches(decode_batch: Sequence[int], max_num_seqs: int) -> tuple[int, ...]:
+def light_load_batches(decode_batch_buckets: Sequence[int], max_num_seqs: int) -> tuple[int, ...]:
     """The decode batch buckets of steps the scheduler caps prefill in (vllm_neuron/scheduler.py: at most
     half of max_num_seqs requests decoding): those that get mixed calls by default. A mixed call also holds
     the prefilling request, so its batch bucket stays below max_num_seqs."""
-    light_load = min(max_num_seqs // 2, decode_batch[-1])
+    light_load = min(max_num_seqs // 2, decode_batch_buckets[-1])
     if not light_load:
         return ()
-    largest = pick_bucket(decode_batch, light_load)
-    return tuple(batch for batch in decode_batch if batch <= largest and batch < max_num_seqs)
+    largest = pick_bucket(decode_batch_buckets, light_load)
+    return tuple(batch for batch in decode_batch_buckets if batch <= largest and batch < max_num_seqs)
 
 
 def default_buckets(
@@ -257,9 +261,9 @@ def default_buckets(
     max_chunk = min(max_num_batched_tokens, max_model_len)
     max_context = round_up(max_model_len, block_size)
     return BucketConfig(
-        prefill_tokens=tuple(powers_of_two(min(128, max_chunk), max_chunk)),
-        decode_batch=tuple(powers_of_two(1, max_num_seqs)),
-        context_tokens=tuple(powers_of_two(min(round_up(512, block_size), max_context), max_context)),
+        prefill_buckets=tuple(powers_of_two(min(128, max_chunk), max_chunk)),
+        decode_batch_buckets=tuple(powers_of_two(1, max_num_seqs)),
+        context_buckets=tuple(powers_of_two(min(round_up(512, block_size), max_context), max_context)),
         page_tokens=decode_page_tokens(block_size),
     )
 
@@ -312,20 +316,22 @@ def validate_buckets(
     block_size: int,
 ) -> None:
     """Raise BucketError naming the setting to change when the bucket set cannot serve this engine."""
-    _check_ascending("prefill", buckets.prefill_tokens, "prefill_buckets / VLLM_NEURON_PREFILL_BUCKETS")
+    _check_ascending("prefill", buckets.prefill_buckets, "prefill_buckets / VLLM_NEURON_PREFILL_BUCKETS")
     _check_ascending(
-        "decode batch", buckets.decode_batch, "decode_batch_buckets / VLLM_NEURON_DECODE_BATCH_BUCKETS"
+        "decode batch",
+        buckets.decode_batch_buckets,
+        "decode_batch_buckets / VLLM_NEURON_DECODE_BATCH_BUCKETS",
     )
-    _check_ascending("context", buckets.context_tokens, "context_buckets / VLLM_NEURON_CONTEXT_BUCKETS")
-    if buckets.prefill_tokens[-1] > max_num_batched_tokens:
+    _check_ascending("context", buckets.context_buckets, "context_buckets / VLLM_NEURON_CONTEXT_BUCKETS")
+    if buckets.prefill_buckets[-1] > max_num_batched_tokens:
         raise BucketError(
-            f"prefill bucket {buckets.prefill_tokens[-1]} exceeds "
+            f"prefill bucket {buckets.prefill_buckets[-1]} exceeds "
             f"max_num_batched_tokens={max_num_batched_tokens}: "
             "lower the bucket or raise --max-num-batched-tokens"
         )
-    if buckets.decode_batch[-1] > max_num_seqs:
+    if buckets.decode_batch_buckets[-1] > max_num_seqs:
         raise BucketError(
-            f"decode batch bucket {buckets.decode_batch[-1]} exceeds max_num_seqs={max_num_seqs}: "
+            f"decode batch bucket {buckets.decode_batch_buckets[-1]} exceeds max_num_seqs={max_num_seqs}: "
             "lower the bucket or raise --max-num-seqs"
         )
     if buckets.page_tokens % block_size:
@@ -335,33 +341,33 @@ def validate_buckets(
         )
     sizes = dict(max_model_len=max_model_len, block_size=block_size, page_tokens=buckets.page_tokens)
     _check_contexts(
-        "context", buckets.context_tokens, "context_buckets / VLLM_NEURON_CONTEXT_BUCKETS", **sizes
+        "context", buckets.context_buckets, "context_buckets / VLLM_NEURON_CONTEXT_BUCKETS", **sizes
     )
-    if buckets.decode_context_tokens:
+    if buckets.decode_context_buckets:
         setting = "decode_context_buckets / VLLM_NEURON_DECODE_CONTEXT_BUCKETS"
-        _check_ascending("decode context", buckets.decode_context_tokens, setting)
-        _check_contexts("decode context", buckets.decode_context_tokens, setting, **sizes)
-    full = [batch for batch in buckets.mixed_batch if batch >= max_num_seqs]
+        _check_ascending("decode context", buckets.decode_context_buckets, setting)
+        _check_contexts("decode context", buckets.decode_context_buckets, setting, **sizes)
+    full = [batch for batch in buckets.mixed_batch_buckets if batch >= max_num_seqs]
     if full:
         raise BucketError(
             f"mixed batch buckets {full} leave no room for the prefilling request beside the decode rows "
             f"(max_num_seqs={max_num_seqs}): change mixed_batch_buckets"
         )
-    stray = sorted(set(buckets.mixed_batch) - set(buckets.decode_batch))
+    stray = sorted(set(buckets.mixed_batch_buckets) - set(buckets.decode_batch_buckets))
     if stray:
         raise BucketError(
-            f"mixed batch buckets {stray} are not decode batch buckets {list(buckets.decode_batch)}: "
+            f"mixed batch buckets {stray} are not decode batch buckets {list(buckets.decode_batch_buckets)}: "
             "change mixed_batch_buckets"
         )
-    if buckets.prefill_tokens[-1] > buckets.context_tokens[-1]:
+    if buckets.prefill_buckets[-1] > buckets.context_buckets[-1]:
         raise BucketError(
-            f"prefill bucket {buckets.prefill_tokens[-1]} exceeds the largest context bucket "
-            f"{buckets.context_tokens[-1]}, so no chunk could use it: lower prefill_buckets"
+            f"prefill bucket {buckets.prefill_buckets[-1]} exceeds the largest context bucket "
+            f"{buckets.context_buckets[-1]}, so no chunk could use it: lower prefill_buckets"
         )
     # A bucket no call can use is a graph compiled for nothing.
     max_chunk = min(max_num_batched_tokens, max_model_len)
-    if len(buckets.prefill_tokens) > 1 and buckets.prefill_tokens[-2] >= max_chunk:
+    if len(buckets.prefill_buckets) > 1 and buckets.prefill_buckets[-2] >= max_chunk:
         raise BucketError(
-            f"prefill buckets above {buckets.prefill_tokens[-2]} are never used: no chunk is longer than "
+            f"prefill buckets above {buckets.prefill_buckets[-2]} are never used: no chunk is longer than "
             f"min(max_num_batched_tokens, max_model_len) = {max_chunk}; shorten prefill_buckets"
         )

@@ -24,12 +24,10 @@ class CallCosts:
         and its chunk together: that is what it saves over two calls."""
         ms = self.call
         if call.phase != "prefill":
-            read = call.batch * ceil_div(call.context, page_tokens) * page_tokens
+            read = call.batch * ceil_div(call.decode_context, page_tokens) * page_tokens
             # A verify row's queries each cost a row; they share its pages.
             ms += self.row * call.batch * call.queries + self.kv_position * read
-        if call.phase == "prefill":
-            ms += self.token * call.token_bucket + self.attention * call.token_bucket * call.context
-        if call.phase == "mixed":
+        if call.phase in ("prefill", "mixed"):
             ms += self.token * call.token_bucket + self.attention * call.token_bucket * call.chunk_context
         return ms
 

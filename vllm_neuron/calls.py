@@ -6,13 +6,16 @@ label, what the padding metrics count, and what the bucket policy's simulation p
 one rule that maps a step's decode rows and prefill chunks to calls: the runner (worker/model_runner.py) and
 the simulation (vllm_neuron/planning/step_simulation.py) both call it. A step becomes one or more calls:
 - prefill: one or more requests' chunks packed in one row of queries (`chunks`), `tokens` real tokens
-  padded to `token_bucket`, attending over the context bucket `context`;
+  padded to `token_bucket`, attending over the context bucket `chunk_context`;
 - decode: `rows` requests of one token each, padded to the batch bucket `batch`, over the decode context
-  bucket `context`;
+  bucket `decode_context`;
 - mixed: a decode call that also runs one prefill chunk of `tokens` tokens (padded to `token_bucket`), which
   attends over `chunk_context`;
 - verify (speculative decoding): a decode call whose rows have `queries` query slots each, a row's last
   token and its draft tokens (a row without drafts uses one), over the decode shapes.
+Each context bucket has one meaning whatever the phase: `decode_context` is the decode rows' (decode, mixed,
+verify; 0 in a prefill call), `chunk_context` the prefill chunks' (prefill, mixed; 0 in a decode or verify
+call). A call's graph (`graph`) has the chunks' context bucket in a prefill call, else the decode rows'.
 """
 
 from collections.abc import Collection, Sequence
@@ -28,59 +31,66 @@ Phase = Literal["prefill", "decode", "mixed", "verify"]
 @dataclass(frozen=True)
 class Call:
     phase: Phase
-    context: int  # context bucket: the decode rows' (decode, mixed), the chunks' (prefill)
-    rows: int = 0  # real decode rows (decode, mixed)
+    rows: int = 0  # real decode rows (decode, mixed, verify)
     batch: int = 0  # their batch bucket
+    decode_context: int = 0  # their context bucket (a decode context bucket)
     tokens: int = 0  # real prefill tokens (prefill, mixed)
     token_bucket: int = 0
+    chunk_context: int = 0  # the context bucket the prefill chunks attend over (prefill, mixed)
     chunks: int = 0  # prefill chunks in the call (prefill: 1 to PACKED_CHUNKS; mixed: 1)
     start: int = 0  # position of the first prefill token (one chunk: where it starts in its request)
-    chunk_context: int = 0  # the context bucket a mixed call's chunk attends over
     queries: int = 1  # query slots a decode row has (verify: 1 + the draft tokens the config allows)
 
     @classmethod
     def prefill(
-        cls, tokens: int, token_bucket: int, context: int, *, chunks: int = 1, start: int = 0
+        cls, tokens: int, token_bucket: int, chunk_context: int, *, chunks: int = 1, start: int = 0
     ) -> "Call":
-        return cls("prefill", context, tokens=tokens, token_bucket=token_bucket, chunks=chunks, start=start)
+        return cls(
+            "prefill",
+            tokens=tokens,
+            token_bucket=token_bucket,
+            chunk_context=chunk_context,
+            chunks=chunks,
+            start=start,
+        )
 
     @classmethod
-    def decode(cls, rows: int, batch: int, context: int) -> "Call":
-        return cls("decode", context, rows=rows, batch=batch)
+    def decode(cls, rows: int, batch: int, decode_context: int) -> "Call":
+        return cls("decode", rows=rows, batch=batch, decode_context=decode_context)
 
     @classmethod
-    def verify(cls, rows: int, batch: int, context: int, queries: int) -> "Call":
-        return cls("verify", context, rows=rows, batch=batch, queries=queries)
+    def verify(cls, rows: int, batch: int, decode_context: int, queries: int) -> "Call":
+        return cls("verify", rows=rows, batch=batch, decode_context=decode_context, queries=queries)
 
     def with_chunk(self, tokens: int, start: int, token_bucket: int, chunk_context: int) -> "Call":
         """This decode call as a mixed call that also runs a prefill chunk."""
         assert self.phase == "decode", self
         return Call(
             "mixed",
-            self.context,
             rows=self.rows,
             batch=self.batch,
+            decode_context=self.decode_context,
             tokens=tokens,
             token_bucket=token_bucket,
+            chunk_context=chunk_context,
             chunks=1,
             start=start,
-            chunk_context=chunk_context,
         )
 
     @property
     def graph(self) -> GraphKey:
         """The compiled graph this call runs."""
         if self.phase == "prefill":
-            return ("prefill", self.token_bucket, self.context)
-        return (self.phase, self.batch, self.context)
+            return ("prefill", self.token_bucket, self.chunk_context)
+        return (self.phase, self.batch, self.decode_context)
 
     @property
     def bucket(self) -> str:
         """The graph's shape, as the bucket label of vllm_neuron:bucket_calls: prefill tokens x context,
         decode batch x context, mixed batch x context + chunk tokens."""
         if self.phase == "prefill":
-            return f"{self.token_bucket}x{self.context}"
-        decode = f"{self.batch}x{self.context}"
+            return f"{self.token_bucket}x{self.chunk_context}"
+        decode = f"{self.batch}x{self.decode_context}"
         return decode if self.phase == "decode" else f"{decode}+{self.token_bucket}"
 
     def padding(self) -> dict[str, tuple[int, int]]:
@@ -93,9 +103,9 @@ class Call:
         return figures
 
     def __str__(self) -> str:
-        decode = f"decode of {self.rows} requests: batch {self.batch} x context {self.context}"
+        decode = f"decode of {self.rows} requests: batch {self.batch} x context {self.decode_context}"
         if self.phase == "verify":
-            shape = f"batch {self.batch} x context {self.context}"
+            shape = f"batch {self.batch} x context {self.decode_context}"
             return f"verify of {self.rows} requests, {self.queries} query slots each: {shape}"
         if self.phase == "decode":
             return decode
@@ -104,7 +114,7 @@ class Call:
                 f"{decode}, with prefill of {self.tokens} tokens at {self.start}: "
                 f"tokens {self.token_bucket} x context {self.chunk_context}"
             )
-        shape = f"tokens {self.token_bucket} x context {self.context}"
+        shape = f"tokens {self.token_bucket} x context {self.chunk_context}"
         if self.chunks == 1:
             return f"prefill of {self.tokens} tokens at {self.start}: {shape}"
         return f"prefill of {self.chunks} requests, {self.tokens} tokens: {shape}"
@@ -137,21 +147,21 @@ def plan_step(
 
     Decode rows run in calls of at most the largest batch bucket, each call the smallest shape that holds
     its rows; the first of those whose mixed graph exists takes along the first chunk of at most
-    `buckets.mixed_tokens` tokens. The other chunks are packed into prefill calls by `pack_prefill`, up to
-    the largest token bucket over the largest context, each call the smallest shape that holds it."""
+    `buckets.mixed_chunk_bucket` tokens. The other chunks are packed into prefill calls by `pack_prefill`,
+    up to the largest token bucket over the largest context, each call the smallest shape that holds it."""
     phase: Phase = "verify" if verify else "decode"
     decode_shapes = _usable(buckets.verify_shapes() if verify else buckets.decode_shapes(), phase, ready)
     plans: list[CallPlan] = []
-    mixed_tokens = 0 if verify else buckets.mixed_tokens
-    rider = next((i for i, (_, length) in enumerate(chunks) if length <= mixed_tokens), None)
+    chunk_bucket = 0 if verify else buckets.mixed_chunk_bucket
+    rider = next((i for i, (_, length) in enumerate(chunks) if length <= chunk_bucket), None)
     taken = None
     for rows, call in _decode_calls(decode_contexts, decode_shapes, buckets):
         if verify:
             plans.append(
-                CallPlan(Call.verify(call.rows, call.batch, call.context, buckets.verify_tokens), rows)
+                CallPlan(Call.verify(call.rows, call.batch, call.decode_context, buckets.verify_tokens), rows)
             )
             continue
-        mixed_ready = ready is None or ("mixed", call.batch, call.context) in ready
+        mixed_ready = ready is None or ("mixed", call.batch, call.decode_context) in ready
         if (
             taken is None
             and rider is not None
@@ -160,12 +170,12 @@ def plan_step(
         ):
             taken = rider
             start, length = chunks[rider]
-            call = call.with_chunk(length, start, buckets.mixed_tokens, buckets.context_tokens[-1])
+            call = call.with_chunk(length, start, buckets.mixed_chunk_bucket, buckets.context_buckets[-1])
             plans.append(CallPlan(call, rows, ((rider, start, length),)))
             continue
         plans.append(CallPlan(call, rows))
     prefill_shapes = _usable(buckets.prefill_shapes(), "prefill", ready)
-    largest_context = buckets.context_tokens[-1]
+    largest_context = buckets.context_buckets[-1]
     remaining = [index for index in range(len(chunks)) if index != taken]
     packed_calls = pack_prefill(
         [chunks[index] for index in remaining],

@@ -1,4 +1,12 @@
-"""NeuronConfig: the plugin's settings from --additional-config and VLLM_NEURON_* variables, checked once."""
+"""NeuronConfig: the plugin's settings from --additional-config and VLLM_NEURON_* variables, resolved once.
+
+The platform's check of each VllmConfig (`NeuronPlatform.check_and_update_config`) resolves them: the bucket
+policy, the environment's overrides, the defaults of the device, the checks. It writes the result back as the
+config's `additional_config`, a `ResolvedSettings`: the resolved keys, what vLLM's config hash, the logs and a
+fresh engine given them again see, and the `NeuronConfig` itself, which travels with the VllmConfig to the
+engine core and worker processes (pickled with it). Everything else reads it back with `NeuronConfig.of`,
+which re-derives nothing.
+"""
 
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -26,15 +34,17 @@ BUCKET_SETTINGS = {
 }
 # --additional-config keys of the automatic bucket policy (docs/buckets.md)
 POLICY_SETTINGS = ("bucket_policy", "graph_budget", "traffic", "call_costs")
-# --additional-config key: prefill tokens per step while requests decode (vllm_neuron/scheduler.py)
-INTERLEAVE_SETTING = "prefill_tokens_while_decoding"
-# --additional-config key: decode batch buckets whose calls take a capped prefill chunk along (buckets.py)
-MIXED_SETTING = "mixed_batch_buckets"
+# --additional-config key: the prefill share, the most prefill tokens a step carries beside its decode rows
+# under light load (vllm_neuron/prefill_share.py)
+PREFILL_SHARE_SETTING = "prefill_tokens_while_decoding"
+# --additional-config key: decode batch buckets whose calls take the prefill share's chunk along (buckets.py)
+MIXED_BATCH_SETTING = "mixed_batch_buckets"
 DEFAULT_GRAPH_BUDGET = 24
 DEFAULT_BLOCK_SIZE = 32
-# Without mixed calls a capped chunk is a call of its own: a chunk of this size costs about one decode step
-# of a small model on CPU, so the fixed cost of the call is not paid for a handful of tokens.
-DEFAULT_SEPARATE_CHUNK_TOKENS = 48
+# Without mixed calls the prefill share's chunk is a call of its own: by default the share is at least this
+# many tokens (a chunk of this size costs about one decode step of a small model on CPU), so the fixed cost of
+# the call is not paid for a handful of tokens.
+SEPARATE_CALL_MIN_SHARE = 48
 # Admission control (server/admission.py): by default at most this many requests wait per request the
 # engine runs at once (--max-num-seqs); past running + waiting, the API server answers 429.
 WAITING_PER_RUNNING = 2
@@ -51,12 +61,29 @@ class NeuronConfigError(ValueError):
 
 @dataclass(frozen=True)
 class NeuronConfig:
+    """The resolved settings (see the module docstring): resolved once per VllmConfig by `resolve_for`, read
+    back with `of`."""
+
     buckets: BucketConfig
     block_size: int
-    prefill_tokens_while_decoding: int
+    prefill_tokens_while_decoding: int  # the prefill share (vllm_neuron/prefill_share.py); 0: off
+    compile_backend: str  # the torch.compile backend of the model step (device.compile_backend)
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
+    def of(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
+        """The settings the platform resolved for this VllmConfig, in any of the engine's processes."""
+        settings = vllm_config.additional_config
+        if not isinstance(settings, ResolvedSettings):
+            raise NeuronConfigError(
+                "the Neuron plugin's settings were not resolved for this engine configuration: "
+                "NeuronPlatform.check_and_update_config resolves them when vLLM builds a VllmConfig"
+            )
+        return settings.neuron_config
+
+    @classmethod
+    def resolve_for(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
+        """Resolve the settings of a VllmConfig from its --additional-config: the platform's check only;
+        everything else reads the result back with `of`."""
         speculative = vllm_config.speculative_config
         verify_tokens = 1 + speculative.num_speculative_tokens if speculative is not None else 0
         return cls.resolve(
@@ -67,9 +94,10 @@ class NeuronConfig:
     def resolve(
         cls, additional: dict[str, Any], limits: dict[str, int], verify_tokens: int = 0
     ) -> "NeuronConfig":
-        """The settings from --additional-config's keys and the engine's limits (engine_limits);
-        `verify_tokens`: with speculative decoding, 1 + its draft tokens (verify calls' queries a row)."""
-        accepted = {*BUCKET_SETTINGS, *POLICY_SETTINGS, INTERLEAVE_SETTING, MIXED_SETTING}
+        """The settings from --additional-config's keys, the engine's limits (engine_limits) and the
+        environment (bucket overrides, the compile backend); `verify_tokens`: with speculative decoding,
+        1 + its draft tokens (verify calls' queries a row)."""
+        accepted = {*BUCKET_SETTINGS, *POLICY_SETTINGS, PREFILL_SHARE_SETTING, MIXED_BATCH_SETTING}
         unknown = sorted(set(additional) - accepted)
         if unknown:
             raise NeuronConfigError(
@@ -77,10 +105,10 @@ class NeuronConfig:
             )
         defaults = _policy_buckets(additional, limits)
         chosen = {
-            "prefill_buckets": defaults.prefill_tokens,
-            "decode_batch_buckets": defaults.decode_batch,
-            "context_buckets": defaults.context_tokens,
-            "decode_context_buckets": defaults.decode_context_tokens,
+            "prefill_buckets": defaults.prefill_buckets,
+            "decode_batch_buckets": defaults.decode_batch_buckets,
+            "context_buckets": defaults.context_buckets,
+            "decode_context_buckets": defaults.decode_context_buckets,
         }
         for key, env_name in BUCKET_SETTINGS.items():
             from_env = getattr(envs, env_name)
@@ -90,36 +118,52 @@ class NeuronConfig:
                     raise NeuronConfigError(f"{key} must be a list of integers, got {value!r}")
                 chosen[key] = tuple(value)
         buckets = BucketConfig(
-            prefill_tokens=chosen["prefill_buckets"],
-            decode_batch=chosen["decode_batch_buckets"],
-            context_tokens=chosen["context_buckets"],
-            decode_context_tokens=chosen["decode_context_buckets"],
+            prefill_buckets=chosen["prefill_buckets"],
+            decode_batch_buckets=chosen["decode_batch_buckets"],
+            context_buckets=chosen["context_buckets"],
+            decode_context_buckets=chosen["decode_context_buckets"],
             page_tokens=decode_page_tokens(limits["block_size"]),
             verify_tokens=verify_tokens,
         )
         try:
             validate_buckets(buckets, **limits)
-            interleave = _interleave_tokens(additional, buckets)
-            buckets = _with_mixed_calls(buckets, additional, interleave, limits["max_num_seqs"])
+            share = _prefill_share(additional, buckets)
+            buckets = _with_mixed_calls(buckets, additional, share, limits["max_num_seqs"])
             validate_buckets(buckets, **limits)
         except BucketError as err:
             raise NeuronConfigError(f"invalid Neuron bucket configuration: {err}") from None
+        try:
+            compile_backend = neuron_device.compile_backend()
+        except ValueError as err:
+            raise NeuronConfigError(str(err)) from None
         return cls(
             buckets=buckets,
             block_size=limits["block_size"],
-            prefill_tokens_while_decoding=interleave,
+            prefill_tokens_while_decoding=share,
+            compile_backend=compile_backend,
         )
 
     def as_additional_config(self) -> dict[str, Any]:
-        """The resolved settings, written back so every process and the logs see the same ones."""
+        """The resolved settings as --additional-config keys: what every process and the logs see."""
         return {
-            "prefill_buckets": list(self.buckets.prefill_tokens),
-            "decode_batch_buckets": list(self.buckets.decode_batch),
-            "context_buckets": list(self.buckets.context_tokens),
-            "decode_context_buckets": list(self.buckets.decode_context_tokens),
-            INTERLEAVE_SETTING: self.prefill_tokens_while_decoding,
-            MIXED_SETTING: list(self.buckets.mixed_batch),
+            "prefill_buckets": list(self.buckets.prefill_buckets),
+            "decode_batch_buckets": list(self.buckets.decode_batch_buckets),
+            "context_buckets": list(self.buckets.context_buckets),
+            "decode_context_buckets": list(self.buckets.decode_context_buckets),
+            PREFILL_SHARE_SETTING: self.prefill_tokens_while_decoding,
+            MIXED_BATCH_SETTING: list(self.buckets.mixed_batch_buckets),
         }
+
+
+class ResolvedSettings(dict):
+    """A VllmConfig's `additional_config` once the platform resolved it: the resolved settings as keys
+    (`NeuronConfig.as_additional_config`), and `neuron_config`, the resolved NeuronConfig itself. A plain
+    dict to vLLM (its config hash, its logs); pickled with the VllmConfig into the engine core and worker
+    processes, attribute included. A copy made with dict() is user input again: resolved afresh."""
+
+    def __init__(self, neuron_config: NeuronConfig) -> None:
+        super().__init__(neuron_config.as_additional_config())
+        self.neuron_config = neuron_config
 
 
 def engine_limits(vllm_config: "VllmConfig") -> dict[str, int]:
@@ -133,46 +177,46 @@ def engine_limits(vllm_config: "VllmConfig") -> dict[str, int]:
 
 
 def _with_mixed_calls(
-    buckets: BucketConfig, additional: dict[str, Any], interleave: int, max_num_seqs: int
+    buckets: BucketConfig, additional: dict[str, Any], share: int, max_num_seqs: int
 ) -> BucketConfig:
-    """Mixed calls exist where capped steps happen: the scheduler caps prefill while at most half of
-    max_num_seqs requests decode, so by default the decode batch buckets up to that one get them. Their
-    chunk has the cap's size."""
-    value = additional.get(MIXED_SETTING)
+    """Mixed calls exist where the prefill share applies: while at most half of max_num_seqs requests
+    decode, so by default the decode batch buckets up to that one get them. Their chunk is the share."""
+    value = additional.get(MIXED_BATCH_SETTING)
     if value is None:
-        if not interleave:
+        if not share:
             return buckets
-        value = light_load_batches(buckets.decode_batch, max_num_seqs)
+        value = light_load_batches(buckets.decode_batch_buckets, max_num_seqs)
     if not isinstance(value, list | tuple) or any(
         not isinstance(v, int) or isinstance(v, bool) for v in value
     ):
         raise NeuronConfigError(
-            f"{MIXED_SETTING} must be a list of integers ([] turns mixed calls off), got {value!r}"
+            f"{MIXED_BATCH_SETTING} must be a list of integers ([] turns mixed calls off), got {value!r}"
         )
-    if value and not interleave:
+    if value and not share:
         raise NeuronConfigError(
-            f"{MIXED_SETTING} needs {INTERLEAVE_SETTING} > 0: mixed calls carry the capped prefill chunk"
+            f"{MIXED_BATCH_SETTING} needs {PREFILL_SHARE_SETTING} > 0: "
+            "mixed calls carry the prefill share's chunk"
         )
     if not value:
         return buckets
-    return replace(buckets, mixed_tokens=interleave, mixed_batch=tuple(sorted(set(value))))
+    return replace(buckets, mixed_chunk_bucket=share, mixed_batch_buckets=tuple(sorted(set(value))))
 
 
-def _interleave_tokens(additional: dict[str, Any], buckets: BucketConfig) -> int:
-    """Prefill tokens per step while requests decode; 0 lets prefill take the whole step budget.
+def _prefill_share(additional: dict[str, Any], buckets: BucketConfig) -> int:
+    """The prefill share (prefill_tokens_while_decoding); 0 lets prefill take the whole step budget.
 
-    By default the capped chunk rides in the decode call (mixed calls), and the share is what the device
-    takes along at little cost (`device.mixed_chunk_tokens`). With mixed calls off it is the smallest prefill
-    bucket of at least DEFAULT_SEPARATE_CHUNK_TOKENS, so the chunk's own call fills a compiled shape."""
-    value = additional.get(INTERLEAVE_SETTING)
+    By default its chunk rides in the decode call (mixed calls), and the share is what the device takes along
+    at little cost (`device.mixed_call_prefill_share`). With mixed calls off it is the smallest prefill bucket
+    of at least SEPARATE_CALL_MIN_SHARE, so the chunk's own call fills a compiled shape."""
+    value = additional.get(PREFILL_SHARE_SETTING)
     if value is None:
-        if additional.get(MIXED_SETTING) != []:
-            return min(neuron_device.mixed_chunk_tokens(), buckets.prefill_tokens[-1])
-        fitting = [size for size in buckets.prefill_tokens if size >= DEFAULT_SEPARATE_CHUNK_TOKENS]
-        return fitting[0] if fitting else buckets.prefill_tokens[-1]
+        if additional.get(MIXED_BATCH_SETTING) != []:
+            return min(neuron_device.mixed_call_prefill_share(), buckets.prefill_buckets[-1])
+        fitting = [size for size in buckets.prefill_buckets if size >= SEPARATE_CALL_MIN_SHARE]
+        return fitting[0] if fitting else buckets.prefill_buckets[-1]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise NeuronConfigError(
-            f"{INTERLEAVE_SETTING} must be a non-negative integer (0 disables the cap), got {value!r}"
+            f"{PREFILL_SHARE_SETTING} must be a non-negative integer (0 disables the cap), got {value!r}"
         )
     return value
 
@@ -208,28 +252,28 @@ def _policy_buckets(additional: dict[str, Any], limits: dict[str, int]) -> Bucke
         raise NeuronConfigError(f"call_costs must be one of {sorted(PROFILES)}, got {costs!r}")
     try:
         traffic = TrafficShape.from_dict(declared)
-        # The budget covers the mixed calls the bucket set will get (none if the prefill cap is off).
-        mixed = additional.get(INTERLEAVE_SETTING) != 0 and additional.get(MIXED_SETTING) != []
+        # The budget covers the mixed calls the bucket set will get (none if the prefill share is off).
+        mixed = additional.get(PREFILL_SHARE_SETTING) != 0 and additional.get(MIXED_BATCH_SETTING) != []
         return auto_buckets(
             traffic,
             **limits,
             graph_budget=budget,
             mixed_calls=mixed,
-            prefill_tokens_while_decoding=_planned_share(additional, limits, mixed),
+            prefill_tokens_while_decoding=_planned_prefill_share(additional, limits, mixed),
             costs=PROFILES[costs],
         )
     except ValueError as err:
         raise NeuronConfigError(f"automatic bucket policy: {err}") from None
 
 
-def _planned_share(additional: dict[str, Any], limits: dict[str, int], mixed: bool) -> int:
-    """The prefill share the policy simulates the scheduler with: the one `_interleave_tokens` gives the
-    chosen buckets. Without mixed calls the default share is the smallest prefill bucket of at least
-    DEFAULT_SEPARATE_CHUNK_TOKENS, a bucket the policy is about to choose: it plans with that size."""
-    value = additional.get(INTERLEAVE_SETTING)
+def _planned_prefill_share(additional: dict[str, Any], limits: dict[str, int], mixed: bool) -> int:
+    """The prefill share the policy simulates the scheduler with: the one `_prefill_share` gives the chosen
+    buckets. Without mixed calls the default share is the smallest prefill bucket of at least
+    SEPARATE_CALL_MIN_SHARE, a bucket the policy is about to choose: it plans with that size."""
+    value = additional.get(PREFILL_SHARE_SETTING)
     if value is not None:
         return value
     max_chunk = min(limits["max_num_batched_tokens"], limits["max_model_len"])
     if mixed:
-        return min(neuron_device.mixed_chunk_tokens(), max_chunk)
-    return min(DEFAULT_SEPARATE_CHUNK_TOKENS, max_chunk)
+        return min(neuron_device.mixed_call_prefill_share(), max_chunk)
+    return min(SEPARATE_CALL_MIN_SHARE, max_chunk)

@@ -148,7 +148,9 @@ PLUGIN_BACKENDS = ("stablehlo", "xla", "lower-only", "none")
 
 
 def compile_backend() -> str:
-    """The torch.compile backend for the model step ("none" means run uncompiled)."""
+    """The torch.compile backend for the model step ("none" means run uncompiled), from
+    VLLM_NEURON_COMPILE_BACKEND and the device mode, checked. Resolved once, with the rest of the settings
+    (`NeuronConfig.resolve`): everything else reads `NeuronConfig.compile_backend`."""
     chosen = envs.VLLM_NEURON_COMPILE_BACKEND
     if not chosen:
         return "neuron" if mode() == "neuron" else "eager"
@@ -175,10 +177,10 @@ def compile_backend() -> str:
     return chosen
 
 
-def mixed_chunk_tokens() -> int:
+def mixed_call_prefill_share() -> int:
     """Prefill tokens a decode call takes along for little more than its own cost: the default prefill share
-    of a step while requests decode, when that share rides in the decode call (docs/batching.md). A decode
-    step reads every weight for a few rows, so extra tokens are nearly free until the matmuls turn
+    (prefill_tokens_while_decoding), when the share's chunk rides in the decode call (docs/batching.md). A
+    decode step reads every weight for a few rows, so extra tokens are nearly free until the matmuls turn
     compute-bound: after about 8 tokens on a few CPU cores (~100 GFLOP/s against ~25 GB/s), about 230 on a
     NeuronCore (bf16 FLOP/s over HBM bandwidth, docs/performance.md); past that, and for a chunk deep in a
     long prompt, the chunk's attention over its context is what it costs."""

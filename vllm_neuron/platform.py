@@ -11,7 +11,12 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import parallel
-from vllm_neuron.config import DEFAULT_BLOCK_SIZE, NeuronConfig, default_max_requests_in_flight
+from vllm_neuron.config import (
+    DEFAULT_BLOCK_SIZE,
+    NeuronConfig,
+    ResolvedSettings,
+    default_max_requests_in_flight,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -196,13 +201,14 @@ class NeuronPlatform(Platform):
         # TorchNeuron cannot re-initialise its runtime in a forked child.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
-        neuron_config = NeuronConfig.from_vllm_config(vllm_config)
-        vllm_config.additional_config = neuron_config.as_additional_config()
+        # Resolved once, here; the engine's processes read it back (NeuronConfig.of).
+        neuron_config = NeuronConfig.resolve_for(vllm_config)
+        vllm_config.additional_config = ResolvedSettings(neuron_config)
         logger.info(
             "Neuron plugin (%s mode, compile backend %s): block size %d, %s; "
             "at most %s prefill tokens per step while requests decode",
             neuron_device.mode(),
-            neuron_device.compile_backend(),
+            neuron_config.compile_backend,
             cache_config.block_size,
             neuron_config.buckets.describe(),
             neuron_config.prefill_tokens_while_decoding or "unlimited",

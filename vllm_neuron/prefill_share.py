@@ -1,5 +1,6 @@
-"""The prefill share: how many prefill tokens a step may carry beside its decode rows. One rule, applied by
-the scheduler (vllm_neuron/scheduler.py) and modelled by the bucket policy's simulation
+"""The prefill share: how many prefill tokens a step may carry beside its decode rows (at most the setting
+`prefill_tokens_while_decoding` under light load, else vLLM's whole budget). One rule, applied by the
+scheduler (vllm_neuron/scheduler.py) and modelled by the bucket policy's simulation
 (vllm_neuron/planning/step_simulation.py)."""
 
 # Prompts waiting beyond one per this many decoding streams are a queue, not an arrival beside running
@@ -8,11 +9,14 @@ the scheduler (vllm_neuron/scheduler.py) and modelled by the bucket policy's sim
 STREAMS_PER_WAITING_PROMPT = 4
 
 
-def prefill_share(decoding: int, prefilling: int, max_num_seqs: int, share: int, full_budget: int) -> int:
+def prefill_share(
+    decoding: int, prefilling: int, max_num_seqs: int, prefill_tokens_while_decoding: int, full_budget: int
+) -> int:
     """Prefill tokens a step may carry beside `decoding` decode rows while `prefilling` requests wait for
-    (more of) their prompt; 0 means vLLM's whole budget."""
+    (more of) their prompt: the setting `prefill_tokens_while_decoding` under light load; 0 means vLLM's
+    whole budget."""
     few_waiting = prefilling <= max(1, decoding // STREAMS_PER_WAITING_PROMPT)
     light_load = decoding <= max_num_seqs // 2 and few_waiting
-    if not decoding or not light_load or not share:
+    if not decoding or not light_load or not prefill_tokens_while_decoding:
         return 0
-    return min(share, full_budget)
+    return min(prefill_tokens_while_decoding, full_budget)

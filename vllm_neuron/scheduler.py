@@ -26,9 +26,7 @@ class PrefillShare:
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        self.prefill_tokens_while_decoding = NeuronConfig.from_vllm_config(
-            vllm_config
-        ).prefill_tokens_while_decoding
+        self.prefill_tokens_while_decoding = NeuronConfig.of(vllm_config).prefill_tokens_while_decoding
         self.full_token_budget = self.max_num_scheduled_tokens
         # With speculative decoding a decoding request is scheduled its last token and its draft tokens.
         speculative = vllm_config.speculative_config
@@ -40,20 +38,22 @@ class PrefillShare:
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         decoding = sum(1 for request in self.running if not request.is_prefill_chunk)
         prefilling = len(self.running) - decoding + len(self.waiting)
-        cap = prefill_share(
+        share = prefill_share(
             decoding,
             prefilling,
             self.max_num_running_reqs,
             self.prefill_tokens_while_decoding,
             self.full_token_budget,
         )
-        if cap:
-            # Every prefill chunk is capped too: a chunk ahead of the decoding requests in the running
-            # queue must not take their tokens.
+        if share:
+            # Every prefill chunk is capped at the share too: a chunk ahead of the decoding requests in the
+            # running queue must not take their tokens.
             self.max_num_scheduled_tokens = min(
-                self.full_token_budget, decoding * self.tokens_per_decode_row + cap
+                self.full_token_budget, decoding * self.tokens_per_decode_row + share
             )
-            self.scheduler_config.long_prefill_token_threshold = min(cap, self.configured_prefill_cap or cap)
+            self.scheduler_config.long_prefill_token_threshold = min(
+                share, self.configured_prefill_cap or share
+            )
         else:
             self.max_num_scheduled_tokens = self.full_token_budget
             self.scheduler_config.long_prefill_token_threshold = self.configured_prefill_cap

@@ -91,11 +91,11 @@ class CallPlanner:
             return call_inputs.prefill_inputs(
                 parts,
                 token_bucket=call.token_bucket,
-                context_bucket=call.context,
+                context_bucket=call.chunk_context,
                 block_size=self.block_size,
                 device=self.device,
             )
-        pages = self.buckets.decode_pages(call.batch, call.context)
+        pages = self.buckets.decode_pages(call.batch, call.decode_context)
         if call.phase == "verify":
             return call_inputs.verify_inputs(
                 rows,

@@ -1,11 +1,14 @@
 """The persistent batch: vLLM's InputBatch kept in step with the scheduler's output, on the host.
 
 Follows the protocol of vLLM's GPU runner (finished requests leave, unscheduled ones are parked, new and
-resumed ones join, sampled tokens are appended here because the scheduler does not send them back),
-without the parts we do not support (speculative decoding, pipeline parallelism). With async scheduling
-the scheduler's token counts include the tokens still being sampled; a step's tokens are appended when its
-output is made, which with the calls on a thread of their own is after the next step updated the batch (its
-decode rows whose token is not here yet take it from the previous step's outputs, worker/model_runner.py).
+resumed ones join, sampled tokens are appended here because the scheduler does not send them back), without
+pipeline parallelism, which the platform refuses. With speculative decoding the batch holds the tokens the
+runner accepted only (`num_tokens_no_spec`): a step's draft tokens come with the scheduler's output and are
+verified by the runner (worker/model_runner.py, worker/speculation.py), and `append_sampled` appends each
+request's accepted drafts and the token after them. With async scheduling the scheduler's token counts include
+the tokens still being sampled; a step's tokens are appended when its output is made, which with the calls on
+a thread of their own is after the next step updated the batch (its decode rows whose token is not here yet
+take it from the previous step's outputs, worker/model_runner.py).
 Each request's sampling row (worker/sampling_rows.py) is worked out once, when it joins.
 """
 

@@ -53,7 +53,7 @@ class NeuronModelRunner:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.device = device
-        self.neuron_config = NeuronConfig.from_vllm_config(vllm_config)
+        self.neuron_config = NeuronConfig.of(vllm_config)
         self.buckets = self.neuron_config.buckets
         self.block_size = vllm_config.cache_config.block_size
         self.batch = PersistentBatch(vllm_config, self.block_size)
@@ -109,7 +109,7 @@ class NeuronModelRunner:
     def load_model(self) -> None:
         self.compiled = CompiledModel(
             self.vllm_config,
-            neuron_device.compile_backend(),
+            self.neuron_config.compile_backend,
             self.buckets.num_graphs,
             self.readiness.compile_workers,
             self.tp_rank,

@@ -37,7 +37,7 @@ class NeuronWorker(WorkerBase):
         neuron_device.pin_rank(self.local_rank, self.parallel_config.local_world_size)
         # vLLM numbers ranks with tensor parallelism innermost.
         tp_rank = self.rank % self.parallel_config.tensor_parallel_size
-        compile_cache.prepare(self.vllm_config, NeuronConfig.from_vllm_config(self.vllm_config), tp_rank)
+        compile_cache.prepare(self.vllm_config, NeuronConfig.of(self.vllm_config), tp_rank)
         neuron_device.disable_fallback_execution()
         self.device = neuron_device.torch_device(self.local_rank)
         init_worker_distributed_environment(

@@ -93,8 +93,8 @@ def warmup_steps(
         # A chunk of n tokens ending at the context bucket (or at max_model_len, inside the same bucket).
         total = min(context, max_model_len)
         count = min(tokens, total)
-        assert pick_bucket(buckets.prefill_tokens, count) == tokens
-        assert pick_bucket(buckets.context_tokens, total) == context
+        assert pick_bucket(buckets.prefill_buckets, count) == tokens
+        assert pick_bucket(buckets.context_buckets, total) == context
         req_id = f"warmup-prefill-{index}"
         request = _request(req_id, total, total - count, block_size, index)
         yield WarmupStep("prefill", (tokens, context), _step([request], {req_id: count}), [req_id])
@@ -110,11 +110,11 @@ def warmup_steps(
     for index, (batch, context) in enumerate(buckets.mixed_shapes()):
         if ("mixed", batch, context) not in wanted:
             continue
-        # The decode rows above, and a chunk of mixed_tokens tokens (or the whole context if shorter).
+        # The decode rows above, and a chunk of mixed_chunk_bucket tokens (or the whole context if shorter).
         total = min(context, max_model_len)
         ids = [f"warmup-mixed-{index}-{row}" for row in range(batch)]
         requests = [_request(req_id, total, total - 1, block_size, row) for row, req_id in enumerate(ids)]
-        count = min(buckets.mixed_tokens, max_model_len)
+        count = min(buckets.mixed_chunk_bucket, max_model_len)
         assert buckets.has_mixed(batch, count)
         chunk_id = f"warmup-mixed-{index}-chunk"
         requests.append(_request(chunk_id, max_model_len, max_model_len - count, block_size, index))
@@ -168,6 +168,8 @@ def synthetic_call(
     call = Call.decode(size, size, context)
     if phase == "decode":
         return call, [], rows
-    count = min(buckets.mixed_tokens, max_model_len)
-    mixed = call.with_chunk(count, max_model_len - count, buckets.mixed_tokens, buckets.context_tokens[-1])
+    count = min(buckets.mixed_chunk_bucket, max_model_len)
+    mixed = call.with_chunk(
+        count, max_model_len - count, buckets.mixed_chunk_bucket, buckets.context_buckets[-1]
+    )
     return mixed, [chunk(max_model_len, count)], rows

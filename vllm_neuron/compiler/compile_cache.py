@@ -65,13 +65,15 @@ def key_fields(
         "dtype": str(model_config.dtype),
         "max_model_len": model_config.max_model_len,
         "block_size": neuron_config.block_size,
+        # These names are hashed into every cache key and recorded in key.json: renaming one would start every
+        # compile cache cold, so they keep the names BucketConfig's fields had.
         "buckets": {
-            "prefill_tokens": neuron_config.buckets.prefill_tokens,
-            "decode_batch": neuron_config.buckets.decode_batch,
-            "context_tokens": neuron_config.buckets.context_tokens,
-            "decode_context_tokens": neuron_config.buckets.decode_context_tokens,
-            "mixed_tokens": neuron_config.buckets.mixed_tokens,
-            "mixed_batch": neuron_config.buckets.mixed_batch,
+            "prefill_tokens": neuron_config.buckets.prefill_buckets,
+            "decode_batch": neuron_config.buckets.decode_batch_buckets,
+            "context_tokens": neuron_config.buckets.context_buckets,
+            "decode_context_tokens": neuron_config.buckets.decode_context_buckets,
+            "mixed_tokens": neuron_config.buckets.mixed_chunk_bucket,
+            "mixed_batch": neuron_config.buckets.mixed_batch_buckets,
         },
         "tensor_parallel_size": parallel_config.tensor_parallel_size,
         # Each rank compiles the graphs of its own shard (on Trainium, with its place in the group).
@@ -81,7 +83,7 @@ def key_fields(
         # neuronx-cc's own options (optimisation level, target, ...) change the NEFFs it writes.
         "neuron_cc_flags": os.environ.get("NEURON_CC_FLAGS", ""),
         "device_mode": device.mode(),
-        "compile_backend": device.compile_backend(),
+        "compile_backend": neuron_config.compile_backend,
         "versions": device.versions(),
     }
 

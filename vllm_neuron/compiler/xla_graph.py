@@ -94,10 +94,10 @@ def minimum_bytes(call: Call, memory: xla.Memory, caches: list[torch.Tensor]) ->
     """What a call must move at least: every argument but the caches read once (weights and inputs), the KV
     its rows attend to read once, its new KV written, and its outputs written."""
     attended = {
-        "prefill": call.context,
-        "decode": call.batch * call.context,
-        "verify": call.batch * call.context,
-        "mixed": call.batch * call.context + call.chunk_context,
+        "prefill": call.chunk_context,
+        "decode": call.batch * call.decode_context,
+        "verify": call.batch * call.decode_context,
+        "mixed": call.batch * call.decode_context + call.chunk_context,
     }[call.phase]
     written = {
         "prefill": call.token_bucket,

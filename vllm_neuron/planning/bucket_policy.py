@@ -76,7 +76,7 @@ def simulated_run(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     prefill_tokens_while_decoding: int,
-    mixed_tokens: int,
+    mixed_chunk_bucket: int,
     num_requests: int,
     seed: int,
 ) -> Trace:
@@ -90,7 +90,7 @@ def simulated_run(
         num_requests=num_requests,
         seed=seed,
     )
-    return record(steps, max_num_seqs=max_num_seqs, mixed_tokens=mixed_tokens)
+    return record(steps, max_num_seqs=max_num_seqs, mixed_chunk_bucket=mixed_chunk_bucket)
 
 
 def simulate(
@@ -129,17 +129,17 @@ def simulate(
     )
     _check_limits(**limits, block_size=block_size)
     _check_share(prefill_tokens_while_decoding)
-    if buckets.mixed_tokens and buckets.mixed_tokens != prefill_tokens_while_decoding:
+    if buckets.mixed_chunk_bucket and buckets.mixed_chunk_bucket != prefill_tokens_while_decoding:
         raise ValueError(
-            f"mixed calls of {buckets.mixed_tokens} tokens carry the capped chunk: "
-            f"prefill_tokens_while_decoding must be {buckets.mixed_tokens}, "
+            f"mixed calls of {buckets.mixed_chunk_bucket} tokens carry the prefill share's chunk: "
+            f"prefill_tokens_while_decoding must be {buckets.mixed_chunk_bucket}, "
             f"got {prefill_tokens_while_decoding}"
         )
     trace = simulated_run(
         traffic,
         **limits,
         prefill_tokens_while_decoding=prefill_tokens_while_decoding,
-        mixed_tokens=buckets.mixed_tokens,
+        mixed_chunk_bucket=buckets.mixed_chunk_bucket,
         num_requests=num_requests,
         seed=seed,
     )
@@ -331,14 +331,16 @@ def auto_buckets(
     max_chunk = min(max_num_batched_tokens, max_model_len)
     max_context = round_up(max_model_len, block_size)
     page_tokens = decode_page_tokens(block_size)
-    mixed_tokens = prefill_tokens_while_decoding if mixed_calls else 0
+    chunk_bucket = prefill_tokens_while_decoding if mixed_calls else 0
 
     def mixed_batch_of(batch: tuple[int, ...]) -> tuple[int, ...]:
         return light_load_batches(batch, max_num_seqs) if mixed_calls else ()
 
     def with_mixed(buckets: BucketConfig) -> BucketConfig:
-        mixed_batch = mixed_batch_of(buckets.decode_batch)
-        return replace(buckets, mixed_tokens=mixed_tokens if mixed_batch else 0, mixed_batch=mixed_batch)
+        mixed_batch = mixed_batch_of(buckets.decode_batch_buckets)
+        return replace(
+            buckets, mixed_chunk_bucket=chunk_bucket if mixed_batch else 0, mixed_batch_buckets=mixed_batch
+        )
 
     minimal = with_mixed(BucketConfig((max_chunk,), (max_num_seqs,), (max_context,), page_tokens))
     if minimal.num_graphs > graph_budget:
@@ -350,7 +352,7 @@ def auto_buckets(
         traffic,
         **limits,
         prefill_tokens_while_decoding=prefill_tokens_while_decoding,
-        mixed_tokens=mixed_tokens,
+        mixed_chunk_bucket=chunk_bucket,
         num_requests=FIT_REQUESTS,
         seed=seed,
     )
@@ -359,7 +361,7 @@ def auto_buckets(
     # chunks are left to prefill calls: the halves are searched and joined for each such choice.
     groups: dict[bytes, tuple[np.ndarray, list[tuple[int, ...]]]] = {}
     for batch in decode_options(trace, max_num_seqs, most):
-        mixed = mixed_steps(trace, batch, mixed_batch_of(batch), mixed_tokens)
+        mixed = mixed_steps(trace, batch, mixed_batch_of(batch), chunk_bucket)
         groups.setdefault(mixed.tobytes(), (mixed, []))[1].append(batch)
     decode_context_sets = decode_context_options(trace, page_tokens, max_context, most)
 
@@ -383,7 +385,9 @@ def auto_buckets(
             if len(batch) * len(contexts) >= graph_budget:  # the contexts are distinct page counts
                 continue
             half = with_mixed(
-                BucketConfig((max_chunk,), batch, (max_context,), page_tokens, decode_context_tokens=contexts)
+                BucketConfig(
+                    (max_chunk,), batch, (max_context,), page_tokens, decode_context_buckets=contexts
+                )
             )
             graphs = len(half.decode_shapes()) + len(half.mixed_shapes())
             if graphs < graph_budget:
@@ -399,9 +403,9 @@ def auto_buckets(
             if best_key is None or _better(key, best_key):
                 # Decode contexts that read the same pages as the context buckets are no setting of their own.
                 own = BucketConfig(
-                    tokens, batch, contexts, page_tokens, decode_context_tokens=decode_contexts
+                    tokens, batch, contexts, page_tokens, decode_context_buckets=decode_contexts
                 )
-                shared = replace(own, decode_context_tokens=())
+                shared = replace(own, decode_context_buckets=())
                 best = with_mixed(shared if shared.decode_contexts() == own.decode_contexts() else own)
                 best_key = key
     validate_buckets(best, **limits, block_size=block_size)

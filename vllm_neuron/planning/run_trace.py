@@ -4,10 +4,10 @@ computed for many bucket sets at once with numpy. Pure Python and numpy, no torc
 vLLM's scheduler never sees the buckets, so the same steps happen whatever the bucket set, and one run can be
 bucketed many ways: that is what makes the bucket search cheap. Each step becomes calls as `calls.plan_step`
 makes them, whose rules this module applies in bulk: decode rows in calls of at most the largest batch
-bucket, the step's first chunk of at most `mixed_tokens` riding in a decode call whose batch bucket has mixed
-calls (one mixed call), the other chunks packed by `buckets.pack_prefill`. Identical calls are stored once
-with a count, so a long decode-heavy run stays small. tests/test_bucket_policy.py checks the bulk figures
-against `plan_step` and `CallCosts.of` step by step.
+bucket, the step's first chunk of at most `mixed_chunk_bucket` tokens riding in a decode call whose batch
+bucket has mixed calls (one mixed call), the other chunks packed by `buckets.pack_prefill`. Identical calls
+are stored once with a count, so a long decode-heavy run stays small. tests/test_bucket_policy.py checks the
+bulk figures against `plan_step` and `CallCosts.of` step by step.
 """
 
 from collections.abc import Iterable, Sequence
@@ -17,7 +17,7 @@ import numpy as np
 
 from vllm_neuron.buckets import BucketConfig, BucketError, ceil_div, pack_prefill
 from vllm_neuron.call_costs import CallCosts
-from vllm_neuron.planning.step_simulation import Step
+from vllm_neuron.planning.step_simulation import SimulatedStep
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Trace:
     prefill: PrefillChunks
     decode_steps: DecodeSteps
     decode: DecodeCalls  # decode_steps in calls of at most max_num_seqs rows, the usual case
-    mixed_tokens: int  # the largest chunk that rides in a mixed call (0: none)
+    mixed_chunk_bucket: int  # the largest chunk that rides in a mixed call (0: none)
 
 
 def causal_work(length: int, start: int) -> int:
@@ -80,9 +80,9 @@ def causal_work(length: int, start: int) -> int:
     return length * start + length * (length + 1) // 2
 
 
-def record(steps: Iterable[Step], *, max_num_seqs: int, mixed_tokens: int) -> Trace:
+def record(steps: Iterable[SimulatedStep], *, max_num_seqs: int, mixed_chunk_bucket: int) -> Trace:
     """The trace of a run's steps (`step_simulation.traffic_steps`), for mixed calls of chunks of at most
-    `mixed_tokens` tokens (0: no mixed calls)."""
+    `mixed_chunk_bucket` tokens (0: no mixed calls)."""
     chunks: list[tuple[int, int, int, int]] = []  # (step, length, start, rider) of every prefill chunk
     contexts: list[int] = []
     decode: list[tuple[int, int, int, int]] = []  # (size, repeat, rider tokens, rider work) of each step
@@ -90,7 +90,7 @@ def record(steps: Iterable[Step], *, max_num_seqs: int, mixed_tokens: int) -> Tr
         rider = None
         if step.decode_contexts:
             # plan_step's rider: the first chunk short enough to ride with the step's decode rows.
-            rider = next((i for i, (_, n) in enumerate(step.chunks) if n <= mixed_tokens), None)
+            rider = next((i for i, (_, n) in enumerate(step.chunks) if n <= mixed_chunk_bucket), None)
             start, length = step.chunks[rider] if rider is not None else (0, 0)
             contexts += step.decode_contexts
             decode.append((len(step.decode_contexts), step.repeat, length, causal_work(length, start)))
@@ -105,7 +105,7 @@ def record(steps: Iterable[Step], *, max_num_seqs: int, mixed_tokens: int) -> Tr
         PrefillChunks(step, length, start, rider),
         decode_steps,
         decode_calls(decode_steps, max_num_seqs),
-        mixed_tokens,
+        mixed_chunk_bucket,
     )
 
 
@@ -120,21 +120,27 @@ def pick(buckets: Sequence[int], sizes: np.ndarray, what: str) -> np.ndarray:
 
 
 def mixed_steps(
-    trace: Trace, decode_batch: Sequence[int], mixed_batch: Sequence[int], mixed_tokens: int
+    trace: Trace,
+    decode_batch_buckets: Sequence[int],
+    mixed_batch_buckets: Sequence[int],
+    mixed_chunk_bucket: int,
 ) -> np.ndarray:
     """Which decode steps run their rider in a mixed call: one of the step's decode calls (full calls of
     the largest batch bucket, then the rest) has a batch bucket with mixed calls."""
     steps = trace.decode_steps
-    if not mixed_tokens or not mixed_batch:
+    if not mixed_chunk_bucket or not mixed_batch_buckets:
         return np.zeros(len(steps.size), bool)
-    if mixed_tokens != trace.mixed_tokens:
+    if mixed_chunk_bucket != trace.mixed_chunk_bucket:
         raise ValueError(
-            f"mixed calls of {mixed_tokens} tokens on a trace of {trace.mixed_tokens}-token riders"
+            f"mixed calls of {mixed_chunk_bucket} tokens on a trace of "
+            f"{trace.mixed_chunk_bucket}-token riders"
         )
-    largest = decode_batch[-1]
+    largest = decode_batch_buckets[-1]
     rest = steps.size % largest
-    has_mixed = (steps.size >= largest) & (largest in mixed_batch)
-    has_mixed |= (rest > 0) & np.isin(pick(decode_batch, rest, "decode batch of"), mixed_batch)
+    has_mixed = (steps.size >= largest) & (largest in mixed_batch_buckets)
+    has_mixed |= (rest > 0) & np.isin(
+        pick(decode_batch_buckets, rest, "decode batch of"), mixed_batch_buckets
+    )
     return (steps.rider_tokens > 0) & has_mixed
 
 
@@ -194,7 +200,7 @@ def _decode_context_sums(buckets: BucketConfig, batch: np.ndarray, calls: Decode
     if len(last) and ceil_div(last, batch).max() > capacity[-1]:
         raise BucketError(
             f"decode context {int(ceil_div(last, batch).max())} exceeds the largest context bucket "
-            f"{contexts[-1]} of {list(buckets.context_tokens)}"
+            f"{contexts[-1]} of {list(buckets.context_buckets)}"
         )
     # Calls k = 0 .. repeat-1 of a run need ceil((context_sum + rows * k) / batch) per row; those that fit
     # capacity c are k <= (c * batch - context_sum) // rows.
@@ -210,8 +216,8 @@ def _ratio(real: float, padded: float) -> float:
 
 def prefill_figures(buckets: BucketConfig, calls: PrefillCalls, costs: CallCosts) -> dict[str, float]:
     """Real and padded work and estimated time of the prefill calls."""
-    tokens = pick(buckets.prefill_tokens, calls.length, "prefill call of")
-    context = pick(buckets.context_tokens, calls.context, "prefill context")
+    tokens = pick(buckets.prefill_buckets, calls.length, "prefill call of")
+    context = pick(buckets.context_buckets, calls.context, "prefill context")
     count = int(calls.count.sum())
     slots = (calls.count * tokens).sum()
     pairs = (calls.count * tokens * context).sum()
@@ -231,17 +237,17 @@ def decode_figures(
     """Real and padded work and estimated time of the decode calls, the mixed ones (`mixed`, per decode
     step) with their chunks."""
     decode = trace.decode
-    if len(decode.rows) and decode.rows.max() > buckets.decode_batch[-1]:
-        decode = decode_calls(trace.decode_steps, buckets.decode_batch[-1])
+    if len(decode.rows) and decode.rows.max() > buckets.decode_batch_buckets[-1]:
+        decode = decode_calls(trace.decode_steps, buckets.decode_batch_buckets[-1])
     calls = decode.count * decode.repeat
-    batch = pick(buckets.decode_batch, decode.rows, "decode batch of")
+    batch = pick(buckets.decode_batch_buckets, decode.rows, "decode batch of")
     attended = (decode.count * _decode_context_sums(buckets, batch, decode)).sum()
     # Over a run the row contexts grow by `rows` a call: repeat * first + rows * (0 + 1 + ... + repeat - 1).
     per_run = decode.repeat * decode.context_sum + decode.rows * decode.repeat * (decode.repeat - 1) // 2
     slots = (calls * batch).sum()
     count = int(mixed.sum())
-    chunk_slots = count * buckets.mixed_tokens
-    chunk_pairs = chunk_slots * buckets.context_tokens[-1]  # a mixed call's chunk attends over the largest
+    chunk_slots = count * buckets.mixed_chunk_bucket
+    chunk_pairs = chunk_slots * buckets.context_buckets[-1]  # a mixed call's chunk attends over the largest
     return {
         "decode_calls": int(calls.sum()) - count,
         "mixed_calls": count,
@@ -267,10 +273,12 @@ def evaluate(
     buckets: BucketConfig, trace: Trace, block_size: int, costs: CallCosts
 ) -> dict[str, float | int]:
     """The figures `bucket_policy.simulate` returns, for a recorded run."""
-    mixed = mixed_steps(trace, buckets.decode_batch, buckets.mixed_batch, buckets.mixed_tokens)
+    mixed = mixed_steps(
+        trace, buckets.decode_batch_buckets, buckets.mixed_batch_buckets, buckets.mixed_chunk_bucket
+    )
     prefill = prefill_figures(
         buckets,
-        prefill_calls(trace, mixed, buckets.prefill_tokens[-1], buckets.context_tokens[-1], block_size),
+        prefill_calls(trace, mixed, buckets.prefill_buckets[-1], buckets.context_buckets[-1], block_size),
         costs,
     )
     decode = decode_figures(buckets, trace, mixed, costs)

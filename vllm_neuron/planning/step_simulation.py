@@ -4,8 +4,9 @@
 in order, then waiting ones admitted while fewer than max_num_seqs run, within the step's token budget; under
 light load the budget and every chunk are capped by `prefill_share`, the rule the scheduler itself
 calls. The KV cache is assumed large enough (no preemption) and nothing hits the prefix cache. A step is
-recorded as the runner receives it (`Step`: decode rows and prefill chunks in batch order, with admission
-order standing in for the runner's batch order), before bucketing, and `calls.plan_step` turns it into calls.
+recorded as the runner receives it (`SimulatedStep`: decode rows and prefill chunks in batch order, with
+admission order standing in for the runner's batch order), before bucketing, and `calls.plan_step` turns it
+into calls.
 
 - `scripted_calls`: the calls of a scripted workload (arrivals and cancellations at given steps), to check
   the model against the runner;
@@ -23,7 +24,7 @@ from vllm_neuron.prefill_share import prefill_share
 
 
 @dataclass(frozen=True)
-class Step:
+class SimulatedStep:
     """One scheduler step as the runner receives it: each decode row's context (position + 1) and each
     prefill chunk's (start, length), in batch order. `repeat` > 1 stands for that many consecutive steps of
     the same decode rows and no chunks, each row's context one more at every step."""
@@ -32,9 +33,9 @@ class Step:
     chunks: tuple[tuple[int, int], ...]
     repeat: int = 1
 
-    def unrolled(self) -> Iterator["Step"]:
+    def unrolled(self) -> Iterator["SimulatedStep"]:
         for offset in range(self.repeat):
-            yield Step(tuple(context + offset for context in self.decode_contexts), self.chunks)
+            yield SimulatedStep(tuple(context + offset for context in self.decode_contexts), self.chunks)
 
 
 @dataclass
@@ -55,7 +56,7 @@ class SchedulerModel:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, prefill_tokens_while_decoding: int):
         self.max_num_seqs = max_num_seqs
         self.full_budget = max_num_batched_tokens
-        self.share = prefill_tokens_while_decoding
+        self.prefill_tokens_while_decoding = prefill_tokens_while_decoding
         self.requests: dict[Hashable, _Request] = {}
         self.waiting: deque[Hashable] = deque()
         self.running: list[Hashable] = []  # admission order
@@ -75,7 +76,7 @@ class SchedulerModel:
             self.waiting.remove(key)
         self.requests.pop(key, None)
 
-    def step(self) -> tuple[Step, list[Hashable]]:
+    def step(self) -> tuple[SimulatedStep, list[Hashable]]:
         """Schedule and run one step: the step, and the requests that finished in it."""
         return self._run(self._schedule(), repeat=1)
 
@@ -91,7 +92,7 @@ class SchedulerModel:
             return 0
         return min(request.output - request.generated for request in requests)
 
-    def decode_steps(self, count: int) -> tuple[Step, list[Hashable]]:
+    def decode_steps(self, count: int) -> tuple[SimulatedStep, list[Hashable]]:
         """Run `count` decode-only steps (at most `decode_only_steps()`) in one go: a decode-heavy run would
         otherwise cost a Python iteration per step."""
         assert 0 < count <= self.decode_only_steps(), count
@@ -100,17 +101,21 @@ class SchedulerModel:
     def _schedule(self) -> list[tuple[Hashable, int]]:
         """(request, tokens) of the next step, in batch order."""
         decoding = sum(1 for key in self.running if self.requests[key].decoding)
-        cap = prefill_share(
-            decoding, self.in_flight - decoding, self.max_num_seqs, self.share, self.full_budget
+        share = prefill_share(
+            decoding,
+            self.in_flight - decoding,
+            self.max_num_seqs,
+            self.prefill_tokens_while_decoding,
+            self.full_budget,
         )
         # As NeuronScheduler does: the step's budget leaves the decode rows theirs, and every chunk is capped
         # too (long_prefill_token_threshold), so a chunk ahead of decoding requests cannot take their tokens.
-        budget = min(self.full_budget, decoding + cap) if cap else self.full_budget
+        budget = min(self.full_budget, decoding + share) if share else self.full_budget
         scheduled: list[tuple[Hashable, int]] = []
 
         def take(key: Hashable, wanted: int) -> None:
             nonlocal budget
-            count = min(wanted, cap or wanted, budget)
+            count = min(wanted, share or wanted, budget)
             scheduled.append((key, count))
             budget -= count
 
@@ -125,9 +130,11 @@ class SchedulerModel:
             take(key, self.requests[key].prompt)
         return scheduled
 
-    def _run(self, scheduled: list[tuple[Hashable, int]], repeat: int) -> tuple[Step, list[Hashable]]:
+    def _run(
+        self, scheduled: list[tuple[Hashable, int]], repeat: int
+    ) -> tuple[SimulatedStep, list[Hashable]]:
         # The runner's rule: a 1-token request is a decode row, any other a prefill chunk.
-        step = Step(
+        step = SimulatedStep(
             tuple(self.requests[key].computed + 1 for key, count in scheduled if count == 1),
             tuple((self.requests[key].computed, count) for key, count in scheduled if count > 1),
             repeat,
@@ -187,9 +194,9 @@ def traffic_steps(
     prefill_tokens_while_decoding: int,
     num_requests: int,
     seed: int,
-) -> Iterator[Step]:
+) -> Iterator[SimulatedStep]:
     """The steps of a run until `num_requests` requests have finished, consecutive decode-only steps as
-    one `Step` with a repeat. Clients keep requests in flight and replace a finished one at once:
+    one `SimulatedStep` with a repeat. Clients keep requests in flight and replace a finished one at once:
     `traffic.concurrency` of them for the first part of the run, then lighter loads (`traffic.load_at`).
     Deterministic for a seed."""
     if num_requests < 1:
