@@ -14,8 +14,10 @@ So each bucket shape compiles one graph for the target and one for the draft, bo
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.forward_context import ForwardContext, override_forward_context
-from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.forward_context import ForwardContext
+
+from vllm_neuron.upstream import vllm_runner
+from vllm_neuron.upstream.vllm_runner import override_forward_context
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -24,10 +26,7 @@ if TYPE_CHECKING:
 def load_draft_model(vllm_config: "VllmConfig") -> torch.nn.Module:
     """The draft model, loaded the way vLLM's own DraftModelProposer loads it (its draft config, layer
     prefix "draft_model"), without the proposer's GPU buffers and kernels, which the plugin does not use."""
-    proposer = DraftModelProposer.__new__(DraftModelProposer)
-    proposer.vllm_config = vllm_config
-    proposer.speculative_config = vllm_config.speculative_config
-    return proposer._get_model()
+    return vllm_runner.load_draft_model(vllm_config)
 
 
 class DraftForward(torch.nn.Module):
