@@ -142,7 +142,7 @@ def disable_fallback_execution() -> None:
         os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] = "1"
 
 
-# Ours, beside the names torch._dynamo lists: TorchNeuron's route to StableHLO on a CPU (then the FX graph
+# Ours, beside the names torch.compiler lists: TorchNeuron's route to StableHLO on a CPU (then the FX graph
 # runs there), the same route with XLA compiling and running the StableHLO, the route without running the
 # graphs (`vllm-neuron check`), and no compile.
 PLUGIN_BACKENDS = ("stablehlo", "xla", "lower-only", "none")
