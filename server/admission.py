@@ -17,6 +17,8 @@ from http import HTTPStatus
 
 from vllm.exceptions import GracefulHTTPError, MaxQueuedTokensError, QueueOverflowError
 
+from vllm_neuron.upstream import vllm_server
+
 # What a refused client is told to wait: about a decode step's worth of turnover at full load.
 RETRY_AFTER_SECONDS = 1
 
@@ -34,11 +36,10 @@ class Overloaded(GracefulHTTPError):
 def answer_overload_with_429(engine_client) -> None:
     """Wrap the engine client's admission check (vLLM's `EngineClient.check_admission`, which every
     generation endpoint calls before its response starts) so that its overload errors become 429s."""
-    check = engine_client.check_admission
     scheduler = engine_client.vllm_config.scheduler_config
     max_requests, max_tokens = scheduler.max_num_queued_reqs, scheduler.max_num_queued_tokens
 
-    def check_admission(n: int = 1, request_id: str | None = None) -> None:
+    def check_admission(check, n: int, request_id: str | None) -> None:
         if request_id is not None:
             # vLLM checks again as the request enters the engine; a stream's 200 has gone out by then, so a
             # refusal would reach its client as an error event after a 200. The door's check (without a
@@ -51,7 +52,7 @@ def answer_overload_with_429(engine_client) -> None:
         except MaxQueuedTokensError:
             raise Overloaded(f"{max_tokens} prompt tokens waiting, --max-num-queued-tokens") from None
 
-    engine_client.check_admission = check_admission
+    vllm_server.wrap_admission_check(engine_client, check_admission)
 
 
 def in_flight(engine_client) -> dict[str, int | None]:

@@ -16,6 +16,7 @@ from vllm_neuron.buckets import ceil_div
 from vllm_neuron.compiler.compile import NeuronCompileError
 from vllm_neuron.compiler.stablehlo import LoweringError
 from vllm_neuron.planning.capacity import ModelFigures
+from vllm_neuron.upstream import torch_compile
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -182,7 +183,7 @@ def verdict_of(error: BaseException) -> Verdict:
     refused = next((err for err in chain if isinstance(err, NeuronCompileError)), None)
     if refused is not None:
         return Verdict("does not compile", _first_line(refused))
-    graph_break = next((err for err in chain if isinstance(err, torch._dynamo.exc.Unsupported)), None)
+    graph_break = next((err for err in chain if torch_compile.is_graph_break(err)), None)
     if graph_break is not None:
         frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', str(graph_break))
         source = "{}:{} in {}".format(*frames[-1]) if frames else ""

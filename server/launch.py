@@ -3,7 +3,8 @@ vLLM's HTTP server starts (see server.lifecycle).
 
 vLLM has no hook between binding the socket and starting the engine, so the three steps of its `run_server`
 (vllm.entrypoints.launchers.api_server.entry) before `run_server_worker` are repeated here; everything after
-is vLLM's own `run_server_worker`. tests/test_server_lifecycle.py fails when vLLM's `run_server` changes.
+is vLLM's own `run_server_worker` (each step: vllm_neuron/upstream/vllm_server.py). tests/test_upstream.py
+fails when vLLM's `run_server` changes.
 """
 
 import contextlib
@@ -12,18 +13,16 @@ import threading
 from argparse import Namespace
 
 import psutil
-from vllm.entrypoints.launchers.api_server.entry import run_server_worker
-from vllm.entrypoints.launchers.launcher import setup_server
 from vllm.logger import init_logger
-from vllm.utils.system_utils import decorate_logs
 
 from server.lifecycle import RESPONDER_ARG, StartupResponder, engine_died
+from vllm_neuron.upstream import vllm_server
 
 logger = init_logger("vllm.vllm_neuron.launch")
 
 
 async def run_server(args: Namespace) -> None:
-    decorate_logs("APIServer", skip_if_decorated=True)
+    vllm_server.decorate_api_server_logs()
     terminated = threading.Event()
 
     # Until vLLM's server installs its handlers, SIGTERM stops the start-up. vLLM raises KeyboardInterrupt
@@ -37,12 +36,12 @@ async def run_server(args: Namespace) -> None:
             _terminate_children()
 
     signal.signal(signal.SIGTERM, stop_start_up)
-    listen_address, sock = setup_server(args, reuse_port=False)
+    listen_address, sock = vllm_server.bind_api_server_socket(args)
     # Stopped at the app's start (server.lifecycle.app_starting), or here when the start-up fails.
     try:
         with StartupResponder(sock) as responder:
             setattr(args, RESPONDER_ARG, responder)
-            await run_server_worker(listen_address, sock, args)
+            await vllm_server.run_api_server_worker(listen_address, sock, args)
     except Exception:
         if not terminated.is_set():
             raise

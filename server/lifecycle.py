@@ -15,7 +15,8 @@ End: on SIGTERM vLLM drains the requests in flight (--shutdown-timeout) and refu
 /health still answers 200, so a load balancer would keep sending traffic. vLLM has no hook for the drain's
 start: its SIGTERM handler (`serve_http`) starts the drain by calling the engine client's `shutdown`, so
 `app_starting` wraps that method to set `app.state.neuron_draining`, and `HealthWhileDraining` answers 503
-{"status": "draining"} from then on. tests/test_server_lifecycle.py pins both vLLM behaviours relied on here.
+{"status": "draining"} from then on. tests/test_upstream.py pins both vLLM behaviours relied on here (the
+wrapping is vllm_neuron/upstream/vllm_server.py's).
 """
 
 import contextlib
@@ -28,6 +29,7 @@ from vllm.logger import init_logger
 
 from server import admission
 from vllm_neuron import metrics
+from vllm_neuron.upstream import vllm_server
 
 logger = init_logger("vllm.vllm_neuron.startup")
 
@@ -55,18 +57,16 @@ def app_starting(app) -> None:
     if engine_client is None:
         return
     admission.answer_overload_with_429(engine_client)
-    shutdown = engine_client.shutdown
 
-    def shutdown_marking_the_drain(*args, **kwargs):
+    def mark_the_drain() -> None:
         if not state.neuron_draining:
             # The first call: a signal's drain, or the app's cleanup after vLLM's watchdog stopped the server
             # because the engine died.
             state.neuron_engine_died = engine_client.errored
             logger.info("Draining: /health answers 503 until the server exits")
         state.neuron_draining = True
-        return shutdown(*args, **kwargs)
 
-    engine_client.shutdown = shutdown_marking_the_drain
+    vllm_server.call_before_shutdown(engine_client, mark_the_drain)
 
 
 def draining(app) -> bool:

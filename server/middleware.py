@@ -6,10 +6,10 @@ import json
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from vllm import envs as vllm_envs
-from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
 
 from server import admission, chat_messages, lifecycle
 from vllm_neuron import envs, metrics
+from vllm_neuron.upstream import vllm_server
 
 
 class RequestSizeLimit:
@@ -144,19 +144,22 @@ class ApiKeyOnEveryRoute:
     def _open(self, scope) -> bool:
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         # vLLM's AuthenticationMiddleware checks its guarded prefixes itself.
-        return path in self.OPEN_PATHS or path.startswith(GUARDED_PREFIX)
+        return path in self.OPEN_PATHS or path.startswith(_GUARDED_BY_VLLM)
 
 
 def _authorized(scope) -> bool:
     """The request carries the server's API key, or the server has none."""
     args = scope["app"].state.args
     tokens = tuple(key for key in (args.api_key or [vllm_envs.VLLM_API_KEY]) if key)
-    return not tokens or _verifier(tokens).verify_token(Headers(scope=scope))
+    return not tokens or _verifier(tokens)(Headers(scope=scope))
+
+
+_GUARDED_BY_VLLM = vllm_server.api_key_guarded_prefixes()
 
 
 @functools.cache
-def _verifier(tokens: tuple[str, ...]) -> AuthenticationMiddleware:
-    return AuthenticationMiddleware(None, tokens=list(tokens))
+def _verifier(tokens: tuple[str, ...]):
+    return vllm_server.api_key_verifier(list(tokens))
 
 
 class HealthWhileDraining:

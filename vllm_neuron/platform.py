@@ -1,13 +1,12 @@
 """NeuronPlatform: vLLM's questions about the device, answered from NeuronConfig and the device module."""
 
-import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.logger import init_logger
-from vllm.platforms.interface import Platform, PlatformEnum
+from vllm.platforms.interface import Platform
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import parallel
@@ -17,6 +16,7 @@ from vllm_neuron.config import (
     ResolvedSettings,
     default_max_requests_in_flight,
 )
+from vllm_neuron.upstream import vllm_engine
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,8 +51,8 @@ class _ByDeviceMode:
         return self.value
 
 
+@vllm_engine.out_of_tree_platform
 class NeuronPlatform(Platform):
-    _enum = PlatformEnum.OOT
     device_name = _ByDeviceMode(neuron_device.device_type)
     device_type = _ByDeviceMode(neuron_device.device_type)
     dispatch_key = _ByDeviceMode(neuron_device.dispatch_key)
@@ -235,17 +235,8 @@ class NeuronPlatform(Platform):
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
         # Our own VLLM_NEURON_* variables are not vLLM's; hide them from vLLM's unknown-variable check.
-        with _without_plugin_variables():
+        with vllm_engine.hidden_from_environ_check("VLLM_NEURON_"):
             super().validate_environ(hard_fail)
-
-
-@contextlib.contextmanager
-def _without_plugin_variables():
-    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("VLLM_NEURON_")}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

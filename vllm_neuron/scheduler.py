@@ -10,14 +10,13 @@ queue of arrivals) throughput and everyone's time to first token win, and prefil
 prefix caching, preemption) is vLLM's own scheduler, unchanged.
 """
 
-import copy
-
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.prefill_share import prefill_share
+from vllm_neuron.upstream import vllm_engine
 
 
 class PrefillShare:
@@ -27,13 +26,11 @@ class PrefillShare:
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.prefill_tokens_while_decoding = NeuronConfig.of(vllm_config).prefill_tokens_while_decoding
-        self.full_token_budget = self.max_num_scheduled_tokens
         # With speculative decoding a decoding request is scheduled its last token and its draft tokens.
         speculative = vllm_config.speculative_config
         self.tokens_per_decode_row = 1 + (speculative.num_speculative_tokens if speculative else 0)
-        # A private copy: the per-request prefill cap below changes from step to step.
-        self.scheduler_config = copy.copy(self.scheduler_config)
-        self.configured_prefill_cap = self.scheduler_config.long_prefill_token_threshold
+        # vLLM's token budget and per-request prefill cap, which schedule() changes from step to step.
+        self.full_token_budget, self.configured_prefill_cap = vllm_engine.own_step_limits(self)
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         decoding = sum(1 for request in self.running if not request.is_prefill_chunk)
@@ -48,15 +45,13 @@ class PrefillShare:
         if share:
             # Every prefill chunk is capped at the share too: a chunk ahead of the decoding requests in the
             # running queue must not take their tokens.
-            self.max_num_scheduled_tokens = min(
-                self.full_token_budget, decoding * self.tokens_per_decode_row + share
-            )
-            self.scheduler_config.long_prefill_token_threshold = min(
-                share, self.configured_prefill_cap or share
+            vllm_engine.set_step_limits(
+                self,
+                min(self.full_token_budget, decoding * self.tokens_per_decode_row + share),
+                min(share, self.configured_prefill_cap or share),
             )
         else:
-            self.max_num_scheduled_tokens = self.full_token_budget
-            self.scheduler_config.long_prefill_token_threshold = self.configured_prefill_cap
+            vllm_engine.set_step_limits(self, self.full_token_budget, self.configured_prefill_cap)
         return super().schedule(throttle_prefills)
 
 

@@ -13,8 +13,8 @@ op it runs, would then wait up to 5 ms per op (a step of 900 small ops went from
 So a compile thread yields: while a step runs (`ServingActivity`), dynamo's tracer in that thread runs at most
 `SLICE_SECONDS` at a time and then sleeps `REST_SECONDS`, giving the serving thread the GIL; between steps it
 runs at full speed. The tracer is paused between two bytecode instructions it traces (a wrapper of dynamo's
-`InstructionTranslatorBase.step`, torch's private API, pinned with torch 2.13): a profile hook in the thread
-would do the same at every Python call, but made tracing 2.5 times slower.
+`InstructionTranslatorBase.step`, torch's private API: vllm_neuron/upstream/torch_compile.py): a profile hook
+in the thread would do the same at every Python call, but made tracing 2.5 times slower.
 """
 
 import logging
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_neuron.buckets import GraphKey
+from vllm_neuron.upstream import torch_compile
 
 logger = logging.getLogger("vllm.vllm_neuron.background")
 
@@ -59,17 +60,7 @@ def _maybe_rest() -> None:
 
 def yield_to_serving(activity: ServingActivity) -> None:
     """Make dynamo's tracing in the calling thread give way to serving (see the module's docstring)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
-
-    step = InstructionTranslatorBase.step
-    if not getattr(step, "yields_to_serving", False):
-
-        def yielding_step(self) -> bool:
-            _maybe_rest()
-            return step(self)
-
-        yielding_step.yields_to_serving = True
-        InstructionTranslatorBase.step = yielding_step
+    torch_compile.wrap_dynamo_step(_maybe_rest)
     _yielding.activity, _yielding.since = activity, time.perf_counter()
 
 

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from vllm.forward_context import ForwardContext, override_forward_context
+from vllm.forward_context import ForwardContext
 from vllm.v1.outputs import DraftTokenIds
-from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron.calls import Call, plan_step
+from vllm_neuron.upstream import vllm_runner
+from vllm_neuron.upstream.vllm_runner import override_forward_context
 from worker.call_inputs import CallInputs, Chunk
 from worker.call_planner import CallPlanner
 from worker.input_batch import PersistentBatch
@@ -35,10 +36,7 @@ if TYPE_CHECKING:
 def load_draft_model(vllm_config: "VllmConfig") -> torch.nn.Module:
     """The draft model, loaded the way vLLM's own DraftModelProposer loads it (its draft config, layer
     prefix "draft_model"), without the proposer's GPU buffers and kernels, which the plugin does not use."""
-    proposer = DraftModelProposer.__new__(DraftModelProposer)
-    proposer.vllm_config = vllm_config
-    proposer.speculative_config = vllm_config.speculative_config
-    return proposer._get_model()
+    return vllm_runner.load_draft_model(vllm_config)
 
 
 class DraftForward(torch.nn.Module):

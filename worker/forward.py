@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.forward_context import ForwardContext, create_forward_context, override_forward_context
+from vllm.forward_context import ForwardContext
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 
 from kv_cache.backend import NeuronAttentionMetadata
 from vllm_neuron import envs, fused_moe, sampling
 from vllm_neuron.compiler import compile as neuron_compile
+from vllm_neuron.upstream.vllm_runner import create_forward_context, override_forward_context
 from worker import draft_model
 from worker.call_inputs import CallInputs
 

@@ -16,40 +16,30 @@ from typing import TYPE_CHECKING
 
 import torch
 from vllm.sampling_params import SamplingType
-from vllm.v1.sample.logits_processor import build_logitsprocs
-from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from vllm_neuron.buckets import ceil_div
+from vllm_neuron.upstream import vllm_runner
 from worker import sampling_rows
 from worker.sampling_rows import RowSampling
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
 
 class PersistentBatch:
     def __init__(self, vllm_config: "VllmConfig", block_size: int) -> None:
         model_config = vllm_config.model_config
-        scheduler_config = vllm_config.scheduler_config
         self.max_model_len = model_config.max_model_len
         self.block_size = block_size
-        host = torch.device("cpu")
-        custom_logitsprocs = tuple(model_config.logits_processors or ())
         self.requests: dict[str, CachedRequestState] = {}
         self.sampling: dict[str, RowSampling] = {}
         self.vocab_size = model_config.get_vocab_size()
         self.logprobs_mode = model_config.logprobs_mode
-        self.batch = InputBatch(
-            max_num_reqs=scheduler_config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            device=host,
-            vocab_size=model_config.get_vocab_size(),
-            block_sizes=[block_size],
-            max_num_blocks_per_req=[ceil_div(self.max_model_len, block_size)],
-            logitsprocs=build_logitsprocs(vllm_config, host, False, False, custom_logitsprocs),
-            logitsprocs_need_output_token_ids=bool(custom_logitsprocs),
+        # vLLM's InputBatch (its GPU runner's; the members used: vllm_runner.INPUT_BATCH_MEMBERS).
+        self.batch = vllm_runner.host_input_batch(
+            vllm_config, block_size, ceil_div(self.max_model_len, block_size)
         )
 
     @property
@@ -78,7 +68,7 @@ class PersistentBatch:
             if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
                 generator = torch.Generator(device="cpu")
                 generator.manual_seed(params.seed)
-            state = CachedRequestState(
+            state = vllm_runner.new_request_state(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
                 prompt_embeds=new.prompt_embeds,

@@ -15,9 +15,9 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from vllm.v1.worker.utils import bind_kv_cache
 
 from kv_cache import layout
+from vllm_neuron.upstream.vllm_runner import bind_kv_cache
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

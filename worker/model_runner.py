@@ -18,8 +18,6 @@ from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
-from vllm.v1.sample.sampler import Sampler
-from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, metrics
@@ -27,6 +25,7 @@ from vllm_neuron.buckets import GraphKey
 from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call
 from vllm_neuron.config import NeuronConfig
+from vllm_neuron.upstream.vllm_runner import Sampler, strip_speculative_padding
 from worker import draft_model, sampling_rows, speculation, warmup
 from worker.async_steps import DeviceThread, StepOutput
 from worker.background import compile_workers

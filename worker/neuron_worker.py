@@ -5,14 +5,13 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.logger import init_logger
-from vllm.utils.torch_utils import set_random_seed
-from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, trn2
 from vllm_neuron.compiler import compile_cache
 from vllm_neuron.config import NeuronConfig
+from vllm_neuron.upstream import vllm_engine
 from worker.model_runner import NeuronModelRunner
 
 if TYPE_CHECKING:
@@ -40,7 +39,7 @@ class NeuronWorker(WorkerBase):
         compile_cache.prepare(self.vllm_config, NeuronConfig.of(self.vllm_config), tp_rank)
         neuron_device.disable_fallback_execution()
         self.device = neuron_device.torch_device(self.local_rank)
-        init_worker_distributed_environment(
+        vllm_engine.init_worker_distributed_environment(
             self.vllm_config,
             self.rank,
             self.distributed_init_method,
@@ -50,7 +49,7 @@ class NeuronWorker(WorkerBase):
         neuron_device.set_device(self.device)
         # Same seed on every rank: each samples from the same all-gathered logits with the same random
         # stream, so every rank's persistent batch holds the tokens the driver rank returns.
-        set_random_seed(self.model_config.seed)
+        vllm_engine.set_random_seed(self.model_config.seed)
         self.model_runner = NeuronModelRunner(self.vllm_config, self.device)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
@@ -92,7 +91,7 @@ class NeuronWorker(WorkerBase):
         with set_current_vllm_config(self.vllm_config):
             seconds = self.model_runner.warm_up()
         # Warm-up consumed random numbers; serving starts from the configured seed.
-        set_random_seed(self.model_config.seed)
+        vllm_engine.set_random_seed(self.model_config.seed)
         return CompilationTimes(language_model=seconds, encoder=0.0)
 
     def compile_stats(self) -> dict[str, object]:
@@ -188,11 +187,11 @@ class NeuronWorker(WorkerBase):
     ) -> None:
         """vLLM's reload_weights (after sleep level 2, or to change the weights): loads them in place, from
         the iterator, the path, or the model's own checkpoint; the compiled graphs run on them as they are."""
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
         with set_current_vllm_config(self.vllm_config):
             model = self.model_runner.model
-            reload_weights(self.vllm_config, model, weights_iterator, weights_path, is_checkpoint_format)
+            vllm_engine.reload_weights(
+                self.vllm_config, model, weights_iterator, weights_path, is_checkpoint_format
+            )
 
     def discard(self, tags: tuple[str, ...]) -> None:
         """LLM.release_kv_cache_memory() after sleep(level=0): free the KV cache; wake_up(["kv_cache"]) brings

@@ -8,10 +8,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors
-from vllm.v1.sample.sampler import Sampler
-from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
 from vllm_neuron import sampling
+from vllm_neuron.upstream.vllm_runner import Sampler, apply_grammar_bitmask
 from worker.step_state import RunningStep, ToHost, final_rows
 
 if TYPE_CHECKING:

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from vllm.v1.outputs import DraftTokenIds
-from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
 from vllm_neuron import sampling
+from vllm_neuron.upstream import vllm_runner
 from worker import sampling_rows
 from worker.sampling_rows import RowSampling
 from worker.step_state import RunningStep, ToHost
@@ -79,7 +79,7 @@ class Drafter:
     engine takes them (take_draft_token_ids) before it schedules the next step."""
 
     def __init__(self, vllm_config: "VllmConfig") -> None:
-        self.proposer = NgramProposer(vllm_config)
+        self.proposer = vllm_runner.ngram_proposer(vllm_config)
         self._drafts: DraftTokenIds | None = None
 
     @classmethod
@@ -104,7 +104,9 @@ class Drafter:
         each row's tokens from the batch, the step's included."""
         assert batch.req_ids == req_ids, "the batch changed between a step and its drafts"
         asked = [tokens if ok else [] for tokens, ok in zip(sampled, eligible, strict=True)]
-        drafts = self.proposer.propose(num_tokens, asked, batch.num_tokens_no_spec, batch.token_ids_cpu)
+        drafts = vllm_runner.propose_ngram_drafts(
+            self.proposer, num_tokens, asked, batch.num_tokens_no_spec, batch.token_ids_cpu
+        )
         self._drafts = DraftTokenIds(list(req_ids), drafts)
 
     def take(self) -> DraftTokenIds | None:

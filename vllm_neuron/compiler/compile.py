@@ -16,7 +16,6 @@ recorder sees every compile, whatever the backend:
 
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import torch
 
 from vllm_neuron.calls import Call
 from vllm_neuron.compiler.compile_pool import OutOfProcessInductor
+from vllm_neuron.upstream import torch_compile
 
 logger = logging.getLogger("vllm.vllm_neuron.compiler.compile")
 
@@ -100,7 +100,7 @@ class CompileRecorder:
         if self.backend_name == "inductor":
             self.compile_pool = self._inner = OutOfProcessInductor(self.compile_workers)
         else:
-            self._inner = torch._dynamo.lookup_backend(self.backend_name)
+            self._inner = torch_compile.lookup_backend(self.backend_name)
 
     def close(self) -> None:
         """End the backend's compile processes, if it has any."""
@@ -171,19 +171,7 @@ def compile_config() -> Callable[[], None]:
     """The torch.compile configuration of this thread (dynamo's, AOTAutograd's, inductor's), as a function
     that applies it in another thread: torch keeps these settings per thread, so a background compile would
     otherwise trace with the defaults (a recompile limit of 8, for one)."""
-    import torch._functorch.config
-    import torch._inductor.config
-
-    saved = [(module, module.save_config()) for module in (torch._dynamo.config, torch._functorch.config)]
-    saved.append((torch._inductor.config, torch._inductor.config.save_config()))
-
-    def apply() -> None:
-        with warnings.catch_warnings():  # the saved settings include deprecated ones, set as they were
-            warnings.simplefilter("ignore", FutureWarning)
-            for module, config in saved:
-                module.load_config(config)
-
-    return apply
+    return torch_compile.thread_compile_settings()
 
 
 def compile_static(
@@ -210,10 +198,6 @@ def compile_static(
         return module, recorder
     # Each bucket is one more cache entry for the same code; past the limit (default 8) dynamo would
     # silently fall back to running the module uncompiled.
-    limit = expected_graphs + 8
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
-    torch._dynamo.config.accumulated_cache_size_limit = max(
-        torch._dynamo.config.accumulated_cache_size_limit, limit
-    )
+    torch_compile.raise_recompile_limits(expected_graphs + 8)
     compiled = torch.compile(module, backend=recorder, dynamic=False, fullgraph=True, mode="default")
     return compiled, recorder

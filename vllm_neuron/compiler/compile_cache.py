@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vllm_neuron import device, envs
+from vllm_neuron.upstream import torch_compile
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,9 +40,7 @@ def _chosen_by_user(variable: str) -> bool:
     if value is None:
         return False
     if variable == "TORCHINDUCTOR_CACHE_DIR":
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        return os.path.abspath(value) != os.path.abspath(default_cache_dir())
+        return os.path.abspath(value) != os.path.abspath(torch_compile.inductor_default_cache_dir())
     return True
 
 

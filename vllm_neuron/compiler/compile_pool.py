@@ -24,19 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx._graph_pickler import GraphPickler, Options
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils import _pytree as pytree
+
+from vllm_neuron.upstream import torch_compile
 
 logger = logging.getLogger("vllm.vllm_neuron.compiler.compile_pool")
 
 # One file: loading it puts its entries into inductor's cache, where the compile process left the kernels it
 # built, so nothing is built twice.
 ARTEFACT_FORMAT = "binary"
-# Dynamo's graphs call torch functions, not only aten ops (GraphPickler's default filter): the compile
-# processes run the same torch, so every op unpickles there.
-PICKLE_OPTIONS = Options(ops_filter=None, node_metadata_key_filter=None)
 
 
 @dataclass(frozen=True)
@@ -65,9 +60,7 @@ class CompileReport:
 
 
 def artefact_folder() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir()) / "neuron-graphs"
+    return Path(torch_compile.inductor_cache_dir()) / "neuron-graphs"
 
 
 def _portable(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -76,7 +69,7 @@ def _portable(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     (GraphPickler cannot pickle fake views; AOTAutograd's cache wants a value on every tensor node)."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
-    fake_mode = FakeTensorMode()
+    fake_mode = torch_compile.fake_tensor_mode()
 
     def fresh(value: torch.Tensor) -> torch.Tensor:
         with fake_mode:
@@ -85,7 +78,7 @@ def _portable(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in graph.nodes:
         kept = {key: node.meta[key] for key in ("stack_trace",) if key in node.meta}
         if "example_value" in node.meta:
-            kept["example_value"] = pytree.tree_map_only(torch.Tensor, fresh, node.meta["example_value"])
+            kept["example_value"] = torch_compile.map_tensors(fresh, node.meta["example_value"])
         node.meta = kept
     return torch.fx.GraphModule(graph_module, graph)
 
@@ -94,16 +87,14 @@ def compile_graph(graph: bytes, inputs: list[InputSpec], path: str) -> CompileRe
     """In a compile process: compile a pickled traced graph for fake inputs of its traced layout and save
     the artefact at `path` (atomically: pods may share the cache)."""
     started, start = time.time(), time.perf_counter()
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-    module = GraphPickler.loads(graph, fake_mode)
+    fake_mode = torch_compile.fake_tensor_mode(shape_env=True)
+    module = torch_compile.unpickle_graph(graph, fake_mode)
     with fake_mode:
         examples = [
             torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
             for spec in inputs
         ]
-    artefact = torch._inductor.standalone_compile(
-        module, examples, dynamic_shapes="from_example_inputs", fake_mode=fake_mode
-    )
+    artefact = torch_compile.standalone_compile(module, examples, fake_mode)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     artefact.save(path=path, format=ARTEFACT_FORMAT)  # written to a temporary file and renamed
     return CompileReport(os.getpid(), started, time.perf_counter() - start)
@@ -137,9 +128,7 @@ class DeferredGraph:
                 if self._compiled is None:
                     if self._compiling is not None:
                         self._compiling.result()  # a compile error is raised here
-                    self._compiled = torch._inductor.CompiledArtifact.load(
-                        path=str(self.path), format=ARTEFACT_FORMAT
-                    )
+                    self._compiled = torch_compile.load_compiled_artifact(str(self.path), ARTEFACT_FORMAT)
         return self._compiled(*args)
 
 
@@ -156,7 +145,7 @@ class OutOfProcessInductor:
 
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> DeferredGraph:
         inputs = [InputSpec.of(value) for value in example_inputs]
-        graph = GraphPickler.dumps(_portable(graph_module), PICKLE_OPTIONS)
+        graph = torch_compile.pickle_graph(_portable(graph_module))
         digest = hashlib.sha256(graph + repr(inputs).encode()).hexdigest()[:40]
         path = artefact_folder() / f"{digest}.bin"
         if path.exists():

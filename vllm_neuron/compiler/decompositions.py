@@ -6,7 +6,8 @@ import itertools
 import math
 
 import torch
-from torch._decomp import get_decompositions
+
+from vllm_neuron.upstream import torch_compile
 
 aten = torch.ops.aten
 
@@ -169,7 +170,7 @@ def _slice_scatter(
 
 def decomposition_table() -> dict:
     """TorchNeuron's decompositions, for the ops the plugin's graphs can contain."""
-    table = get_decompositions(_TORCH_DECOMPOSED)
+    table = torch_compile.get_decompositions(_TORCH_DECOMPOSED)
     table[aten.as_strided.default] = _as_strided
     table[aten.slice_scatter.default] = _slice_scatter
     table[aten.index_copy.default] = _index_copy

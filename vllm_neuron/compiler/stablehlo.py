@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
 
 from vllm_neuron.calls import Call
 from vllm_neuron.compiler.decompositions import decomposition_table
 from vllm_neuron.compiler.plain_stablehlo import NotStableHLOError, make_plain
 from vllm_neuron.compiler.xla_graph import CompiledGraph, compile_graph
+from vllm_neuron.upstream import torch_compile
 
 if TYPE_CHECKING:
     from vllm_neuron.compiler import xla
@@ -360,7 +360,7 @@ def _run_with_aliases(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callabl
             args[alias.parameter].copy_(outputs[alias.output])
         return list(outputs[: len(outputs) - extra])
 
-    return _boxed(run)
+    return torch_compile.boxed(run)
 
 
 def _zeros_instead(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callable:
@@ -374,13 +374,7 @@ def _zeros_instead(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callable:
     def run(args: list[Any]) -> list[Any]:
         return [torch.zeros(value.shape, dtype=value.dtype, device=value.device) for value in values]
 
-    return _boxed(run)
-
-
-def _boxed(run: Callable[[list[Any]], list[Any]]) -> Callable:
-    """A compiled graph as AOTAutograd calls it when boxed: one list of inputs, which it may clear."""
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
+    return torch_compile.boxed(run)
 
 
 # How a lowered graph runs: its functional FX graph on the CPU (`stablehlo`), XLA's program compiled from the
@@ -428,12 +422,12 @@ class StableHLOBackend:
                 self._dump(len(self.graphs) - 1, lowered, fx_text, program)
             if self.execute == "xla":
                 lowered.program = program
-                return _boxed(lambda args: program.run(args))
+                return torch_compile.boxed(lambda args: program.run(args))
             if self.execute == "none":
                 return _zeros_instead(aot_gm, lowered.aliases)
             return _run_with_aliases(aot_gm, lowered.aliases)
 
-        return aot_autograd(
+        return torch_compile.aot_autograd(
             fw_compiler=fw_compiler,
             keep_inference_input_mutations=True,
             decompositions=self._decompositions,

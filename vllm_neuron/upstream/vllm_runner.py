@@ -1,0 +1,129 @@
+"""vLLM 0.32's internals as the model runner and its parts reach them: helpers of vLLM's GPU model runner,
+its persistent batch (InputBatch), the speculative-decoding proposers and the forward context. The helpers the
+runner calls as they are are re-exported here, the same objects (the forward context's run inside traced
+code); the rest are small functions. tests/test_upstream.py pins each one; docs/maintaining.md says what to do
+when one moves.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+# The forward context vLLM's layers read: built per call, and set around the model inside the traced step.
+from vllm.forward_context import create_forward_context, override_forward_context
+
+# vLLM's sampler, on the host for requests the graph cannot sample.
+from vllm.v1.sample.sampler import Sampler
+
+# Structured output (the grammar's bitmask on the host logits) and the scheduler's -1 draft placeholders.
+from vllm.v1.structured_output.utils import apply_grammar_bitmask, strip_speculative_padding
+
+# Each attention layer's KV cache tensor, bound into the layer and the runner's list.
+from vllm.v1.worker.utils import bind_kv_cache
+
+if TYPE_CHECKING:
+    import numpy as np
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+__all__ = [
+    "INPUT_BATCH_MEMBERS",
+    "Sampler",
+    "apply_grammar_bitmask",
+    "bind_kv_cache",
+    "create_forward_context",
+    "host_input_batch",
+    "load_draft_model",
+    "new_request_state",
+    "ngram_proposer",
+    "override_forward_context",
+    "propose_ngram_drafts",
+    "strip_speculative_padding",
+]
+
+# What the plugin reads and calls of vLLM's InputBatch (worker/input_batch.py, worker/speculation.py,
+# worker/model_runner.py): the GPU runner's persistent batch, kept on the host. vLLM 0.32:
+# vllm/v1/worker/gpu_input_batch.py.
+INPUT_BATCH_MEMBERS = (
+    "req_ids",
+    "req_id_to_index",
+    "num_reqs",
+    "token_ids_cpu",
+    "is_token_ids",
+    "num_tokens_no_spec",
+    "num_prompt_tokens",
+    "num_computed_tokens_cpu",
+    "block_table",
+    "generators",
+    "sampling_metadata",
+    "add_request",
+    "remove_request",
+    "condense",
+    "refresh_metadata",
+)
+
+
+def host_input_batch(vllm_config: "VllmConfig", block_size: int, max_blocks_per_req: int) -> "InputBatch":
+    """vLLM's persistent batch on the host: one block table of `block_size` blocks, the model's logits
+    processors (with custom ones, output token ids kept for them). vLLM 0.32:
+    `vllm.v1.worker.gpu_input_batch.InputBatch` and `vllm.v1.sample.logits_processor.build_logitsprocs`."""
+    from vllm.v1.sample.logits_processor import build_logitsprocs
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    model_config = vllm_config.model_config
+    scheduler_config = vllm_config.scheduler_config
+    host = torch.device("cpu")
+    custom_logitsprocs = tuple(model_config.logits_processors or ())
+    return InputBatch(
+        max_num_reqs=scheduler_config.max_num_seqs,
+        max_model_len=model_config.max_model_len,
+        max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+        device=host,
+        vocab_size=model_config.get_vocab_size(),
+        block_sizes=[block_size],
+        max_num_blocks_per_req=[max_blocks_per_req],
+        logitsprocs=build_logitsprocs(vllm_config, host, False, False, custom_logitsprocs),
+        logitsprocs_need_output_token_ids=bool(custom_logitsprocs),
+    )
+
+
+def new_request_state(**fields: Any) -> "CachedRequestState":
+    """A request's state in the persistent batch, from its fields (req_id, prompt_token_ids, sampling_params,
+    generator, block_ids, num_computed_tokens, output_token_ids, ...). vLLM 0.32:
+    `vllm.v1.worker.gpu_input_batch.CachedRequestState`."""
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    return CachedRequestState(**fields)
+
+
+def ngram_proposer(vllm_config: "VllmConfig") -> Any:
+    """vLLM's n-gram (prompt lookup) proposer for `vllm_config`'s speculative config. vLLM 0.32:
+    `vllm.v1.spec_decode.ngram_proposer.NgramProposer`."""
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    return NgramProposer(vllm_config)
+
+
+def propose_ngram_drafts(
+    proposer: Any,
+    num_speculative_tokens: int,
+    sampled_token_ids: list[list[int]],
+    num_tokens_no_spec: "np.ndarray",
+    token_ids_cpu: "np.ndarray",
+) -> list[list[int]]:
+    """Each row's drafts (none for a row whose sampled list is empty). vLLM 0.32: `NgramProposer.propose`,
+    over the batch's token ids and lengths."""
+    return proposer.propose(num_speculative_tokens, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+
+
+def load_draft_model(vllm_config: "VllmConfig") -> torch.nn.Module:
+    """The draft model of `vllm_config`'s speculative config, loaded the way vLLM's DraftModelProposer loads
+    it (its draft config, layer prefix "draft_model"), without the proposer's GPU buffers and kernels. vLLM
+    0.32: `DraftModelProposer.__new__` (its __init__ skipped), with the two attributes `_get_model` and
+    `_create_draft_vllm_config` read, then `DraftModelProposer._get_model`."""
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    proposer = DraftModelProposer.__new__(DraftModelProposer)
+    proposer.vllm_config = vllm_config
+    proposer.speculative_config = vllm_config.speculative_config
+    return proposer._get_model()
