@@ -5,6 +5,8 @@ start-up through warm-up to greedy tokens; and unit tests of each rule the plugi
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,7 +44,7 @@ class NeuronStub:
         self.calls.append(name)
         return len(self.calls) * 1024**2
 
-    def memory_allocated(self, device_id: int) -> int:
+    def memory_allocated(self, device_id: int | None = None) -> int:
         return self._in_use("memory_allocated")
 
     def memory_reserved(self, device_id: int) -> int:
@@ -86,10 +88,40 @@ def test_fallback_to_host_execution_is_disabled(neuron_mode, monkeypatch):
     assert os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
 
 
-def test_memory_in_use_is_what_the_allocator_holds(neuron_mode, monkeypatch):
-    monkeypatch.setattr(neuron_mode, "memory_reserved", lambda device_id: 0)  # as TorchNeuron answers
-    monkeypatch.setattr(neuron_mode, "memory_allocated", lambda device_id: 5 * 1024**2)
+def test_memory_in_use_is_what_the_allocator_holds_without_waiting_for_the_device(neuron_mode, monkeypatch):
+    monkeypatch.setattr(neuron_mode, "memory_reserved", lambda device_id=None: 0)  # as TorchNeuron answers
+    monkeypatch.setattr(neuron_mode, "memory_allocated", lambda device_id=None: 5 * 1024**2)
     assert device.memory_in_use() == 5 * 1024**2
+    # /metrics reads it once a second on the engine thread, which a synchronize would hold until the step
+    # it just submitted ends.
+    assert "synchronize" not in neuron_mode.calls
+
+
+RANK_ONE = """
+import torch, torch_neuronx
+from vllm_neuron import device
+torch_neuronx.runtime.create_process_group(rank=1)
+print(device.total_memory(), device.memory_in_use())
+for query in ("torch.neuron.get_device_properties(1)", "torch.neuron.memory_allocated(0)"):
+    try:
+        eval(query)
+    except torch_neuronx.FakeNeuronRuleError as error:
+        print("refused:", error)
+"""
+
+
+def test_tensor_parallel_rank_one_reads_its_own_cores_memory(tmp_path):
+    """Each rank's process sees one NeuronCore: its memory is index 0 to the runtime's memory query, and the
+    current device (the local rank) to the allocator's (fake TorchNeuron's rule (e))."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE_NEURON), os.environ.get("PYTHONPATH", "")]))
+    env |= {"VLLM_NEURON_DEVICE": "neuron", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    env |= {"NEURON_RT_VISIBLE_CORES": "1", "FAKE_NEURON_TOTAL_MEMORY": str(CORE_MEMORY)}
+    command = [sys.executable, "-c", RANK_ONE]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, *refusals = done.stdout.strip().splitlines()
+    assert first == f"{CORE_MEMORY} 0"
+    assert len(refusals) == 2 and "total_memory=0" in refusals[0] and "never uses" in refusals[1]
 
 
 def kv_cache_bytes(weights: int = 1024**2, utilization: float = 0.9) -> int:
@@ -151,13 +183,21 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
         "TORCH_NEURONX_NEFF_CACHE_DIR": None,
         "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": None,
     }
-    # Then sleep level 1 (Neuron mode moves the weights to the host and back) and the same tokens again.
-    result = run_engine(tiny_model_dir, ENGINE_KWARGS, env, extra={"sleep_level": 1})
+    # Then requests that ask for logprobs (each row's top ones come to the host), and sleep level 1 (Neuron
+    # mode moves the weights to the host and back) and the same tokens again.
+    logprobs = [
+        {"prompt": PROMPTS[0], "params": {"max_tokens": 4, "temperature": 0.0, "logprobs": 3}},
+        {"prompt": PROMPTS[1], "params": {"max_tokens": 4, "temperature": 0.8, "seed": 1, "logprobs": 0}},
+    ]
+    result = run_engine(tiny_model_dir, ENGINE_KWARGS, env, extra={"sampling": logprobs, "sleep_level": 1})
 
     assert result["platform"] == "NeuronPlatform"
     assert result["tokens"] == [hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
     assert result["tokens_after_wake_up"] == result["tokens"]
+    assert result["sampled_tokens"][0] == hf_greedy(hf_model, PROMPTS[0], 4)
     facts = json.loads(record.read_text())
+    # No device tensor reached the host strided (fake rule (f)): no eager kernel compiled while serving.
+    assert facts["eager_compiles"] == []
     (folder,) = cache_root.iterdir()
     assert facts["runtime_started_by"] == "process group"
     assert facts["process_group_before_runtime"]

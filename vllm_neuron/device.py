@@ -259,20 +259,28 @@ def manual_seed_all(seed: int) -> None:
         torch.neuron.manual_seed_all(seed)
 
 
-def total_memory(device_id: int = 0) -> int:
+def total_memory() -> int:
+    """Bytes of this process's device. TorchNeuron maps PyTorch's device index (in a process group, the local
+    rank) to the process's one visible NeuronCore for its other calls, but its memory query hands the index
+    to the runtime unmapped (nrt_get_vnc_memory_stats, which numbers the visible cores from 0): this
+    process's core is index 0 there, and any other index answers 0 bytes."""
     if mode() == "neuron":
-        return int(torch.neuron.get_device_properties(device_id).total_memory)
+        return int(torch.neuron.get_device_properties(0).total_memory)
     import psutil
 
     return int(psutil.virtual_memory().total)
 
 
-def memory_in_use(device_id: int = 0) -> int:
-    """Bytes the allocator holds on the device (CPU mode: this process's resident memory)."""
+def memory_in_use() -> int:
+    """Bytes the allocator holds on this process's device (CPU mode: this process's resident memory), read
+    without waiting for the device: TorchNeuron's allocator counts an allocation when it is made and only a
+    free waits for its stream, so the figure may still include frees under way. A synchronize here would
+    hold the engine thread until the step it just submitted ends (call synchronize() first for a settled
+    figure)."""
     if mode() == "neuron":
-        torch.neuron.synchronize()  # the Neuron allocator is asynchronous
-        # Not memory_reserved: TorchNeuron's allocator caches nothing, so that answers 0.
-        return int(torch.neuron.memory_allocated(device_id))
+        # Not memory_reserved: TorchNeuron's allocator caches nothing, so that answers 0. No index: the
+        # current device, this process's own (its local rank).
+        return int(torch.neuron.memory_allocated())
     import psutil
 
     return int(psutil.Process().memory_info().rss)

@@ -80,10 +80,11 @@ class NeuronPlatform(Platform):
         # a Neuron server's configuration (VLLM_NEURON_TARGET, `vllm-neuron check`) answers the same.
         if neuron_device.mode() == "neuron" or neuron_device.target() == "neuron":
             raise NotImplementedError("the Neuron worker reads device memory, after its process group")
-        return neuron_device.total_memory(device_id)
+        return neuron_device.total_memory()
 
     @classmethod
     def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
+        neuron_device.synchronize()  # vLLM's memory profiling wants a settled figure
         return float(neuron_device.memory_in_use())
 
     @classmethod

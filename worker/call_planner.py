@@ -146,7 +146,7 @@ def fill_previous_tokens(step: RunningStep, device: torch.device) -> None:
     tokens: dict[int, int] = {}
     for call_index in sorted({final[row][0] for row in wanted}):
         out = outputs[call_index]
-        sampled = neuron_device.to_host(out.real(out.token_ids)).tolist()
+        sampled = out.real(out.token_ids, neuron_device.to_host).tolist()
         tokens |= {row: sampled[j] for j, row in enumerate(out.batch_rows) if final[row][0] == call_index}
     if any(tokens[row] == sampling.NO_TOKEN for row in wanted):
         previous.tokens_ready.wait()

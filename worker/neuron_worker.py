@@ -78,7 +78,7 @@ class NeuronWorker(WorkerBase):
         if neuron_device.mode() == "cpu":
             return envs.VLLM_NEURON_CPU_KV_CACHE_BYTES
         return neuron_kv_cache_bytes(
-            neuron_device.total_memory(self.local_rank),
+            neuron_device.total_memory(),
             weight_bytes(self.model_runner.model),
             self.cache_config.gpu_memory_utilization,
         )
@@ -167,6 +167,7 @@ class NeuronWorker(WorkerBase):
         (collective_rpc("reload_weights"), or an RL weight update) before serving."""
         before = neuron_device.memory_in_use()
         self.model_runner.sleep(level)
+        neuron_device.synchronize()  # the frees settled, for the log
         weights = "in host memory" if level == 1 else "discarded"
         logger.info(
             "Sleep level %d: KV cache freed, weights %s; memory in use %.2f GiB -> %.2f GiB",

@@ -36,7 +36,7 @@ class TokenCollector:
         rows = len(step.req_ids)
         tokens = np.empty(rows, dtype=np.int64)
         for out in step.outputs:
-            tokens[out.batch_rows] = to_host(out.real(out.token_ids)).numpy()
+            tokens[out.batch_rows] = out.real(out.token_ids, to_host).numpy()
         device_logprobs = _device_logprobs(step, to_host)
         discarded = set(step.partial_prefill_rows)
         overflowed = [
@@ -73,7 +73,7 @@ class TokenCollector:
         (the rows the graph sampled keep its tokens: the caller puts them back)."""
         logits = torch.empty(batch.num_reqs, self.vocab_size, dtype=torch.float32)
         for out in step.outputs:
-            logits[out.batch_rows] = to_host(out.real(out.logits)).float()
+            logits[out.batch_rows] = out.real(out.logits, to_host).float()
         if step.grammar_output is not None:
             apply_grammar_bitmask(step.scheduler_output, step.grammar_output, batch, logits)
         # Generators of the rows whose tokens are not the host's must not advance here: a discarded sample
@@ -98,9 +98,10 @@ def _device_logprobs(step: RunningStep, to_host: ToHost) -> DeviceLogprobs | Non
     values = torch.zeros(rows, columns, dtype=torch.float32)
     ranks = torch.zeros(rows, dtype=torch.int64)
     for out in step.outputs:
-        ids[out.batch_rows] = to_host(out.real(out.logprob_token_ids)[:, :columns]).long()
-        values[out.batch_rows] = to_host(out.real(out.logprobs)[:, :columns])
-        ranks[out.batch_rows] = to_host(out.real(out.ranks)).long()
+        # Every column is copied, then cut on the host (a column slice of a device tensor is strided).
+        ids[out.batch_rows] = out.real(out.logprob_token_ids, to_host)[:, :columns].long()
+        values[out.batch_rows] = out.real(out.logprobs, to_host)[:, :columns]
+        ranks[out.batch_rows] = out.real(out.ranks, to_host).long()
     return ids, values, ranks
 
 

@@ -2,6 +2,7 @@
 their outputs on the device, and the figures /metrics and the step trace get."""
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -31,9 +32,11 @@ class CallOutputs:
     draft_probs: torch.Tensor
     queries: int = 1  # logits rows a batch row has (a verify call's: its last token's, then its drafts')
 
-    def real(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The batch rows' outputs: of each row's first query (a verify row's last token)."""
-        return tensor[: len(self.batch_rows) * self.queries : self.queries]
+    def real(self, tensor: torch.Tensor, to_host: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The batch rows' outputs on the host: of each row's first query (a verify row's last token). The
+        rows' contiguous prefix is copied and stepped through on the host: TorchNeuron makes a strided device
+        view contiguous on the device before it copies, with an eager kernel compiled per shape."""
+        return to_host(tensor[: len(self.batch_rows) * self.queries])[:: self.queries]
 
     def all_queries(self, tensor: torch.Tensor) -> torch.Tensor:
         """[batch rows, queries, ...]: every query's output (a verify call's)."""

@@ -19,12 +19,23 @@ FakeNeuronRuleError:
     runtime starts (set to LOCAL_RANK where unset, as TorchNeuron does);
 (d) memory statistics may be 0: memory_reserved and memory_allocated answer 0, total memory is
     FAKE_NEURON_TOTAL_MEMORY bytes (default 24 GiB, one trn2 logical core; 0 models a runtime that answers 0),
-    and there is no mem_get_info (TorchNeuron has none).
+    and there is no mem_get_info (TorchNeuron has none);
+(e) in a process group, memory queries take indices as TorchNeuron passes them: get_device_properties hands
+    PyTorch's index to the runtime unmapped (nrt_get_vnc_memory_stats numbers the process's one visible core
+    0), so any index but 0 answers 0 bytes; memory_allocated reads the allocator of PyTorch's device (the
+    local rank), so another index answers 0 for a device the process never used. Both raise here.
+Modelled and recorded, not raised:
+(f) copying a non-contiguous device tensor to the host makes TorchNeuron run an eager kernel that makes it
+    contiguous on the device first, compiled by neuronx-cc per shape (python_ops/to_copy.py): seconds on the
+    first request of each shape. `vllm_neuron.device.to_host` is where the plugin's device tensors reach the
+    host (the seam); the fake wraps it and records each new shape as an eager compile;
+(g) synchronize waits for the device: each call is recorded with its thread.
 
 Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the fake saw is written as JSON
 to FAKE_NEURON_RECORD (when set) after every event: what started the runtime, the NEFF cache folder and the
-visible cores it read then, whether the process group came first, and per compile whether fallback to eager
-execution was disabled (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1) and its NEFF. The `neuron` compile backend
+visible cores it read then, whether the process group came first, per compile whether fallback to eager
+execution was disabled (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1) and its NEFF, the eager compiles (f),
+and the synchronize calls per thread (g). The `neuron` compile backend
 lowers each graph as TorchNeuron does up to StableHLO (vllm_neuron.compiler.stablehlo), writes that StableHLO
 as the graph's .neff file into the cache folder, and runs the graph on the host.
 """
@@ -32,6 +43,7 @@ as the graph's .neff file into the cache folder, and runs the graph on the host.
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +72,12 @@ class Runtime:
 
     def __init__(self) -> None:
         self.started_by: str | None = None
-        self.facts: dict[str, Any] = {"compiles": [], "process_group_before_runtime": False}
+        self.facts: dict[str, Any] = {
+            "compiles": [],
+            "process_group_before_runtime": False,
+            "eager_compiles": [],
+            "synchronize": {},
+        }
 
     def start(self, trigger: str) -> None:
         """The first device use starts the runtime, which reads its settings once."""
@@ -107,7 +124,9 @@ class Runtime:
 
     def compile(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         """TorchNeuron's route up to StableHLO is the plugin's stablehlo backend (the same passes); the fake
-        NEFF holds the StableHLO neuronx-cc would compile, and the graph runs on the host."""
+        NEFF holds the StableHLO neuronx-cc would compile, and the graph runs on the host. A NEFF writes each
+        output into a dense tensor of its own, so the outputs are contiguous (the FX graph on the host may
+        return a view)."""
         from vllm_neuron.compiler.stablehlo import StableHLOBackend
 
         self.start("compile")
@@ -123,7 +142,48 @@ class Runtime:
             {"fallback_disabled": os.environ.get(FALLBACK_VARIABLE) == "1", "neff": str(neff)}
         )
         self.record()
-        return compiled
+
+        def run(*args: Any) -> Any:
+            outputs = compiled(*args)
+            return type(outputs)(o.contiguous() if isinstance(o, torch.Tensor) else o for o in outputs)
+
+        run.__dict__.update(compiled.__dict__)  # the calling convention dynamo reads from the function
+        return run
+
+    def copy_to_host(self, tensor: torch.Tensor) -> None:
+        """Rule (f): a non-contiguous tensor is made contiguous on the device first, by an eager kernel
+        compiled once per shape."""
+        if tensor.is_contiguous():
+            return
+        shape = {"shape": list(tensor.shape), "stride": list(tensor.stride()), "dtype": str(tensor.dtype)}
+        if shape not in self.facts["eager_compiles"]:
+            self.facts["eager_compiles"].append(shape)
+            self.record()
+
+    def synchronize(self) -> None:
+        """Rule (g): who waited for the device."""
+        self.start("synchronize")
+        thread = threading.current_thread().name
+        self.facts["synchronize"][thread] = self.facts["synchronize"].get(thread, 0) + 1
+        self.record()
+
+    def check_memory_index(self, query: str, index: int | None) -> None:
+        """Rule (e)."""
+        own = self.facts.get("local_rank")
+        if own is None:
+            return
+        if query == "get_device_properties" and index not in (None, 0):
+            raise FakeNeuronRuleError(
+                f"get_device_properties({index}) in the process of local rank {own}: TorchNeuron passes "
+                "the index to nrt_get_vnc_memory_stats unmapped, and the process's one NeuronCore is VNC 0 "
+                "there: the runtime answers total_memory=0"
+            )
+        if query == "memory_allocated" and index not in (None, own):
+            raise FakeNeuronRuleError(
+                f"memory_allocated({index}) in the process of local rank {own}: the allocator's statistics "
+                f"of device {index}, which this process never uses, are 0 (its device is {own}, the current "
+                "one)"
+            )
 
     def record(self) -> None:
         path = os.environ.get("FAKE_NEURON_RECORD")
@@ -169,6 +229,13 @@ def _register() -> None:
     import vllm_neuron.device
 
     vllm_neuron.device.TENSOR_DEVICE_TYPE = "cpu"  # the seam: see the module docstring
+    to_host = vllm_neuron.device.to_host
+
+    def copying_to_host(tensor: torch.Tensor) -> torch.Tensor:
+        runtime.copy_to_host(tensor)  # rule (f)
+        return to_host(tensor)
+
+    vllm_neuron.device.to_host = copying_to_host
 
 
 _register()

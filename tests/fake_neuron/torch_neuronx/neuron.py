@@ -27,7 +27,7 @@ def set_device(device: torch.device | int) -> None:
 
 
 def synchronize(device: torch.device | int | None = None) -> None:
-    torch_neuronx.runtime.start("synchronize")
+    torch_neuronx.runtime.synchronize()
 
 
 def empty_cache() -> None:
@@ -41,12 +41,14 @@ def manual_seed_all(seed: int) -> None:
 
 def get_device_properties(device: torch.device | int | None = None) -> SimpleNamespace:
     torch_neuronx.runtime.start("get_device_properties")
+    torch_neuronx.runtime.check_memory_index("get_device_properties", getattr(device, "index", device))
     total = int(os.environ.get("FAKE_NEURON_TOTAL_MEMORY", 24 * 1024**3))
     return SimpleNamespace(name="NeuronCore-v3 (fake)", total_memory=total)
 
 
 def memory_allocated(device: torch.device | int | None = None) -> int:
     torch_neuronx.runtime.start("memory_allocated")
+    torch_neuronx.runtime.check_memory_index("memory_allocated", getattr(device, "index", device))
     return 0
 
 
