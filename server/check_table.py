@@ -32,7 +32,12 @@ def _verdict(report: Report) -> list[str]:
     verdict = report.verdict
     if verdict.serves:
         tp = report.plan.tensor_parallel_size
-        return [f"  serves on trn2 at --tensor-parallel-size {tp} (exit code 0)"]
+        return [
+            f"  lowers and fits at --tensor-parallel-size {tp} (exit code 0): every graph lowered on",
+            "  TorchNeuron's route as modelled here, and the weights, KV cache and graph reserve fit trn2's",
+            "  memory on paper; only a trn2 tells whether neuronx-cc accepts each graph, how long it",
+            "  compiles, the NEFF sizes and the runtime's memory",
+        ]
     lines = [f"  {verdict.status}: {verdict.reason} (exit code {report.exit_code})"]
     if verdict.call:
         lines.append(f"  in the graph of: {verdict.call}")

@@ -202,7 +202,7 @@ def test_the_table_shows_verdict_graphs_capacity_and_cost(monkeypatch):
     assess(report, max_ranks=64)
     text = render(report)
     assert report.suggested_tp == 8 and report.exit_code == 0
-    assert "serves on trn2 at --tensor-parallel-size 4 (exit code 0)" in text
+    assert "lowers and fits at --tensor-parallel-size 4 (exit code 0)" in text and "only a trn2 tells" in text
     assert f"-> {neuron.buckets.num_graphs} graphs" in text
     assert "| 4 | 1 | 3.74 GiB | 32 KiB | 235,929 | 28 |" in text  # docs/performance.md's row
     assert "suggested: --tensor-parallel-size 8" in text
