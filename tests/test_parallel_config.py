@@ -63,6 +63,13 @@ def test_tp_must_fit_the_visible_cores():
         check_fits_cores(8, 4)
 
 
+def test_a_group_across_instances_is_refused_by_name(tiny_model_dir):
+    with pytest.raises(
+        ValueError, match="--nnodes 2: a tensor-parallel group across instances is not supported"
+    ):
+        engine_config(tiny_model_dir, tensor_parallel_size=2, nnodes=2, master_addr="10.0.0.1")
+
+
 def test_tp_that_does_not_divide_the_heads_fails_at_start_up(tiny_model_dir):
     with pytest.raises(ValueError, match="attention heads \\(4\\) must be divisible by tensor parallel size"):
         engine_config(tiny_model_dir, tensor_parallel_size=3)

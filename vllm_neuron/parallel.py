@@ -82,6 +82,13 @@ def check_fits_cores(world_size_on_node: int, visible_cores: int) -> None:
 def check(vllm_config: "VllmConfig", visible_cores: int | None) -> None:
     """Start-up checks; visible_cores is None in CPU mode (any TP size runs there, one process per rank)."""
     parallel = vllm_config.parallel_config
+    if parallel.nnodes > 1:
+        raise TensorParallelError(
+            f"--nnodes {parallel.nnodes}: a tensor-parallel group across instances is not supported yet. "
+            "TorchNeuron builds its root communicator's address from MASTER_ADDR, which vLLM's executor does "
+            "not set (each node would point at itself), and the image has no EFA; serve on one instance "
+            "(a trn2.48xlarge has 64 ranks) and add replicas for throughput"
+        )
     tp_size = parallel.tensor_parallel_size
     if tp_size > 1:
         model_config = vllm_config.model_config
