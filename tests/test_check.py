@@ -65,9 +65,11 @@ def test_a_supported_model_serves_with_every_figure(three_layer_llama):
     assert (lowering["layers_checked"], lowering["layers"], lowering["weights"]) == (2, 3, "random")
     assert all(graph["stablehlo_ops"] > 0 and graph["aliased_inputs"] for graph in lowering["graphs"])
     low, high = capacity.COMPILE_SECONDS_PER_LAYER
+    sampler_low, sampler_high = capacity.SAMPLER_COMPILE_SECONDS
     estimate = report["compile_estimate"]
+    graphs = plan["graphs"]["total"]
     assert (estimate["seconds_low"], estimate["seconds_high"]) == pytest.approx(
-        (plan["graphs"]["total"] * 3 * low, plan["graphs"]["total"] * 3 * high)
+        (graphs * (3 * low + sampler_low), graphs * (3 * high + sampler_high))
     )
     assert report["compile_cache"]["root"] == os.environ["VLLM_NEURON_CACHE_ROOT"]
     assert report["compile_cache"]["folders"] == []

@@ -138,6 +138,9 @@ def test_key_follows_the_neuron_compiler_and_its_flags(tiny_model_dir, monkeypat
     monkeypatch.setenv("NEURON_CC_FLAGS", "--optlevel 1")
     assert key_of(tiny_model_dir) != base
     monkeypatch.delenv("NEURON_CC_FLAGS")
+    monkeypatch.setenv("NEURON_COMPILER_OPT_LEVEL", "-O1")  # TorchNeuron's level for torch.compile graphs
+    assert key_of(tiny_model_dir) != base
+    monkeypatch.delenv("NEURON_COMPILER_OPT_LEVEL")
     installed = metadata.version
 
     def with_compiler(dist: str, compiler: str) -> str:

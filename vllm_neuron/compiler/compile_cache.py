@@ -81,6 +81,8 @@ def key_fields(
         "logical_nc_config": os.environ.get("NEURON_LOGICAL_NC_CONFIG", ""),
         # neuronx-cc's own options (optimisation level, target, ...) change the NEFFs it writes.
         "neuron_cc_flags": os.environ.get("NEURON_CC_FLAGS", ""),
+        # TorchNeuron's optimisation level for torch.compile graphs (-O2 where unset), read beside the flags.
+        "neuron_compiler_opt_level": os.environ.get("NEURON_COMPILER_OPT_LEVEL", ""),
         "device_mode": device.mode(),
         "compile_backend": neuron_config.compile_backend,
         "versions": device.versions(),

@@ -26,15 +26,21 @@ from vllm_neuron.trn2 import (
     core_budget,
 )
 
-# neuronx-cc seconds per graph and model layer, low and high. aws-neuron-sdk issue 1210 (2025-08-07) reports
-# a Llama-3.1-8B forward pass (32 layers, no argmax: the plugin samples on the host) compiling in about 1
-# minute with --optlevel=1, and in about 5 minutes eight months earlier. neuronx-cc unrolls every layer, so
-# the time is taken to grow with the layers; prefill and decode graphs, bucket sizes and TP are not told
-# apart.
+# neuronx-cc seconds per graph and model layer, low and high, plus a vocabulary-wide sampler's seconds per
+# graph. aws-neuron-sdk issue 1210 (2025-08-07): a Llama-3.1-8B forward pass (32 layers) compiled in about 1
+# minute at --optlevel=1 without an argmax, about 5 minutes eight months earlier, and about 22 minutes with an
+# argmax over the vocabulary (an 800 MB decode NEFF against 40 MB for prefill). Every graph of the plugin ends
+# in a vocabulary-wide top-k and argmax (vllm_neuron/sampling.py), so each pays that once: nothing if
+# neuronx-cc compiles it as a native top-k, 21 minutes if as 1210's argmax. neuronx-cc unrolls every layer, so
+# the forward pass is taken to grow with the layers; prefill and decode graphs, bucket sizes and TP are not
+# told apart. TorchNeuron compiles torch.compile graphs at -O2 unless told otherwise
+# (NEURON_COMPILER_OPT_LEVEL), slower than 1210's -O1.
 COMPILE_SECONDS_PER_LAYER = (60 / 32, 300 / 32)
+SAMPLER_COMPILE_SECONDS = (0.0, 21 * 60.0)
 COMPILE_BASIS = (
-    "neuronx-cc, 1-5 minutes per graph of a 32-layer Llama-3.1-8B forward pass (aws-neuron-sdk issue 1210, "
-    "2025), scaled by layers; graphs compile one after another on each rank, ranks in parallel"
+    "neuronx-cc, 1-5 minutes per graph of a 32-layer Llama-3.1-8B forward pass scaled by layers, plus 0-21 "
+    "minutes for the vocabulary-wide sampler each graph ends in (aws-neuron-sdk issue 1210, 2025, at -O1); "
+    "graphs compile one after another on each rank, ranks in parallel"
 )
 
 
@@ -169,5 +175,5 @@ def suggest_tensor_parallel(options: list[tuple[RankCapacity, Throughput]]) -> i
 
 def compile_seconds(graphs: int, layers: int) -> tuple[float, float]:
     """Low and high estimates of warm-up's neuronx-cc time on trn2 (COMPILE_BASIS)."""
-    low, high = COMPILE_SECONDS_PER_LAYER
-    return graphs * layers * low, graphs * layers * high
+    (low, high), (sampler_low, sampler_high) = COMPILE_SECONDS_PER_LAYER, SAMPLER_COMPILE_SECONDS
+    return graphs * (layers * low + sampler_low), graphs * (layers * high + sampler_high)
