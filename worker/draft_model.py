@@ -73,7 +73,7 @@ def propose(
     calls of the draft alone (`run_draft`), the first from each row's newest token, each next from the draft
     before, up to the scheduler's number of drafts and the model's length. The scheduler reserved KV slots
     for them (vLLM's lookahead tokens); the draft's cache already holds every earlier position."""
-    input_batch = batch.batch
+    input_batch = batch.input_batch
     assert input_batch.req_ids == step.req_ids, "the batch changed between a step and its drafts"
     wanted = step.scheduler_output.num_spec_tokens_to_schedule
     max_model_len = batch.max_model_len

@@ -38,17 +38,17 @@ class PersistentBatch:
         self.vocab_size = model_config.get_vocab_size()
         self.logprobs_mode = model_config.logprobs_mode
         # vLLM's InputBatch (its GPU runner's; the members used: vllm_runner.INPUT_BATCH_MEMBERS).
-        self.batch = vllm_runner.host_input_batch(
+        self.input_batch = vllm_runner.host_input_batch(
             vllm_config, block_size, ceil_div(self.max_model_len, block_size)
         )
 
     @property
     def block_table(self):
         """[max_num_reqs, max_blocks_per_req] block ids, zero (the null block) where none is allocated."""
-        return self.batch.block_table[0].block_table.np
+        return self.input_batch.block_table[0].block_table.np
 
     def update(self, scheduler_output: "SchedulerOutput") -> None:
-        batch = self.batch
+        batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self.sampling.pop(req_id, None)
@@ -118,7 +118,7 @@ class PersistentBatch:
         """Record each request's new tokens; the scheduler does not send them back. By request id: with the
         calls on a thread of their own, the next step updates the batch before this step's output is made
         (rows move, requests leave)."""
-        batch = self.batch
+        batch = self.input_batch
         for req_id, tokens in zip(req_ids, sampled, strict=True):
             state = self.requests.get(req_id)
             if not tokens or state is None:  # nothing sampled, or finished since

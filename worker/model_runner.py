@@ -255,7 +255,8 @@ class NeuronModelRunner:
         self._finish_in_flight(record_later=True)  # the previous step, while this one's calls run
         self._record_unrecorded()
         if self.serving and self.step_metrics.records_traffic:
-            self.step_metrics.sample_usage(step_start, self.batch.block_table[: self.batch.batch.num_reqs])
+            rows = self.batch.input_batch.num_reqs
+            self.step_metrics.sample_usage(step_start, self.batch.block_table[:rows])
         self._execute_returned = time.perf_counter()
         return None
 
@@ -268,7 +269,7 @@ class NeuronModelRunner:
     ) -> RunningStep:
         """The step's rows as decode rows (one token, or a verify row's last token and drafts) and prefill
         chunks, and its planned calls."""
-        batch = self.batch.batch
+        batch = self.batch.input_batch
         decode: list[tuple[int, Chunk]] = []
         prefill: list[tuple[int, Chunk]] = []
         partial: list[int] = []
@@ -330,7 +331,7 @@ class NeuronModelRunner:
         """[rows, sampling.PARAMS]: each batch row's sampling parameters and uniform draw. A row the host
         samples, or whose sample is discarded, draws nothing: a seeded request's generator advances once per
         token the graph samples for it."""
-        batch = self.batch.batch
+        batch = self.batch.input_batch
         rows = [self.batch.sampling[req_id] for req_id in batch.req_ids]
         skip = set(partial_prefill_rows)
         draw_from = [
@@ -423,7 +424,7 @@ class NeuronModelRunner:
     def _output(self, step: RunningStep) -> ModelRunnerOutput:
         """The step's tokens on the host, its drafts accepted, and vLLM's output; then the next drafts."""
         start, to_host = time.perf_counter(), ToHost()
-        collected = self.tokens.collect(step, self.batch.batch, to_host)
+        collected = self.tokens.collect(step, self.batch.input_batch, to_host)
         sampled_ids = [[token] for token in collected.tokens.tolist()]
         for row in step.partial_prefill_rows:
             sampled_ids[row] = []
@@ -431,7 +432,7 @@ class NeuronModelRunner:
         if step.drafts and self.serving:
             # (Warm-up's verify rows end at max_model_len: their one token is all the batch holds.)
             greedy = [speculation.is_greedy(self.batch.sampling[req_id]) for req_id in step.req_ids]
-            generators = self.batch.batch.generators
+            generators = self.batch.input_batch.generators
             speculation.accept_drafts(step, sampled_ids, to_host, speculating, greedy, generators)
         logprobs = collected.logprobs
         output = ModelRunnerOutput(
@@ -448,7 +449,7 @@ class NeuronModelRunner:
             )
         if self.drafter is not None and self.serving:
             wanted = step.scheduler_output.num_spec_tokens_to_schedule
-            self.drafter.propose(self.batch.batch, step.req_ids, sampled_ids, speculating, wanted)
+            self.drafter.propose(self.batch.input_batch, step.req_ids, sampled_ids, speculating, wanted)
         step.tokens = collected.tokens
         # The host's share: the device's idle time since the previous step's calls ended, while requests kept
         # running (with async scheduling the engine schedules and processes outputs during calls).
@@ -474,10 +475,10 @@ class NeuronModelRunner:
     def _random_draws(self, row: int) -> torch.Generator | bool | None:
         """A verify row's source of uniform draws if its drafts are accepted by their probability (a random
         request that speculates); None otherwise."""
-        req_id = self.batch.batch.req_ids[row]
+        req_id = self.batch.input_batch.req_ids[row]
         if not self._speculates(req_id) or speculation.is_greedy(self.batch.sampling[req_id]):
             return None
-        return self.batch.batch.generators.get(row, True)
+        return self.batch.input_batch.generators.get(row, True)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The draft tokens proposed after the latest step, for the scheduler (None: speculation off)."""
