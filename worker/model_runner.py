@@ -428,7 +428,9 @@ class NeuronModelRunner:
         sampled_ids = [[token] for token in collected.tokens.tolist()]
         for row in step.partial_prefill_rows:
             sampled_ids[row] = []
-        speculating = [self._speculates(req_id) for req_id in step.req_ids]
+        # Which rows may speculate: only asked when speculative decoding is on (not per step otherwise).
+        drafting = self.serving and (self.compiled.draft is not None or self.drafter is not None)
+        speculating = [self._speculates(req_id) for req_id in step.req_ids] if drafting else []
         if step.drafts and self.serving:
             # (Warm-up's verify rows end at max_model_len: their one token is all the batch holds.)
             greedy = [speculation.is_greedy(self.batch.sampling[req_id]) for req_id in step.req_ids]
