@@ -98,13 +98,24 @@ def test_memory_in_use_is_what_the_allocator_holds_without_waiting_for_the_devic
 
 
 RANK_ONE = """
-import torch, torch_neuronx
+import os, torch, torch_neuronx
 from vllm_neuron import device
-torch_neuronx.runtime.create_process_group(rank=1)
-print(device.total_memory(), device.memory_in_use())
+store = torch.distributed.HashStore()
+store.set(torch_neuronx.ROOT_PORT_KEY, "29511")  # rank 0's pick
+torch_neuronx.runtime.create_process_group(rank=1, size=2, store=store)
+print(device.total_memory(), device.memory_in_use(), os.environ["NEURON_RT_ROOT_COMM_ID"])
 for query in ("torch.neuron.get_device_properties(1)", "torch.neuron.memory_allocated(0)"):
     try:
         eval(query)
+    except torch_neuronx.FakeNeuronRuleError as error:
+        print("refused:", error)
+# A group of 4 ranks, 2 on this node: its root communicator must not be this node's loopback.
+for address in ("localhost", "127.0.0.1", "10.0.0.5"):
+    os.environ.pop("NEURON_RT_ROOT_COMM_ID")
+    os.environ["MASTER_ADDR"] = address
+    try:
+        torch_neuronx.Runtime().set_root_comm_id(rank=1, size=4, store=store)
+        print(os.environ["NEURON_RT_ROOT_COMM_ID"])
     except torch_neuronx.FakeNeuronRuleError as error:
         print("refused:", error)
 """
@@ -112,16 +123,20 @@ for query in ("torch.neuron.get_device_properties(1)", "torch.neuron.memory_allo
 
 def test_tensor_parallel_rank_one_reads_its_own_cores_memory(tmp_path):
     """Each rank's process sees one NeuronCore: its memory is index 0 to the runtime's memory query, and the
-    current device (the local rank) to the allocator's (fake TorchNeuron's rule (e))."""
+    current device (the local rank) to the allocator's (fake TorchNeuron's rule (e)). The process group sets
+    the root communicator's address, refused on a loopback address when the group spans nodes (rule (h))."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE_NEURON), os.environ.get("PYTHONPATH", "")]))
     env |= {"VLLM_NEURON_DEVICE": "neuron", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     env |= {"NEURON_RT_VISIBLE_CORES": "1", "FAKE_NEURON_TOTAL_MEMORY": str(CORE_MEMORY)}
     command = [sys.executable, "-c", RANK_ONE]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    first, *refusals = done.stdout.strip().splitlines()
-    assert first == f"{CORE_MEMORY} 0"
-    assert len(refusals) == 2 and "total_memory=0" in refusals[0] and "never uses" in refusals[1]
+    first, *refusals, across_nodes = done.stdout.strip().splitlines()
+    # Rule (h): MASTER_ADDR unset is localhost, with the port rank 0 shared through the store.
+    assert first == f"{CORE_MEMORY} 0 localhost:29511"
+    assert len(refusals) == 4 and "total_memory=0" in refusals[0] and "never uses" in refusals[1]
+    assert all("point at themselves" in refusal for refusal in refusals[2:])
+    assert across_nodes == "10.0.0.5:29511"
 
 
 def kv_cache_bytes(weights: int = 1024**2, utilization: float = 0.9) -> int:
@@ -216,3 +231,80 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
     assert len(cpu_mode) == EXPECTED_GRAPHS
     for index, (neuron_text, cpu_text) in enumerate(zip(neuron_mode, cpu_mode, strict=True)):
         assert neuron_text == cpu_text, f"graph {index} differs between Neuron mode and CPU mode"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_start_in_the_order_the_runtime_needs(tiny_model_dir, hf_model, tmp_path):
+    """TP=2 in Neuron mode: vLLM's multiprocess executor starts a worker process per rank on fake TorchNeuron.
+    Each rank pins its own one core of the pod's two, creates the `neuron` process group before anything
+    starts the runtime (which sets the root communicator's address), reads its memory by the indices the
+    runtime answers for (rule (e)), compiles every bucket once in warm-up, and serves HF's greedy tokens with
+    no eager compile."""
+    records, cache_root = tmp_path / "fake_neuron", tmp_path / "compile-cache"
+    records.mkdir()
+    env = {
+        "VLLM_NEURON_DEVICE": "neuron",
+        "VLLM_NEURON_COMPILE_BACKEND": None,
+        "PYTHONPATH": os.pathsep.join([str(FAKE_NEURON), os.environ.get("PYTHONPATH", "")]),
+        "FAKE_NEURON_RECORD": str(records),
+        "FAKE_NEURON_TOTAL_MEMORY": str(ENGINE_CORE_MEMORY),
+        "VLLM_NEURON_GRAPH_RESERVE_BYTES": str(16 * 1024**2),
+        "VLLM_NEURON_CACHE_ROOT": str(cache_root),
+        "NEURON_RT_VISIBLE_CORES": "2-3",  # the pod's two cores: rank 0 gets core 2, rank 1 core 3
+        "FAKE_NEURON_CORES": "4",
+        "TORCH_NEURONX_NEFF_CACHE_DIR": None,
+        "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": None,
+        "NEURON_RT_ROOT_COMM_ID": None,
+        "MASTER_ADDR": None,
+    }
+    # One bucket of each kind (test_tensor_parallel.py's server test): each phase's graph on each rank.
+    small = {"prefill_buckets": [64], "decode_batch_buckets": [2], "context_buckets": [256]}
+    engine = {**ENGINE_KWARGS, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    engine |= {"max_num_seqs": 2, "additional_config": small}
+    max_tokens = 4
+    logprobs = [{"prompt": PROMPTS[0], "params": {"max_tokens": 2, "temperature": 0.0, "logprobs": 3}}]
+    result = run_engine(
+        tiny_model_dir, engine, env, max_tokens=max_tokens, extra={"sampling": logprobs, "sleep_level": 1}
+    )
+
+    assert result["platform"] == "NeuronPlatform"
+    assert result["tokens"] == [hf_greedy(hf_model, p, max_tokens) for p in PROMPTS]
+    assert result["tokens_after_wake_up"] == result["tokens"]
+    assert result["sampled_tokens"][0] == hf_greedy(hf_model, PROMPTS[0], 2)
+    stats = result["compile_stats"]
+    assert [rank["rank"] for rank in stats] == [0, 1]
+    # Per rank a prefill graph (64 tokens) and a decode graph (2 rows), both of the 256-token context, all
+    # compiled in warm-up (strict shapes: a compile while serving would have failed the engine).
+    graphs = 2
+    assert all(rank["graphs"] == graphs and rank["unexpected_recompiles"] == 0 for rank in stats), stats
+    facts = {}
+    for path in records.iterdir():
+        fact = json.loads(path.read_text())
+        if "local_rank" in fact:  # a rank's worker (the engine process may record nothing)
+            facts[fact["local_rank"]] = fact
+    assert sorted(facts) == [0, 1]
+    ports = set()
+    for rank, fact in facts.items():
+        assert fact["runtime_started_by"] == "process group" and fact["process_group_before_runtime"]
+        assert fact["visible_cores_at_start"] == str(2 + rank)
+        # Rule (h): one root communicator, rank 0's port, on this node.
+        address, _, port = fact["root_comm_id"].rpartition(":")
+        assert address == "localhost" and port.isdigit()
+        ports.add(port)
+        # Rule (e): the runtime's memory query at index 0 (the process's one core), the allocator's at the
+        # current device (no index) or the own rank.
+        queries = {(query["query"], query["index"]) for query in fact["memory_queries"]}
+        assert ("get_device_properties", 0) in queries, queries
+        assert queries <= {
+            ("get_device_properties", 0),
+            ("memory_allocated", None),
+            ("memory_allocated", rank),
+        }
+        assert len(fact["compiles"]) == graphs
+        assert all(graph["fallback_disabled"] for graph in fact["compiles"])
+        assert fact["eager_compiles"] == []  # rule (f), through serving, logprobs, sleep and wake-up
+        # Each rank's NEFFs in its own folder of the compile cache (its shard's graphs).
+        folder = Path(fact["neff_cache_dir_at_start"]).parent
+        assert folder.parent == cache_root and compile_cache.is_warm(folder)
+    assert len(ports) == 1
+    assert facts[0]["neff_cache_dir_at_start"] != facts[1]["neff_cache_dir_at_start"]

@@ -24,6 +24,11 @@ FakeNeuronRuleError:
     PyTorch's index to the runtime unmapped (nrt_get_vnc_memory_stats numbers the process's one visible core
     0), so any index but 0 answers 0 bytes; memory_allocated reads the allocator of PyTorch's device (the
     local rank), so another index answers 0 for a device the process never used. Both raise here.
+(h) the root communicator: unless NEURON_RT_ROOT_COMM_ID is set, the first process group sets it to
+    MASTER_ADDR (default localhost) and a free port that rank 0 picks and shares through the group's store,
+    as TorchNeuron does. Raised where the group spans nodes (more ranks than LOCAL_WORLD_SIZE) and the
+    address is a loopback one: each node's root communicator would point at itself. (The plugin refuses
+    --nnodes > 1 at start-up, so a served engine only records it.)
 Modelled and recorded, not raised:
 (f) copying a non-contiguous device tensor to the host makes TorchNeuron run an eager kernel that makes it
     contiguous on the device first, compiled by neuronx-cc per shape (python_ops/to_copy.py): seconds on the
@@ -32,17 +37,22 @@ Modelled and recorded, not raised:
 (g) synchronize waits for the device: each call is recorded with its thread.
 
 Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the fake saw is written as JSON
-to FAKE_NEURON_RECORD (when set) after every event: what started the runtime, the NEFF cache folder and the
-visible cores it read then, whether the process group came first, per compile whether fallback to eager
-execution was disabled (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1) and its NEFF, the eager compiles (f),
-and the synchronize calls per thread (g). The `neuron` compile backend
-lowers each graph as TorchNeuron does up to StableHLO (vllm_neuron.compiler.stablehlo), writes that StableHLO
-as the graph's .neff file into the cache folder, and runs the graph on the host.
+to FAKE_NEURON_RECORD (when set; where it is a folder, to <pid>.json in it, a file per process: tensor
+parallelism runs a worker process per rank) after every event: the process id and, once the process group
+exists, the local rank; what started the runtime, the NEFF cache folder and the visible cores it read then,
+whether the process group came first, the root communicator's address (h), each memory query with its
+index (e), per compile whether fallback to eager execution was disabled
+(TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1) and its NEFF, the eager compiles (f), and the synchronize calls
+per thread (g). The `neuron` compile backend lowers each graph as TorchNeuron does up to StableHLO
+(vllm_neuron.compiler.stablehlo), writes that StableHLO as the graph's .neff file into the cache folder, and
+runs the graph on the host.
 """
 
 import hashlib
+import ipaddress
 import json
 import os
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -53,6 +63,7 @@ import torch.distributed as dist
 NEFF_CACHE_VARIABLE = "TORCH_NEURONX_NEFF_CACHE_DIR"
 DEFAULT_NEFF_CACHE = "/tmp/neff_cache"
 FALLBACK_VARIABLE = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
+ROOT_PORT_KEY = "neuron_root_comm_port"
 
 
 class FakeNeuronRuleError(RuntimeError):
@@ -76,6 +87,7 @@ class Runtime:
             "compiles": [],
             "process_group_before_runtime": False,
             "eager_compiles": [],
+            "memory_queries": [],
             "synchronize": {},
         }
 
@@ -92,13 +104,15 @@ class Runtime:
         )
         self.record()
 
-    def create_process_group(self, rank: int) -> None:
-        """TorchNeuron's first `neuron` process group pins the process to one core and starts the runtime."""
+    def create_process_group(self, rank: int, size: int = 1, store: dist.Store | None = None) -> None:
+        """TorchNeuron's first `neuron` process group pins the process to one core, sets the root
+        communicator's address (rule (h)) and starts the runtime."""
         if self.started_by is not None:
             raise FakeNeuronRuleError(
                 f"the neuron process group was created after the Neuron runtime started ({self.started_by}): "
                 "TorchNeuron refuses a runtime started before init_process_group"
             )
+        self.set_root_comm_id(rank, size, store)
         if not os.environ.get("NEURON_RT_VISIBLE_CORES"):
             os.environ["NEURON_RT_VISIBLE_CORES"] = os.environ.get("LOCAL_RANK", str(rank))
         visible = os.environ["NEURON_RT_VISIBLE_CORES"]
@@ -110,6 +124,33 @@ class Runtime:
         self.facts["process_group_before_runtime"] = True
         self.facts["local_rank"] = int(os.environ.get("LOCAL_RANK", rank))
         self.start("process group")
+
+    def set_root_comm_id(self, rank: int, size: int, store: dist.Store | None) -> None:
+        """Rule (h), TorchNeuron's `_set_root_comm_id`: unless NEURON_RT_ROOT_COMM_ID is set, rank 0 picks a
+        free port and shares it through the group's store, and every rank sets
+        NEURON_RT_ROOT_COMM_ID=MASTER_ADDR (default localhost):port. Across nodes (a group larger than
+        LOCAL_WORLD_SIZE) a loopback address points each node's root communicator at itself."""
+        if os.environ.get("NEURON_RT_ROOT_COMM_ID") is None:
+            if store is None or rank == 0:
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", 0))
+                    port = str(probe.getsockname()[1])
+                if store is not None:
+                    store.set(ROOT_PORT_KEY, port)
+            else:
+                port = store.get(ROOT_PORT_KEY).decode()
+            address = os.environ.get("MASTER_ADDR", "localhost")
+            os.environ["NEURON_RT_ROOT_COMM_ID"] = f"{address}:{port}"
+        root = os.environ["NEURON_RT_ROOT_COMM_ID"]
+        self.facts["root_comm_id"] = root
+        host = root.rpartition(":")[0].strip("[]")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        if size > local and (host == "localhost" or ipaddress.ip_address(host).is_loopback):
+            raise FakeNeuronRuleError(
+                f"NEURON_RT_ROOT_COMM_ID={root} in a process group of {size} ranks, {local} on this node: "
+                "the other nodes' root communicators would point at themselves (set MASTER_ADDR to rank 0's "
+                "node address before the process group)"
+            )
 
     def check_neff_cache_dir(self) -> str:
         """Rule (a): the folder read at start-up is the one NEFFs go to; a later change has no effect."""
@@ -169,6 +210,10 @@ class Runtime:
 
     def check_memory_index(self, query: str, index: int | None) -> None:
         """Rule (e)."""
+        asked = {"query": query, "index": index}
+        if asked not in self.facts["memory_queries"]:
+            self.facts["memory_queries"].append(asked)
+            self.record()
         own = self.facts.get("local_rank")
         if own is None:
             return
@@ -186,9 +231,15 @@ class Runtime:
             )
 
     def record(self) -> None:
+        """To FAKE_NEURON_RECORD; where that is a folder (tensor parallelism: a process per rank), to a file
+        of this process's own in it, <pid>.json."""
         path = os.environ.get("FAKE_NEURON_RECORD")
-        if path:
-            Path(path).write_text(json.dumps(self.facts))
+        if not path:
+            return
+        target = Path(path)
+        if target.is_dir():
+            target = target / f"{os.getpid()}.json"
+        target.write_text(json.dumps({**self.facts, "pid": os.getpid()}))
 
 
 runtime = Runtime()
@@ -203,7 +254,7 @@ def device_count() -> int:
 
 def _process_group(store: dist.Store, rank: int, size: int, timeout: Any) -> dist.ProcessGroup:
     if not runtime.facts["process_group_before_runtime"]:
-        runtime.create_process_group(rank)
+        runtime.create_process_group(rank, size, store)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
