@@ -34,7 +34,8 @@ Modelled and recorded, not raised:
 Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the fake saw is written as JSON
 to FAKE_NEURON_RECORD (when set) after every event: what started the runtime, the NEFF cache folder and the
 visible cores it read then, whether the process group came first, per compile whether fallback to eager
-execution was disabled (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1) and its NEFF, the eager compiles (f),
+execution was disabled (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1), NEURON_CC_FLAGS and
+NEURON_COMPILER_OPT_LEVEL as the compile read them (None: unset) and its NEFF, the eager compiles (f),
 and the synchronize calls per thread (g). The `neuron` compile backend
 lowers each graph as TorchNeuron does up to StableHLO (vllm_neuron.compiler.stablehlo), writes that StableHLO
 as the graph's .neff file into the cache folder, and runs the graph on the host.
@@ -53,6 +54,7 @@ import torch.distributed as dist
 NEFF_CACHE_VARIABLE = "TORCH_NEURONX_NEFF_CACHE_DIR"
 DEFAULT_NEFF_CACHE = "/tmp/neff_cache"
 FALLBACK_VARIABLE = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
+COMPILER_VARIABLES = ("NEURON_CC_FLAGS", "NEURON_COMPILER_OPT_LEVEL")  # what TorchNeuron hands neuronx-cc
 
 
 class FakeNeuronRuleError(RuntimeError):
@@ -139,7 +141,11 @@ class Runtime:
         neff.parent.mkdir(parents=True, exist_ok=True)
         neff.write_text(lowered.stablehlo)
         self.facts["compiles"].append(
-            {"fallback_disabled": os.environ.get(FALLBACK_VARIABLE) == "1", "neff": str(neff)}
+            {
+                "fallback_disabled": os.environ.get(FALLBACK_VARIABLE) == "1",
+                "neff": str(neff),
+                **{name: os.environ.get(name) for name in COMPILER_VARIABLES},
+            }
         )
         self.record()
 
