@@ -88,6 +88,15 @@ def test_fallback_to_host_execution_is_disabled(neuron_mode, monkeypatch):
     assert os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
 
 
+def test_compiler_defaults_leave_a_users_own_value(neuron_mode, monkeypatch):
+    monkeypatch.setenv("NEURON_COMPILER_OPT_LEVEL", "-O2")
+    device.set_compiler_defaults()
+    assert os.environ["NEURON_COMPILER_OPT_LEVEL"] == "-O2"
+    monkeypatch.delenv("NEURON_COMPILER_OPT_LEVEL")
+    device.set_compiler_defaults()
+    assert os.environ["NEURON_COMPILER_OPT_LEVEL"] == device.COMPILER_DEFAULTS["NEURON_COMPILER_OPT_LEVEL"]
+
+
 def test_memory_in_use_is_what_the_allocator_holds_without_waiting_for_the_device(neuron_mode, monkeypatch):
     monkeypatch.setattr(neuron_mode, "memory_reserved", lambda device_id=None: 0)  # as TorchNeuron answers
     monkeypatch.setattr(neuron_mode, "memory_allocated", lambda device_id=None: 5 * 1024**2)
@@ -197,6 +206,8 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
         "NEURON_RT_VISIBLE_CORES": "0-1",
         "TORCH_NEURONX_NEFF_CACHE_DIR": None,
         "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": None,
+        "NEURON_COMPILER_OPT_LEVEL": None,  # the plugin's default
+        "NEURON_CC_FLAGS": "--enable-saturate-infinity",  # the user's own, passed on as it is
     }
     # Then requests that ask for logprobs (each row's top ones come to the host), and sleep level 1 (Neuron
     # mode moves the weights to the host and back) and the same tokens again.
@@ -220,6 +231,8 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
     assert facts["visible_cores_at_start"] == "0"
     assert len(facts["compiles"]) == EXPECTED_GRAPHS
     assert all(graph["fallback_disabled"] for graph in facts["compiles"])
+    flags = {(graph["NEURON_COMPILER_OPT_LEVEL"], graph["NEURON_CC_FLAGS"]) for graph in facts["compiles"]}
+    assert flags == {("-O1", "--enable-saturate-infinity")}
     assert compile_cache.is_warm(folder)  # the NEFFs are in this configuration's folder
     (stats,) = result["compile_stats"]
     assert stats["graphs"] == EXPECTED_GRAPHS and stats["unexpected_recompiles"] == 0

@@ -135,6 +135,21 @@ def pin_rank(local_rank: int, local_world_size: int) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
 
 
+# TorchNeuron's compiler settings for torch.compile graphs, set in Neuron mode unless the user set them:
+# -O1, the level AWS's Neuron vLLM applications and aws-neuron-sdk issue 1210 compile at (TorchNeuron's own
+# default for these graphs is -O2: slower to compile). Its base flags already carry `--model-type
+# transformer --auto-cast=none`, so NEURON_CC_FLAGS is left to the user. Read when each graph compiles, and
+# part of the compile cache key (compiler/compile_cache.py): set before either.
+COMPILER_DEFAULTS = {"NEURON_COMPILER_OPT_LEVEL": "-O1"}
+
+
+def set_compiler_defaults() -> None:
+    """Neuron mode: COMPILER_DEFAULTS where the environment does not set them already."""
+    if mode() == "neuron":
+        for name, value in COMPILER_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+
+
 def disable_fallback_execution() -> None:
     """Neuron mode: a graph whose NEFF fails to compile or run raises, instead of running on the host
     (TorchNeuron's default, silent and slow). Set before anything compiles."""

@@ -36,6 +36,7 @@ class NeuronWorker(WorkerBase):
         neuron_device.pin_rank(self.local_rank, self.parallel_config.local_world_size)
         # vLLM numbers ranks with tensor parallelism innermost.
         tp_rank = self.rank % self.parallel_config.tensor_parallel_size
+        neuron_device.set_compiler_defaults()  # before the cache key, which holds them
         compile_cache.prepare(self.vllm_config, NeuronConfig.of(self.vllm_config), tp_rank)
         neuron_device.disable_fallback_execution()
         self.device = neuron_device.torch_device(self.local_rank)

@@ -30,6 +30,7 @@ import torch
 from vllm_neuron.calls import Call
 from vllm_neuron.compiler.decompositions import decomposition_table
 from vllm_neuron.compiler.plain_stablehlo import NotStableHLOError, make_plain
+from vllm_neuron.compiler.top_k import restore_top_k
 from vllm_neuron.compiler.xla_graph import CompiledGraph, compile_graph
 from vllm_neuron.upstream import torch_compile
 
@@ -297,6 +298,7 @@ def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
         make_plain(module)
     except NotStableHLOError as error:
         raise LoweringError(f"{label}: {error}", call=label, op=str(error).split(": ", 1)[-1]) from error
+    restore_top_k(module)
     if aliases:
         with module.context:
             module.operation.attributes["mhlo.input_output_alias"] = ir.Attribute.parse(

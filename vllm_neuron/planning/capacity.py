@@ -33,8 +33,8 @@ from vllm_neuron.trn2 import (
 # in a vocabulary-wide top-k and argmax (vllm_neuron/sampling.py), so each pays that once: nothing if
 # neuronx-cc compiles it as a native top-k, 21 minutes if as 1210's argmax. neuronx-cc unrolls every layer, so
 # the forward pass is taken to grow with the layers; prefill and decode graphs, bucket sizes and TP are not
-# told apart. TorchNeuron compiles torch.compile graphs at -O2 unless told otherwise
-# (NEURON_COMPILER_OPT_LEVEL), slower than 1210's -O1.
+# told apart. TorchNeuron compiles torch.compile graphs at -O2 unless told otherwise; Neuron mode sets
+# NEURON_COMPILER_OPT_LEVEL=-O1 (1210's) where the user has not (vllm_neuron/device.py), so these are -O1's.
 COMPILE_SECONDS_PER_LAYER = (60 / 32, 300 / 32)
 SAMPLER_COMPILE_SECONDS = (0.0, 21 * 60.0)
 COMPILE_BASIS = (

@@ -42,8 +42,9 @@ parallelism runs a worker process per rank) after every event: the process id an
 exists, the local rank; what started the runtime, the NEFF cache folder and the visible cores it read then,
 whether the process group came first, the root communicator's address (h), each memory query with its
 index (e), per compile whether fallback to eager execution was disabled
-(TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1) and its NEFF, the eager compiles (f), and the synchronize calls
-per thread (g). The `neuron` compile backend lowers each graph as TorchNeuron does up to StableHLO
+(TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1), NEURON_CC_FLAGS and NEURON_COMPILER_OPT_LEVEL as the compile
+read them (None: unset) and its NEFF, the eager compiles (f), and the synchronize calls per thread (g). The
+`neuron` compile backend lowers each graph as TorchNeuron does up to StableHLO
 (vllm_neuron.compiler.stablehlo), writes that StableHLO as the graph's .neff file into the cache folder, and
 runs the graph on the host.
 """
@@ -64,6 +65,7 @@ NEFF_CACHE_VARIABLE = "TORCH_NEURONX_NEFF_CACHE_DIR"
 DEFAULT_NEFF_CACHE = "/tmp/neff_cache"
 FALLBACK_VARIABLE = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
 ROOT_PORT_KEY = "neuron_root_comm_port"
+COMPILER_VARIABLES = ("NEURON_CC_FLAGS", "NEURON_COMPILER_OPT_LEVEL")  # what TorchNeuron hands neuronx-cc
 
 
 class FakeNeuronRuleError(RuntimeError):
@@ -180,7 +182,11 @@ class Runtime:
         neff.parent.mkdir(parents=True, exist_ok=True)
         neff.write_text(lowered.stablehlo)
         self.facts["compiles"].append(
-            {"fallback_disabled": os.environ.get(FALLBACK_VARIABLE) == "1", "neff": str(neff)}
+            {
+                "fallback_disabled": os.environ.get(FALLBACK_VARIABLE) == "1",
+                "neff": str(neff),
+                **{name: os.environ.get(name) for name in COMPILER_VARIABLES},
+            }
         )
         self.record()
 
