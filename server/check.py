@@ -33,7 +33,7 @@ from server.check_report import (
 from server.options import add_neuron_options
 from server.serve_args import parse_serve_args, platform_message, resolve_engine_config, serve_parser
 from vllm_neuron import envs, trn2
-from vllm_neuron.compiler import compile_cache
+from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig, NeuronConfigError, engine_limits
 from vllm_neuron.platform import speculative_method
 
@@ -142,15 +142,28 @@ def run(parsed: argparse.Namespace) -> Report:
     report.lowering = Lowering(checked_layers, layers, weights, checked.graphs, checked.seconds)
     heads = model_config.model_arch_config.total_num_attention_heads
     report.figures = checked.model.figures(model_config.served_model_name, layers, heads)
+    report.reserve = _graph_reserve(vllm_config, checked.graphs)
     report.settings = trn2.KVSettings(
         kv_cache_fraction=envs.VLLM_NEURON_KV_CACHE_FRACTION,
         gpu_memory_utilization=vllm_config.cache_config.gpu_memory_utilization,
-        graph_reserve_bytes=envs.VLLM_NEURON_GRAPH_RESERVE_BYTES,
+        graph_reserve_bytes=report.reserve.bytes,
         kv_cache_bytes=vllm_config.cache_config.kv_cache_memory_bytes,
     )
     report.suggested_buckets = _fewer_graphs(vllm_config, report.plan)
     assess(report, max_ranks=report.price.instance_chips * trn2.RANKS_PER_CHIP)
     return report
+
+
+def _graph_reserve(vllm_config, graphs: list[dict[str, object]]) -> graph_memory.Reserve:
+    """The reserve the lowered graphs need, recorded in the compile cache root for `serve`'s start-up on trn2
+    (the check lowers one rank's graphs at TP=1: at a larger TP each rank's intermediates are smaller, so the
+    figure errs high); VLLM_NEURON_GRAPH_RESERVE_BYTES, where set, is what the fit uses."""
+    derived = graph_memory.derive(graphs)
+    graph_memory.record(compile_cache.key_fields(vllm_config, NeuronConfig.of(vllm_config)), derived)
+    explicit = envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
+    if explicit is not None:
+        return graph_memory.Reserve(explicit, graph_memory.EXPLICIT, derived)
+    return graph_memory.Reserve(derived.total, "derived", derived)
 
 
 def _fresh_engine_args(parsed: argparse.Namespace):

@@ -7,6 +7,7 @@ table for people."""
 from dataclasses import asdict, dataclass, field
 
 from vllm_neuron import trn2
+from vllm_neuron.compiler.graph_memory import Reserve
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.planning import capacity
 from vllm_neuron.planning.capacity import ModelFigures, RankCapacity, Throughput
@@ -149,6 +150,7 @@ class Report:
     cache: CacheReport | None = None
     figures: ModelFigures | None = None
     settings: KVSettings = field(default_factory=KVSettings)
+    reserve: Reserve | None = None  # the graph reserve in settings, and how it was chosen
     price: Price | None = None
     rows: list[TPRow] = field(default_factory=list)
     suggested_tp: int | None = None
@@ -191,7 +193,7 @@ def _misfit(report: Report, given: RankCapacity) -> str:
         why = (
             f"at --tensor-parallel-size {given.tp} a rank's weights ({given.weight_bytes / gib:.1f} GiB), "
             f"its KV share ({settings.kv_cache_fraction} of {trn2.RANK_HBM_BYTES / gib:.0f} GiB) and "
-            f"{settings.graph_reserve_bytes / gib:.0f} GiB for graphs exceed "
+            f"{settings.graph_reserve_bytes / gib:.2f} GiB for graphs exceed "
             f"{settings.gpu_memory_utilization} of a trn2 core"
         )
     else:
@@ -228,6 +230,8 @@ def to_json(report: Report) -> dict[str, object]:
         out["lowering"] = {**asdict(report.lowering), "graphs_lowered": len(report.lowering.graphs)}
     if report.cache is not None:
         out["compile_cache"] = asdict(report.cache)
+    if report.reserve is not None:
+        out["graph_reserve"] = report.reserve.as_dict()
     if report.figures is not None:
         figures = report.figures
         out["model_figures"] = {**asdict(figures), "kv_bytes_per_token": figures.kv_bytes_per_token()}

@@ -69,6 +69,8 @@ def _graphs(report: Report) -> list[str]:
             f"{largest['dtype']} {largest['shape']} ({largest['bytes'] / 2**20:.1f} MiB)"
         )
         lines += _compiled(lowering.graphs, layers)
+    if report.reserve is not None:
+        lines.append(f"  graph reserve per rank: {report.reserve.describe()}")
     if report.figures is not None:
         lines.append(f"  trn2 warm-up compile, estimate: {_compile(total, report)} per rank")
         lines.append(f"    basis: {capacity.COMPILE_BASIS}")
@@ -136,7 +138,7 @@ def _capacity(report: Report) -> list[str]:
     lines = [
         f"  a rank is a logical core (LNC={trn2.LNC}, {trn2.RANKS_PER_CHIP} per chip): "
         f"{trn2.RANK_HBM_BYTES / GIB:.0f} GiB HBM at {trn2.RANK_HBM_BW / 1e12:.3f} TB/s; {share}, "
-        f"graph reserve {settings.graph_reserve_bytes / GIB:.0f} GiB, --gpu-memory-utilization "
+        f"graph reserve {settings.graph_reserve_bytes / GIB:.2f} GiB, --gpu-memory-utilization "
         f"{settings.gpu_memory_utilization}",
         f"  model: {_count(figures.parameters)} parameters, {_bytes(figures.weight_bytes)} of weights and "
         f"buffers, KV {_kib(figures.kv_bytes_per_token())} per token ({figures.layers} layers x "

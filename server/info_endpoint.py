@@ -31,6 +31,8 @@ class NeuronInfoEndpoint:
             lowered = await state.engine_client.collective_rpc("lowered_graphs")
             # Graphs ready and pending (staged readiness compiles the rest in the background).
             progress = await state.engine_client.collective_rpc("compile_progress")
+            # The driver rank's graph reserve, and how it was chosen (None in CPU mode).
+            reserve = await state.engine_client.collective_rpc("graph_reserve_info")
             info = dict(state.neuron_info)
             if info["speculative"] is not None:
                 totals = _registry_totals(acceptance.COUNTERS)
@@ -40,6 +42,7 @@ class NeuronInfoEndpoint:
                     **info,
                     "admission": admission.in_flight(state.engine_client),
                     "compile": progress[0] if progress else {},
+                    "graph_reserve": reserve[0] if reserve else None,
                     "lowered_graphs": lowered[0] if lowered else [],
                 }
             )

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.tiny_model import build_tiny_llama
+from vllm_neuron.compiler import graph_memory
 from vllm_neuron.planning import capacity
 from vllm_neuron.planning.capacity import ModelFigures
 from vllm_neuron.planning.pricing import DEFAULT_INSTANCE, INSTANCES
@@ -101,7 +102,14 @@ def test_a_supported_model_serves_with_every_figure(three_layer_llama):
     assert figures["kv_bytes_per_token"] == 2 * 3 * 2 * head_dim * 4
 
     # Every TP row, the suggestion, the roofline and the cost, as the capacity model gives them.
-    settings = KVSettings(kv_cache_fraction=0.3, gpu_memory_utilization=0.9, graph_reserve_bytes=4 * GIB)
+    # The graph reserve derived from the lowered graphs (docs/check.md#graph-reserve), recorded for serve.
+    reserve = report["graph_reserve"]
+    derived = graph_memory.derive(lowering["graphs"])
+    assert reserve == {"bytes": derived.total, "source": "derived", "derived": derived.as_dict()}
+    assert report["trn2"]["graph_reserve_bytes"] == derived.total < 4 * GIB
+    settings = KVSettings(
+        kv_cache_fraction=0.3, gpu_memory_utilization=0.9, graph_reserve_bytes=derived.total
+    )
     batch, context = buckets["decode_batch_buckets"][-1], buckets["context_buckets"][-1]
     instance = INSTANCES[DEFAULT_INSTANCE]
     assert report["price"]["dollars_per_hour"] == 10 and report["price"]["instance"] == instance.name

@@ -38,6 +38,10 @@ def _int(name: str, default: int) -> Callable[[], int]:
     return lambda: _parsed(name, default, int, "an integer")
 
 
+def _optional_int(name: str) -> Callable[[], int | None]:
+    return lambda: _parsed(name, None, int, "an integer")
+
+
 def _non_negative_int(name: str) -> Callable[[], int]:
     def read() -> int:
         value = _parsed(name, 0, int, "an integer")
@@ -172,9 +176,10 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "graphs and a shared compile cache stays warm.",
     ),
     "VLLM_NEURON_GRAPH_RESERVE_BYTES": (
-        _int("VLLM_NEURON_GRAPH_RESERVE_BYTES", 4 * 1024**3),
+        _optional_int("VLLM_NEURON_GRAPH_RESERVE_BYTES"),
         "Neuron mode: device memory kept free for compiled graphs, checked at start-up with the weights and "
-        "the KV cache.",
+        "the KV cache. Unset: derived from this configuration's lowered graphs where `vllm-neuron check` or "
+        "an earlier start lowered them (docs/check.md#graph-reserve), else 4 GiB.",
     ),
     "VLLM_NEURON_MAX_REQUEST_BYTES": (
         _int("VLLM_NEURON_MAX_REQUEST_BYTES", 4 * 1024**2),

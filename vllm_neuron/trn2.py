@@ -15,17 +15,20 @@ LNC = 2
 RANKS_PER_CHIP = PHYSICAL_CORES_PER_CHIP // LNC
 RANK_HBM_BYTES = CHIP_HBM_BYTES // RANKS_PER_CHIP
 RANK_HBM_BW = CHIP_HBM_BW / RANKS_PER_CHIP
+# Device memory kept for compiled graphs where none of the configuration's graphs were lowered yet (derived
+# otherwise: vllm_neuron/compiler/graph_memory.py). AWS's own plugin keeps 5 GiB cold.
+COLD_GRAPH_RESERVE_BYTES = 4 * GIB
 
 
 @dataclass(frozen=True)
 class KVSettings:
     """The plugin's KV sizing on a NeuronCore (docs/configuration.md): VLLM_NEURON_KV_CACHE_FRACTION of the
-    core's memory, if the weights, that and VLLM_NEURON_GRAPH_RESERVE_BYTES fit in --gpu-memory-utilization
-    of it. The defaults are the plugin's and vLLM's."""
+    core's memory, if the weights, that and the graph reserve fit in --gpu-memory-utilization of it. The
+    defaults are the plugin's and vLLM's (the graph reserve's where no graph was lowered yet)."""
 
     kv_cache_fraction: float = 0.3
     gpu_memory_utilization: float = 0.92
-    graph_reserve_bytes: int = 4 * GIB
+    graph_reserve_bytes: int = COLD_GRAPH_RESERVE_BYTES
     kv_cache_bytes: int | None = None  # --kv-cache-memory-bytes: this size instead of the share
 
 

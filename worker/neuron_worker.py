@@ -9,7 +9,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, trn2
-from vllm_neuron.compiler import compile_cache
+from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.upstream import vllm_engine
 from worker.model_runner import NeuronModelRunner
@@ -37,7 +37,10 @@ class NeuronWorker(WorkerBase):
         # vLLM numbers ranks with tensor parallelism innermost.
         tp_rank = self.rank % self.parallel_config.tensor_parallel_size
         neuron_device.set_compiler_defaults()  # before the cache key, which holds them
-        compile_cache.prepare(self.vllm_config, NeuronConfig.of(self.vllm_config), tp_rank)
+        neuron_config = NeuronConfig.of(self.vllm_config)
+        compile_cache.prepare(self.vllm_config, neuron_config, tp_rank)
+        self.cache_fields = compile_cache.key_fields(self.vllm_config, neuron_config, tp_rank)
+        self.graph_reserve: graph_memory.Reserve | None = None  # set where the KV cache is sized beside it
         neuron_device.disable_fallback_execution()
         self.device = neuron_device.torch_device(self.local_rank)
         vllm_engine.init_worker_distributed_environment(
@@ -78,10 +81,13 @@ class NeuronWorker(WorkerBase):
             return int(requested)
         if neuron_device.mode() == "cpu":
             return envs.VLLM_NEURON_CPU_KV_CACHE_BYTES
+        self.graph_reserve = graph_memory.planned(self.cache_fields)
+        logger.info("Graph reserve %s", self.graph_reserve.describe())
         return neuron_kv_cache_bytes(
             neuron_device.total_memory(),
             weight_bytes(self.model_runner.model),
             self.cache_config.gpu_memory_utilization,
+            self.graph_reserve.bytes,
         )
 
     def initialize_from_config(self, kv_cache_config: "KVCacheConfig") -> None:
@@ -93,7 +99,28 @@ class NeuronWorker(WorkerBase):
             seconds = self.model_runner.warm_up()
         # Warm-up consumed random numbers; serving starts from the configured seed.
         vllm_engine.set_random_seed(self.model_config.seed)
+        self._derive_graph_reserve()
         return CompilationTimes(language_model=seconds, encoder=0.0)
+
+    def _derive_graph_reserve(self) -> None:
+        """Where warm-up lowered every graph (the lowering backends; the `neuron` backend hands TorchNeuron
+        the graphs unseen): the reserve they need, recorded for the next start, and a warning where less was
+        kept. A warning, not a failure: the graphs are loaded by now, so a reserve too small for them would
+        already have failed their load; the figure is an estimate, and the next start uses it."""
+        lowered = self.model_runner.lowered_graphs()
+        if not lowered or self.model_runner.compile_progress()["graphs_pending"]:
+            return
+        derived = graph_memory.derive(lowered)
+        graph_memory.record(self.cache_fields, derived)
+        logger.info("Graphs lowered; their reserve on a NeuronCore: %s", derived.describe())
+        short = self.graph_reserve and graph_memory.shortfall(self.graph_reserve, derived)
+        if short:
+            logger.warning("Graph reserve: %s", short)
+
+    def graph_reserve_info(self) -> dict[str, object] | None:
+        """The graph reserve the KV cache was sized beside (collective_rpc("graph_reserve_info")); None in CPU
+        mode, where the KV cache has a budget of its own."""
+        return self.graph_reserve.as_dict() if self.graph_reserve is not None else None
 
     def compile_stats(self) -> dict[str, object]:
         """This rank's compiled graphs and recompiles after warm-up (collective_rpc("compile_stats"))."""
@@ -226,16 +253,16 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
-def neuron_kv_cache_bytes(total: int, weights: int, utilization: float) -> int:
+def neuron_kv_cache_bytes(total: int, weights: int, utilization: float, reserve: int) -> int:
     """The KV cache of one NeuronCore: VLLM_NEURON_KV_CACHE_FRACTION of its memory, if the weights, that and
-    VLLM_NEURON_GRAPH_RESERVE_BYTES fit in --gpu-memory-utilization of it (trn2.core_budget, the rule
-    `vllm-neuron check` applies too)."""
+    the graph reserve fit in --gpu-memory-utilization of it (trn2.core_budget, the rule `vllm-neuron check`
+    applies too)."""
     if total <= 0:
         raise RuntimeError(
             f"TorchNeuron reports {total} bytes of device memory for this NeuronCore, so the KV cache cannot "
             "be sized: check the Neuron driver and runtime (neuron-ls), or give --kv-cache-memory-bytes."
         )
-    fraction, reserve = envs.VLLM_NEURON_KV_CACHE_FRACTION, envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
+    fraction = envs.VLLM_NEURON_KV_CACHE_FRACTION
     core = trn2.core_budget(total, weights, trn2.KVSettings(fraction, utilization, reserve))
     if not core.fits:
         gib = 1024**3
@@ -243,7 +270,7 @@ def neuron_kv_cache_bytes(total: int, weights: int, utilization: float) -> int:
             f"The NeuronCore's memory does not fit: weights {weights / gib:.1f} GiB + KV cache "
             f"{core.kv_bytes / gib:.1f} GiB (VLLM_NEURON_KV_CACHE_FRACTION={fraction} of "
             f"{total / gib:.1f} GiB) + "
-            f"{reserve / gib:.1f} GiB for compiled graphs (VLLM_NEURON_GRAPH_RESERVE_BYTES) exceed "
+            f"{reserve / gib:.1f} GiB for compiled graphs (the graph reserve) exceed "
             f"{core.budget / gib:.1f} GiB (--gpu-memory-utilization {utilization}). Use a larger "
             "--tensor-parallel-size, a smaller model, or a lower VLLM_NEURON_KV_CACHE_FRACTION."
         )

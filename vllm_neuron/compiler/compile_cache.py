@@ -141,6 +141,11 @@ def neuron_folders(root: Path, fields: dict[str, object]) -> list[tuple[Path, di
     return found
 
 
+def configuration_key(fields: dict[str, object]) -> str:
+    """A key of the configuration alone, the same on every host that lowers or compiles its graphs."""
+    return cache_key({k: v for k, v in fields.items() if k not in HOST_FIELDS})
+
+
 def _configuration(fields: dict[str, object]) -> dict[str, object]:
     """The fields as key.json records them (JSON types), without hf_config (not recorded) and host fields."""
     kept = {k: v for k, v in fields.items() if k not in (*HOST_FIELDS, "hf_config")}

@@ -26,6 +26,7 @@ class Op:
     name: str
     operands: list[str]
     shape: tuple[int, ...]
+    dtype: str = ""  # element type as StableHLO spells it (f32, bf16, i64, i1, ...)
 
     @property
     def numel(self) -> int:
@@ -66,7 +67,7 @@ def parse(text: str) -> Module:
         if pending is not None:
             depth += line.count("({") - line.count("})")
             if depth == 0:
-                ops.append(Op(len(ops), *pending, _result_shape(line)))
+                ops.append(Op(len(ops), *pending, *_result_type(line)))
                 pending = None
             continue
         stripped = line.strip()
@@ -81,14 +82,15 @@ def parse(text: str) -> Module:
         if "({" in rest:
             pending, depth = (result, name, operands), rest.count("({") - rest.count("})")
             continue
-        ops.append(Op(len(ops), result, name, operands, _result_shape(line)))
+        ops.append(Op(len(ops), result, name, operands, *_result_type(line)))
     return Module(arguments, ops, returned, aliases)
 
 
-def _result_shape(line: str) -> tuple[int, ...]:
+def _result_type(line: str) -> tuple[tuple[int, ...], str]:
+    """The shape and element type of an op's (last) result."""
     signature = line.rsplit("->", 1)[-1] if "->" in line else line.rsplit(":", 1)[-1]
     found = _TENSOR.findall(signature)
-    return _shape(found[-1][0]) if found else ()
+    return (_shape(found[-1][0]), found[-1][1]) if found else ((), "")
 
 
 _VIEWS = {"stablehlo.reshape", "stablehlo.bitcast_convert"}
@@ -108,8 +110,8 @@ def cache_writes(text: str) -> list[CacheWrite]:
     """For each aliased parameter: follow it through reshapes and scatters to the aliased output, and name
     what else touches it or copies a tensor of its size."""
     module = parse(text)
-    chains = {parameter: _chain(module, f"%arg{parameter}") for parameter in sorted(module.aliases)}
-    buffers = set().union(*(old | new for old, new, _ in chains.values()))
+    chains = _chains(module)
+    buffers = aliased_buffers(module, chains)
     writes = []
     for parameter, (old, new, scatters) in chains.items():
         shape = module.arguments[f"%arg{parameter}"]
@@ -136,6 +138,16 @@ def cache_writes(text: str) -> list[CacheWrite]:
             problems.append(f"output {output} is not the written cache")
         writes.append(CacheWrite(parameter, shape, [_updates_shape(module, op) for op in scatters], problems))
     return writes
+
+
+def _chains(module: Module) -> dict[int, tuple[set[str], set[str], list[Op]]]:
+    return {parameter: _chain(module, f"%arg{parameter}") for parameter in sorted(module.aliases)}
+
+
+def aliased_buffers(module: Module, chains: dict | None = None) -> set[str]:
+    """The values that are an aliased input's own buffer: its views and its in-place writes."""
+    chains = _chains(module) if chains is None else chains
+    return set().union(*(old | new for old, new, _ in chains.values()))
 
 
 def _chain(module: Module, argument: str) -> tuple[set[str], set[str], list[Op]]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from vllm_neuron.calls import Call
+from vllm_neuron.compiler import graph_memory
 from vllm_neuron.compiler.decompositions import decomposition_table
 from vllm_neuron.compiler.plain_stablehlo import NotStableHLOError, make_plain
 from vllm_neuron.compiler.top_k import restore_top_k
@@ -68,6 +69,7 @@ class LoweredGraph:
     stablehlo: str
     aliases: list[Alias]
     largest_tensor: tuple[tuple[int, ...], str]  # shape and dtype of the largest intermediate
+    scratchpad_bytes: int  # peak of live intermediates (graph_memory.scratchpad_bytes)
     op_histogram: dict[str, int] = field(default_factory=dict)
     collectives: list[str] = field(default_factory=list)  # lowered by TorchNeuron's own pipeline
     compiled: "CompiledGraph | None" = None  # what XLA made of it (the `xla` backend)
@@ -89,6 +91,7 @@ class LoweredGraph:
             "lowering_seconds": round(self.seconds, 3),
             "stablehlo_ops": self.op_count,
             "largest_tensor": {"shape": list(shape), "dtype": dtype, "bytes": self.largest_tensor_bytes},
+            "scratchpad_bytes": self.scratchpad_bytes,
             "aliased_inputs": [alias.parameter for alias in self.aliases],
             "collectives": len(self.collectives),
             **(self.compiled.summary() if self.compiled is not None else {}),
@@ -311,6 +314,7 @@ def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
         stablehlo=text,
         aliases=aliases,
         largest_tensor=_largest_tensor(gm, aliases),
+        scratchpad_bytes=graph_memory.scratchpad_bytes(text),
         op_histogram=op_histogram(text),
         collectives=collectives,
     )

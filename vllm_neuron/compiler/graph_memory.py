@@ -1,0 +1,209 @@
+"""The graph reserve: device memory a rank's compiled graphs take beside the weights and the KV cache, derived
+from the graphs' lowered StableHLO by the rule AWS documents ("Neuron Device Memory", neuron-runtime docs):
+
+- one scratchpad shared by every loaded NEFF, the size of the largest one's, rounded up to scratchpad pages;
+- per graph, for as long as it is loaded: its code, its constants and its DMA rings;
+- per NeuronCore: the runtime's micro-code and bookkeeping.
+
+A graph's scratchpad is estimated as the peak of its live intermediates with the StableHLO's ops run in order
+(`scratchpad_bytes`); inputs, outputs (IO tensors: TorchNeuron allocations, counted with the weights and the
+KV cache) and constants are not in it. neuronx-cc fuses, tiles and reorders, so this is an estimate of the
+right order and growth (it grows with the buckets), not neuronx-cc's figure. The per-graph and fixed figures
+below are not derivable on a CPU; each says where it comes from. docs/check.md#graph-reserve says all this
+for users.
+
+The KV cache is sized before warm-up compiles anything, so start-up uses a figure derived earlier for the same
+configuration: `record` keeps one in the compile cache root whenever every graph was lowered (`vllm-neuron
+check`, or a start-up whose backend lowers), and `planned` reads it back. VLLM_NEURON_GRAPH_RESERVE_BYTES,
+where set, wins; with neither, the cold default.
+"""
+
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vllm_neuron import envs, trn2
+from vllm_neuron.compiler import compile_cache, hlo_text
+
+logger = logging.getLogger("vllm.vllm_neuron.compiler.graph_memory")
+
+MIB = 2**20
+# Shared scratchpad page where NEURON_SCRATCHPAD_PAGE_SIZE (MB) is unset: AWS's documented 512 MB. A fork of
+# AWS's plugin inferred 64 MiB pages on runtime 2.34 (docs/research/issue-37-trn2-claims.md, section 6), so
+# this may over-round by up to 448 MiB.
+DEFAULT_PAGE_BYTES = 512 * MIB
+# Code, constants and DMA rings of one loaded graph, plus the runtime's 4 MiB per graph. From the fork's
+# measurement: 15 graphs held 1305.8 MiB per rank; less its 72 MiB fixed, 15 x 4 MiB per graph and a
+# 576-768 MiB scratchpad, 27-40 MiB per graph remain. The upper reading, rounded up. Not measured here.
+PER_GRAPH_BYTES = 44 * MIB
+# Per rank: the runtime's fixed 72 MiB (the fork's measurement) and AWS's documented 96 MB of micro-code per
+# physical NeuronCore, LNC of them per rank (whether the fork's 72 MiB already held it is not known).
+RUNTIME_BYTES = 72 * MIB + trn2.LNC * 96 * 10**6
+
+# Values that name an operand's buffer rather than make one (hlo_text's views), and constants (the NEFF's).
+_NO_BUFFER = {"stablehlo.reshape", "stablehlo.bitcast_convert", "stablehlo.constant"}
+_ELEMENT_BYTES = {"i1": 1, "i8": 1, "ui8": 1, "i16": 2, "ui16": 2, "f16": 2, "bf16": 2, "f64": 8, "i64": 8}
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element of a StableHLO element type (4 for f32, i32 and anything not listed)."""
+    return _ELEMENT_BYTES.get(dtype, 4)
+
+
+def scratchpad_bytes(stablehlo: str) -> int:
+    """The peak bytes of intermediates live at once when the entry function's ops run in order: each op's
+    result from its op to its last use (a view keeps its operand alive). Not counted: the inputs, the
+    aliased inputs' in-place writes, the returned values and constants."""
+    module = hlo_text.parse(stablehlo)
+    outside = hlo_text.aliased_buffers(module) | set(module.arguments) | set(module.returned)
+    root: dict[str, str] = {}  # a view -> the value whose buffer it names
+    for op in module.ops:
+        if op.name in _NO_BUFFER and op.operands:
+            root[op.result] = root.get(op.operands[0], op.operands[0])
+    outside |= {view for view, base in root.items() if base in outside}
+    last_use: dict[str, int] = {}
+    for op in module.ops:
+        for operand in op.operands:
+            last_use[root.get(operand, operand)] = op.index
+    freed_at: dict[int, list[int]] = {}
+    live = peak = 0
+    for op in module.ops:
+        if op.name not in _NO_BUFFER and op.result not in outside:
+            size = op.numel * element_bytes(op.dtype)
+            live += size
+            freed_at.setdefault(max(last_use.get(op.result, op.index), op.index), []).append(size)
+        peak = max(peak, live)
+        live -= sum(freed_at.pop(op.index, []))
+    return peak
+
+
+def page_bytes() -> int:
+    """The shared scratchpad's page: NEURON_SCRATCHPAD_PAGE_SIZE (MB, as the runtime reads it), else 512."""
+    value = os.environ.get("NEURON_SCRATCHPAD_PAGE_SIZE", "").strip()
+    return int(value) * MIB if value else DEFAULT_PAGE_BYTES
+
+
+@dataclass(frozen=True)
+class GraphReserve:
+    """The reserve a set of lowered graphs needs on one rank, and what it is made of."""
+
+    graphs: int
+    largest_scratchpad: int  # the largest graph's scratchpad estimate
+    largest_call: str  # the call whose graph that is
+    page: int
+
+    @property
+    def scratchpad(self) -> int:
+        return math.ceil(self.largest_scratchpad / self.page) * self.page
+
+    @property
+    def resident(self) -> int:
+        return self.graphs * PER_GRAPH_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.scratchpad + self.resident + RUNTIME_BYTES
+
+    def describe(self) -> str:
+        return (
+            f"{self.total / trn2.GIB:.2f} GiB = shared scratchpad {self.scratchpad / MIB:.0f} MiB (largest "
+            f"graph's live intermediates {self.largest_scratchpad / MIB:.1f} MiB, {self.largest_call}, in "
+            f"{self.page / MIB:.0f} MiB pages) + {self.graphs} graphs x {PER_GRAPH_BYTES / MIB:.0f} MiB + "
+            f"runtime {RUNTIME_BYTES / MIB:.0f} MiB"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            **asdict(self),
+            "scratchpad": self.scratchpad,
+            "per_graph": PER_GRAPH_BYTES,
+            "resident": self.resident,
+            "runtime": RUNTIME_BYTES,
+            "total": self.total,
+        }
+
+
+def derive(graphs: Sequence[dict[str, object]]) -> GraphReserve:
+    """The reserve of every graph a rank loads, from their summaries (LoweredGraph.summary)."""
+    largest = max(graphs, key=lambda graph: graph["scratchpad_bytes"])
+    return GraphReserve(len(graphs), int(largest["scratchpad_bytes"]), str(largest["call"]), page_bytes())
+
+
+EXPLICIT = "VLLM_NEURON_GRAPH_RESERVE_BYTES"
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """What start-up keeps free for the graphs, and why that much."""
+
+    bytes: int
+    source: str  # EXPLICIT, "derived" or "cold default"
+    derived: GraphReserve | None = None
+
+    def describe(self) -> str:
+        figure = f"{self.bytes / trn2.GIB:.2f} GiB"
+        if self.source == "derived":
+            return f"{figure}, derived from this configuration's lowered graphs: {self.derived.describe()}"
+        if self.source == "cold default":
+            return (
+                f"{figure}, the cold default: no graphs of this configuration lowered yet (`vllm-neuron "
+                "check` with the same options and VLLM_NEURON_CACHE_ROOT derives it)"
+            )
+        derived = f" (the lowered graphs need {self.derived.describe()})" if self.derived else ""
+        return f"{figure}, set by VLLM_NEURON_GRAPH_RESERVE_BYTES{derived}"
+
+    def as_dict(self) -> dict[str, object]:
+        derived = self.derived.as_dict() if self.derived is not None else None
+        return {"bytes": self.bytes, "source": self.source, "derived": derived}
+
+
+def _record_path(root: Path, fields: dict[str, object]) -> Path:
+    return root / "graph-reserve" / f"{compile_cache.configuration_key(fields)}.json"
+
+
+def record(fields: dict[str, object], reserve: GraphReserve) -> Path:
+    """Keep a derived reserve under the compile cache root for the configuration `fields` describes
+    (compile_cache.key_fields), whatever host lowered it. Written atomically: pods may share the root."""
+    path = _record_path(compile_cache.cache_root(), fields)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(asdict(reserve)))
+    partial.replace(path)
+    return path
+
+
+def recorded(fields: dict[str, object]) -> GraphReserve | None:
+    path = _record_path(compile_cache.cache_root(), fields)
+    try:
+        return GraphReserve(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def planned(fields: dict[str, object]) -> Reserve:
+    """The reserve start-up sizes the KV cache with: VLLM_NEURON_GRAPH_RESERVE_BYTES where set, else the one
+    derived for this configuration, else the cold default."""
+    explicit = envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
+    if explicit is not None:
+        return Reserve(explicit, EXPLICIT)
+    derived = recorded(fields)
+    if derived is not None:
+        return Reserve(derived.total, "derived", derived)
+    return Reserve(trn2.COLD_GRAPH_RESERVE_BYTES, "cold default")
+
+
+def shortfall(reserve: Reserve, derived: GraphReserve) -> str | None:
+    """Why the reserve start-up kept is below what the lowered graphs need, or None if it is not."""
+    if derived.total <= reserve.bytes:
+        return None
+    return (
+        f"the compiled graphs need about {derived.describe()}, more than the {reserve.bytes / trn2.GIB:.2f} "
+        f"GiB reserved ({reserve.source}) when the KV cache was sized. If graph loads fail out of memory, "
+        "restart: the derived figure is recorded and used next time"
+        + (", once VLLM_NEURON_GRAPH_RESERVE_BYTES is unset or raised" if reserve.source == EXPLICIT else "")
+        + "; or lower VLLM_NEURON_KV_CACHE_FRACTION"
+    )
