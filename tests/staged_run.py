@@ -39,12 +39,12 @@ def main() -> None:
     all_graphs = runner.buckets.graphs()
     run = runner._run
 
-    def recording_run(inputs, params, call):
+    def recording_run(inputs, call):
         ready = runner.readiness.ready_graphs
         calls.append(
             {"graph": list(call.graph), "ready": call.graph in ready, "pending": len(ready) < len(all_graphs)}
         )
-        return run(inputs, params, call)
+        return run(inputs, call)
 
     runner._run = recording_run
     params = greedy(request["max_tokens"])

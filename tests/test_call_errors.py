@@ -12,7 +12,7 @@ from vllm_neuron.calls import Call
 def test_a_failing_call_is_logged_with_its_phase_and_bucket(llm, monkeypatch, caplog):
     runner = model_runner(llm)
 
-    def fail(inputs, params):
+    def fail(inputs):
         raise RuntimeError("NRT_EXEC_ERROR: simulated Neuron runtime failure")
 
     monkeypatch.setattr(runner.compiled, "forward", fail)
@@ -22,5 +22,5 @@ def test_a_failing_call_is_logged_with_its_phase_and_bucket(llm, monkeypatch, ca
         caplog.at_level(logging.ERROR, logger="vllm.vllm_neuron.model_runner"),
         pytest.raises(RuntimeError, match="NRT_EXEC_ERROR"),
     ):
-        runner._run(None, None, call)
+        runner._run(None, call)
     assert "decode of 3 requests: batch 4 x context 256" in caplog.text and "NRT_EXEC_ERROR" in caplog.text

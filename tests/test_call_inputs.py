@@ -1,5 +1,7 @@
 """worker.call_inputs: bucket-shaped, padded host inputs of decode and prefill calls."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ from kv_cache.backend import NeuronAttentionImpl
 from kv_cache.layout import NULL_BLOCK, allocate
 from kv_cache.ops import page_attention, table_attention, write_kv
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
-from worker.call_inputs import Chunk, decode_inputs, mixed_inputs, prefill_inputs, verify_inputs
+from worker.call_inputs import Chunk, HostInputs, decode_inputs, mixed_inputs, prefill_inputs, verify_inputs
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -30,6 +32,14 @@ def expected_table_row(row: np.ndarray, end: int, num_blocks: int) -> list[int]:
     """The blocks of a context of `end` positions, then the null block up to the context bucket."""
     ids = [int(b) for b in row[: ceil_div(end, BLOCK_SIZE)]]
     return ids + [0] * (num_blocks - len(ids))
+
+
+def sent(host: HostInputs) -> SimpleNamespace:
+    """A call's inputs as sent to the device, beside the host's figures (real rows, decode tokens)."""
+    inputs = host.send(CPU)
+    return SimpleNamespace(
+        **vars(inputs), num_real_rows=host.num_real_rows, decode_token_index=host.decode_token_index
+    )
 
 
 def assert_int64_cpu(*tensors: torch.Tensor) -> None:
@@ -57,13 +67,14 @@ def tensors_of(meta) -> list[torch.Tensor]:
 def test_decode_inputs(batch_bucket, num_pages):
     chunks = DECODE_CHUNKS
 
-    inputs = decode_inputs(
-        chunks,
-        batch_bucket=batch_bucket,
-        num_pages=num_pages,
-        page_tokens=PAGE_TOKENS,
-        block_size=BLOCK_SIZE,
-        device=CPU,
+    inputs = sent(
+        decode_inputs(
+            chunks,
+            batch_bucket=batch_bucket,
+            num_pages=num_pages,
+            page_tokens=PAGE_TOKENS,
+            block_size=BLOCK_SIZE,
+        )
     )
     meta, paged = inputs.metadata, inputs.metadata.paged
 
@@ -101,8 +112,8 @@ def test_decode_inputs(batch_bucket, num_pages):
 def test_a_lone_decode_row_attends_over_its_own_blocks():
     """Batch bucket 1 shares no pages: the row's first num_pages pages of blocks, as a block table."""
     chunk = DECODE_CHUNKS[1]  # position 9 of blocks 8, 2, 7
-    inputs = decode_inputs(
-        [chunk], batch_bucket=1, num_pages=3, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE, device=CPU
+    inputs = sent(
+        decode_inputs([chunk], batch_bucket=1, num_pages=3, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE)
     )
     meta = inputs.metadata
     assert meta.paged is None and meta.table.block_table.tolist() == [[8, 2, 7, 0, 0, 0]]
@@ -112,32 +123,28 @@ def test_a_lone_decode_row_attends_over_its_own_blocks():
     assert inputs.logits_indices.tolist() == [0] and inputs.num_real_rows == 1
     assert inputs.decode_token_index.tolist() == [0]
     with pytest.raises(ValueError, match="do not fit a context bucket of 8"):
-        decode_inputs(
-            [chunk], batch_bucket=1, num_pages=1, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE, device=CPU
+        sent(
+            decode_inputs(
+                [chunk], batch_bucket=1, num_pages=1, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE
+            )
         )
 
 
 def test_decode_inputs_refuse_rows_beyond_the_pages():
     with pytest.raises(ValueError, match="need 4 KV pages, the call has 3"):
-        decode_inputs(
-            DECODE_CHUNKS,
-            batch_bucket=3,
-            num_pages=3,
-            page_tokens=PAGE_TOKENS,
-            block_size=BLOCK_SIZE,
-            device=CPU,
+        sent(
+            decode_inputs(
+                DECODE_CHUNKS, batch_bucket=3, num_pages=3, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE
+            )
         )
 
 
 def test_decode_inputs_does_not_alias_the_block_row():
     chunk = Chunk(np.array([1]), 2, block_row(4, 5))
-    inputs = decode_inputs(
-        [chunk, chunk],
-        batch_bucket=2,
-        num_pages=2,
-        page_tokens=PAGE_TOKENS,
-        block_size=BLOCK_SIZE,
-        device=CPU,
+    inputs = sent(
+        decode_inputs(
+            [chunk, chunk], batch_bucket=2, num_pages=2, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE
+        )
     )
     chunk.block_row[0] = 99
     assert inputs.metadata.paged.page_blocks[0].tolist() == [4, 5]
@@ -158,12 +165,13 @@ def test_prefill_inputs(start, count, token_bucket, context_bucket):
     tokens = np.arange(100, 100 + count, dtype=np.int32)
     num_blocks = context_bucket // BLOCK_SIZE
 
-    inputs = prefill_inputs(
-        [Chunk(tokens, start, row)],
-        token_bucket=token_bucket,
-        context_bucket=context_bucket,
-        block_size=BLOCK_SIZE,
-        device=CPU,
+    inputs = sent(
+        prefill_inputs(
+            [Chunk(tokens, start, row)],
+            token_bucket=token_bucket,
+            context_bucket=context_bucket,
+            block_size=BLOCK_SIZE,
+        )
     )
     meta, table = inputs.metadata, inputs.metadata.table
 
@@ -197,7 +205,7 @@ PACKED = [
 
 
 def test_prefill_inputs_pack_chunks_each_over_its_own_segment():
-    inputs = prefill_inputs(PACKED, token_bucket=16, context_bucket=32, block_size=BLOCK_SIZE, device=CPU)
+    inputs = sent(prefill_inputs(PACKED, token_bucket=16, context_bucket=32, block_size=BLOCK_SIZE))
     meta, table = inputs.metadata, inputs.metadata.table
     assert inputs.input_ids[:10].tolist() == [*range(100, 105), *range(200, 203), 300, 301]
     assert inputs.positions[:10].tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 0, 1]  # rotary: their own positions
@@ -222,15 +230,13 @@ def test_prefill_inputs_pack_chunks_each_over_its_own_segment():
 )
 def test_prefill_inputs_refuse_a_pack_beyond_the_buckets(token_bucket, context_bucket, message):
     with pytest.raises(ValueError, match=message):
-        prefill_inputs(
-            PACKED,
-            token_bucket=token_bucket,
-            context_bucket=context_bucket,
-            block_size=BLOCK_SIZE,
-            device=CPU,
+        sent(
+            prefill_inputs(
+                PACKED, token_bucket=token_bucket, context_bucket=context_bucket, block_size=BLOCK_SIZE
+            )
         )
     with pytest.raises(ValueError, match="keeps 8 logits rows"):
-        prefill_inputs(PACKED * 3, token_bucket=64, context_bucket=128, block_size=BLOCK_SIZE, device=CPU)
+        sent(prefill_inputs(PACKED * 3, token_bucket=64, context_bucket=128, block_size=BLOCK_SIZE))
 
 
 def test_packed_chunks_attend_as_each_alone():
@@ -241,7 +247,7 @@ def test_packed_chunks_attend_as_each_alone():
     gen = torch.Generator().manual_seed(5)
     kv_cache = allocate(16, BLOCK_SIZE, kv_heads, head_size, torch.float32, CPU)
     kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen))  # the second chunk's prefix, and stale keys
-    packed = prefill_inputs(PACKED, token_bucket=16, context_bucket=32, block_size=BLOCK_SIZE, device=CPU)
+    packed = sent(prefill_inputs(PACKED, token_bucket=16, context_bucket=32, block_size=BLOCK_SIZE))
     query = torch.randn(16, heads, head_size, generator=gen)
     key, value = torch.randn(2, 16, kv_heads, head_size, generator=gen)
 
@@ -257,7 +263,7 @@ def test_packed_chunks_attend_as_each_alone():
     separate_cache, separate, first = kv_cache.clone(), [], 0
     for chunk in PACKED:
         count = len(chunk.token_ids)
-        alone = prefill_inputs([chunk], token_bucket=8, context_bucket=16, block_size=BLOCK_SIZE, device=CPU)
+        alone = sent(prefill_inputs([chunk], token_bucket=8, context_bucket=16, block_size=BLOCK_SIZE))
         separate.append(attend(separate_cache, alone, slice(first, first + count)))
         first += count
     together = attend(kv_cache, packed, slice(0, 10))
@@ -267,23 +273,24 @@ def test_packed_chunks_attend_as_each_alone():
 
 def test_mixed_inputs_put_the_chunk_first_then_the_decode_rows():
     chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
-    inputs = mixed_inputs(
-        chunk,
-        DECODE_CHUNKS,
-        token_bucket=8,
-        context_bucket=16,
-        batch_bucket=4,
-        num_pages=5,
-        page_tokens=PAGE_TOKENS,
-        block_size=BLOCK_SIZE,
-        device=CPU,
+    inputs = sent(
+        mixed_inputs(
+            chunk,
+            DECODE_CHUNKS,
+            token_bucket=8,
+            context_bucket=16,
+            batch_bucket=4,
+            num_pages=5,
+            page_tokens=PAGE_TOKENS,
+            block_size=BLOCK_SIZE,
+        )
     )
     meta, table, paged = inputs.metadata, inputs.metadata.table, inputs.metadata.paged
-    alone_chunk = prefill_inputs(
-        [chunk], token_bucket=8, context_bucket=16, block_size=BLOCK_SIZE, device=CPU
-    )
-    alone_decode = decode_inputs(
-        DECODE_CHUNKS, batch_bucket=4, num_pages=5, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE, device=CPU
+    alone_chunk = sent(prefill_inputs([chunk], token_bucket=8, context_bucket=16, block_size=BLOCK_SIZE))
+    alone_decode = sent(
+        decode_inputs(
+            DECODE_CHUNKS, batch_bucket=4, num_pages=5, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE
+        )
     )
 
     assert_int64_cpu(inputs.input_ids, inputs.positions, inputs.logits_indices, *tensors_of(meta))
@@ -311,15 +318,18 @@ def test_padded_inputs_give_finite_attention():
     """The padding conventions hold up in the kernels: padded rows, queries and pages produce no NaN."""
     kv_cache = allocate(16, BLOCK_SIZE, 2, 8, torch.float32, CPU)
     gen = torch.Generator().manual_seed(0)
-    decode = decode_inputs(
-        DECODE_CHUNKS, batch_bucket=8, num_pages=9, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE, device=CPU
+    decode = sent(
+        decode_inputs(
+            DECODE_CHUNKS, batch_bucket=8, num_pages=9, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE
+        )
     )
-    prefill = prefill_inputs(
-        [Chunk(np.arange(1, 6), 6, block_row(9, 4, 13))],
-        token_bucket=8,
-        context_bucket=16,
-        block_size=BLOCK_SIZE,
-        device=CPU,
+    prefill = sent(
+        prefill_inputs(
+            [Chunk(np.arange(1, 6), 6, block_row(9, 4, 13))],
+            token_bucket=8,
+            context_bucket=16,
+            block_size=BLOCK_SIZE,
+        )
     )
     for inputs in (prefill, decode):
         meta = inputs.metadata
@@ -349,26 +359,24 @@ def test_a_mixed_call_attends_like_its_parts_alone():
     kv_cache.copy_(torch.randn(kv_cache.shape, generator=gen))
     chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
     parts = [
-        prefill_inputs([chunk], token_bucket=8, context_bucket=16, block_size=BLOCK_SIZE, device=CPU),
-        decode_inputs(
+        sent(prefill_inputs([chunk], token_bucket=8, context_bucket=16, block_size=BLOCK_SIZE)),
+        sent(
+            decode_inputs(
+                DECODE_CHUNKS, batch_bucket=4, num_pages=5, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE
+            )
+        ),
+    ]
+    mixed = sent(
+        mixed_inputs(
+            chunk,
             DECODE_CHUNKS,
+            token_bucket=8,
+            context_bucket=16,
             batch_bucket=4,
             num_pages=5,
             page_tokens=PAGE_TOKENS,
             block_size=BLOCK_SIZE,
-            device=CPU,
-        ),
-    ]
-    mixed = mixed_inputs(
-        chunk,
-        DECODE_CHUNKS,
-        token_bucket=8,
-        context_bucket=16,
-        batch_bucket=4,
-        num_pages=5,
-        page_tokens=PAGE_TOKENS,
-        block_size=BLOCK_SIZE,
-        device=CPU,
+        )
     )
     tokens = mixed.input_ids.shape[0]
     # Shaped as vLLM's Attention layer hands them to the backend.
@@ -408,14 +416,10 @@ def test_a_verify_call_attends_like_each_row_prefilled_alone(window):
         Chunk(np.array([22, 23, 24], dtype=np.int32), 9, block_row(8, 2, 7)),  # drafts cross a block
         Chunk(np.array([33], dtype=np.int32), 7, block_row(3, 12)),  # a row without drafts
     ]
-    verify = verify_inputs(
-        rows,
-        batch_bucket=4,
-        queries=3,
-        num_pages=6,
-        page_tokens=PAGE_TOKENS,
-        block_size=BLOCK_SIZE,
-        device=CPU,
+    verify = sent(
+        verify_inputs(
+            rows, batch_bucket=4, queries=3, num_pages=6, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE
+        )
     )
     assert verify.input_ids.tolist() == [11, 12, 13, 22, 23, 24, 33, 0, 0, 0, 0, 0]
     assert verify.positions.tolist() == [0, 1, 2, 9, 10, 11, 7, 7, 7, 0, 0, 0]
@@ -429,7 +433,7 @@ def test_a_verify_call_attends_like_each_row_prefilled_alone(window):
     alone_cache = kv_cache.clone()
     for index, chunk in enumerate(rows):
         count = len(chunk.token_ids)
-        alone = prefill_inputs([chunk], token_bucket=4, context_bucket=16, block_size=BLOCK_SIZE, device=CPU)
+        alone = sent(prefill_inputs([chunk], token_bucket=4, context_bucket=16, block_size=BLOCK_SIZE))
         picked = slice(3 * index, 3 * index + count)
         out = torch.empty(4, heads, head_size)
         impl.forward(
@@ -453,16 +457,17 @@ def test_the_layers_of_a_call_share_its_masks(monkeypatch):
     impl = NeuronAttentionImpl(heads, head_size, head_size**-0.5, num_kv_heads=kv_heads)
     gen = torch.Generator().manual_seed(4)
     chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13))
-    mixed = mixed_inputs(
-        chunk,
-        DECODE_CHUNKS,
-        token_bucket=8,
-        context_bucket=16,
-        batch_bucket=4,
-        num_pages=5,
-        page_tokens=PAGE_TOKENS,
-        block_size=BLOCK_SIZE,
-        device=CPU,
+    mixed = sent(
+        mixed_inputs(
+            chunk,
+            DECODE_CHUNKS,
+            token_bucket=8,
+            context_bucket=16,
+            batch_bucket=4,
+            num_pages=5,
+            page_tokens=PAGE_TOKENS,
+            block_size=BLOCK_SIZE,
+        )
     )
     tokens = mixed.input_ids.shape[0]
     built = []

@@ -225,6 +225,15 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
     facts = json.loads(record.read_text())
     # No device tensor reached the host strided (fake rule (f)): no eager kernel compiled while serving.
     assert facts["eager_compiles"] == []
+    # Fake rule (i): each call's inputs go to the device in one transfer (warm-up's, serving's, on any
+    # thread), and the calls on the device thread bring nothing to the host: a decode row takes the previous
+    # step's token on the device.
+    assert sum(facts["to_device"].values()) == sum(facts["graph_runs"].values())
+    serving_calls = facts["graph_runs"]["neuron-device_0"]
+    assert serving_calls > 20 and "neuron-device_0" not in facts["to_host"]
+    # Fake rule (g): the engine thread waits for the device once per warm-up step (at most one a graph) and
+    # around sleep mode, never per serving step.
+    assert facts["synchronize"]["MainThread"] <= len(facts["compiles"]) + 4 < serving_calls
     (folder,) = cache_root.iterdir()
     assert facts["runtime_started_by"] == "process group"
     assert facts["process_group_before_runtime"]

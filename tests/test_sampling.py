@@ -120,6 +120,23 @@ def test_a_top_p_cut_beyond_the_candidates_is_left_to_the_host():
     assert (sampling.sample(spread, params(2, top_k=100, top_p=0.9)).token_ids >= 0).all()
 
 
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 0.9), (1.0, 0, 1.0), (0.0, 0, 0.9), (1.0, 100, 0.9), (1.0, sampling.TOP_K_CAP, 0.99999)],
+)
+def test_the_host_knows_which_rows_the_graph_may_leave_to_it(temperature, top_k, top_p):
+    """sampling.may_overflow, which decides whether the next step takes a row's token on the device
+    (worker/token_slots.py): a row it clears never comes back NO_TOKEN, whatever the logits, ties included."""
+    table = params(3, temperature=temperature, top_k=top_k, top_p=top_p)
+    flat = torch.zeros(3, 4 * sampling.TOP_K_CAP)  # every token tied
+    flat[1] = torch.randn(4 * sampling.TOP_K_CAP, generator=torch.Generator().manual_seed(3)) * 0.01
+    flat[2, : 2 * sampling.TOP_K_CAP] = 1.0  # ties across the top-k cap
+    overflowed = (sampling.sample(flat, table).token_ids == sampling.NO_TOKEN).any().item()
+    may = sampling.may_overflow(table[0].numpy())
+    assert may or not overflowed
+    assert may == (temperature > 0 and top_p < 1 and not 0 < top_k <= sampling.TOP_K_CAP)
+
+
 def test_the_host_completes_an_overflowed_row_with_the_whole_vocabulary_as_candidates():
     """A NO_TOKEN row, sampled again over every token with the same uniform draw: vLLM's distribution."""
     logits = torch.linspace(0.5, 0.0, VOCAB)  # a slow decline: the 0.95 nucleus is over 256 tokens

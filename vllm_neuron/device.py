@@ -10,6 +10,7 @@ import os
 from functools import cache
 from typing import Literal
 
+import numpy as np
 import torch
 
 from vllm_neuron import envs
@@ -267,6 +268,13 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A host-memory copy of a device tensor (sleep mode keeps the weights there). In CPU mode host memory is
     the device: the tensor itself, nothing is copied."""
     return tensor if mode() == "cpu" else tensor.to("cpu")
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One host-to-device transfer of a host array (a call's packed inputs, worker/packed_inputs.py). In CPU
+    mode host memory is the device: the array's own memory, nothing is copied."""
+    tensor = torch.from_numpy(array)
+    return tensor if mode() == "cpu" else tensor.to(device)
 
 
 def manual_seed_all(seed: int) -> None:

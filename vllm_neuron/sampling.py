@@ -25,6 +25,7 @@ no per-vocabulary random numbers and no sort of the vocabulary.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 TOP_K_CAP = 256  # candidates the graph sorts (AWS's Neuron sampler caps top-k at 256 too)
@@ -48,6 +49,13 @@ class SampledRows:
     logprobs: torch.Tensor  # [rows, LOGPROBS_CAP + 1] float32, raw (before temperature), as vLLM's default
     ranks: torch.Tensor  # [rows] int32: the sampled token's rank by raw logprob (1 = the largest)
     draft_probs: torch.Tensor  # [rows] float32: the DRAFT token's probability (0 where none; random rows)
+
+
+def may_overflow(params: np.ndarray) -> bool:
+    """Whether the graph may leave a row with these parameters (a row of the parameter tensor) to the host
+    (NO_TOKEN): a random row with top-p on and no top-k within the candidates (`sample`'s overflow)."""
+    temperature, top_k, top_p = params[TEMPERATURE], params[TOP_K], params[TOP_P]
+    return bool(top_p < 1 and temperature >= GREEDY_BELOW and not 0 < top_k <= TOP_K_CAP)
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_CAP) -> SampledRows:
@@ -84,7 +92,9 @@ def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_C
     smallest_kept = torch.where(in_nucleus, top_values, float("inf")).amin(-1)
     top_p_active = top_p < 1
     top_p_cut = torch.where(top_p_active, smallest_kept, no_limit)
-    overflow = top_p_active & ~greedy & (candidate_probs.sum(-1) < top_p)
+    # A top-k within the candidates keeps only candidates: its cut is among them (float sums aside).
+    top_k_within = (top_k > 0) & (top_k <= candidates)
+    overflow = top_p_active & ~greedy & ~top_k_within & (candidate_probs.sum(-1) < top_p)
     if candidates == vocab:  # the whole vocabulary: the cut always lies within the candidates
         overflow = torch.zeros_like(overflow)
 

@@ -13,7 +13,9 @@ import torch
 
 from kv_cache.backend import NeuronAttentionMetadata, PageQueries, TableQueries
 from kv_cache.layout import NULL_BLOCK, slot_mapping
+from vllm_neuron import sampling
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
+from worker import packed_inputs
 
 # First position of a padding decode page: past any context (and within int32, for device index types).
 PADDING_PAGE_START = 2**30
@@ -30,13 +32,66 @@ class Chunk:
 
 @dataclass
 class CallInputs:
-    input_ids: torch.Tensor  # [tokens]
+    """A call's inputs on the device (views of one transfer, worker/packed_inputs.py)."""
+
+    input_ids: torch.Tensor  # [tokens], as built on the host (see token_feed)
     positions: torch.Tensor  # [tokens]
     logits_indices: torch.Tensor  # [rows whose logits we keep]
     metadata: NeuronAttentionMetadata
+    params: torch.Tensor  # [rows, sampling.PARAMS]: each logits row's sampling parameters
+    # Where each token's id is, in the compiled model's token slots (0: it is input_ids'), and where each
+    # logits row's sampled token goes (0: the null slot): worker/token_slots.py.
+    token_feed: torch.Tensor  # [tokens]
+    token_keep: torch.Tensor  # [rows]
+
+
+@dataclass
+class HostInputs:
+    """A call's padded inputs as built on the host, sent to the device in one transfer by `send`."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    logits_indices: np.ndarray
+    slot_mapping: np.ndarray
+    table: dict[str, np.ndarray] | None  # the fields of its TableQueries
+    paged: dict[str, np.ndarray] | None  # the fields of its PageQueries
     num_real_rows: int  # the first logits rows, those of real requests
-    host_input_ids: np.ndarray  # input_ids as built on the host
     decode_token_index: np.ndarray  # where each decode row's token is in input_ids, in row order
+
+    @property
+    def rows(self) -> int:
+        """Logits rows: each gets a row of sampling parameters and a sampled token."""
+        return len(self.logits_indices)
+
+    def send(
+        self,
+        device: torch.device,
+        params: np.ndarray | None = None,
+        token_feed: np.ndarray | None = None,
+        token_keep: np.ndarray | None = None,
+    ) -> CallInputs:
+        """On the device, in one transfer, with each logits row's sampling parameters (default: greedy) and
+        where tokens come from and go to in the token slots (default: nowhere)."""
+        host = {
+            "input_ids": self.input_ids,
+            "positions": self.positions,
+            "logits_indices": self.logits_indices,
+            "params": np.zeros((self.rows, sampling.PARAMS), np.float32) if params is None else params,
+            "token_feed": np.zeros(len(self.input_ids), np.int64) if token_feed is None else token_feed,
+            "token_keep": np.zeros(self.rows, np.int64) if token_keep is None else token_keep,
+            "slot_mapping": self.slot_mapping,
+            **{f"table.{name}": array for name, array in (self.table or {}).items()},
+            **{f"paged.{name}": array for name, array in (self.paged or {}).items()},
+        }
+        sent = dict(zip(host, packed_inputs.send(list(host.values()), device), strict=True))
+        table = {name: sent.pop(f"table.{name}") for name in self.table or {}}
+        paged = {name: sent.pop(f"paged.{name}") for name in self.paged or {}}
+        metadata = NeuronAttentionMetadata(
+            slot_mapping=sent.pop("slot_mapping"),
+            table=TableQueries(**table) if self.table is not None else None,
+            paged=PageQueries(**paged) if self.paged is not None else None,
+        )
+        return CallInputs(metadata=metadata, **sent)
 
 
 @dataclass
@@ -191,8 +246,7 @@ def decode_inputs(
     num_pages: int,
     page_tokens: int,
     block_size: int,
-    device: torch.device,
-) -> CallInputs:
+) -> HostInputs:
     """One token per request: rows = batch bucket, one query per row, over `num_pages` KV pages of
     `page_tokens` positions that the rows share, each row as many as its context needs (in row order).
 
@@ -201,9 +255,9 @@ def decode_inputs(
     if batch_bucket == 1:
         (chunk,) = chunks
         table = _table_part([chunk], 1, num_pages * page_tokens, block_size, 1)
-        return _to_device(device, table=table, decode_at=0)
+        return _host_inputs(table=table, decode_at=0)
     paged = _paged_part(chunks, batch_bucket, num_pages, page_tokens, block_size)
-    return _to_device(device, paged=paged, decode_at=0)
+    return _host_inputs(paged=paged, decode_at=0)
 
 
 def verify_inputs(
@@ -214,24 +268,21 @@ def verify_inputs(
     num_pages: int,
     page_tokens: int,
     block_size: int,
-    device: torch.device,
-) -> CallInputs:
+) -> HostInputs:
     """Speculative decoding's verify call: each row its last token and its draft tokens (`queries` slots a
     row, unused ones padding), over shared KV pages as in a decode call. Keeps every query's logits, row by
     row: logits row r * queries + j is query j of row r."""
     paged = _paged_part(chunks, batch_bucket, num_pages, page_tokens, block_size, queries)
-    return _to_device(device, paged=paged, decode_at=0)
+    return _host_inputs(paged=paged, decode_at=0)
 
 
 def prefill_inputs(
-    chunks: list[Chunk], *, token_bucket: int, context_bucket: int, block_size: int, device: torch.device
-) -> CallInputs:
+    chunks: list[Chunk], *, token_bucket: int, context_bucket: int, block_size: int
+) -> HostInputs:
     """The chunks of up to PACKED_CHUNKS requests packed in one row of token_bucket queries, each over its
     own segment of the context bucket; keeps each chunk's last real token's logits. Every prefill call keeps
     PACKED_CHUNKS logits rows, so packing changes no shape."""
-    return _to_device(
-        device, table=_table_part(chunks, token_bucket, context_bucket, block_size, PACKED_CHUNKS)
-    )
+    return _host_inputs(table=_table_part(chunks, token_bucket, context_bucket, block_size, PACKED_CHUNKS))
 
 
 def mixed_inputs(
@@ -244,50 +295,37 @@ def mixed_inputs(
     num_pages: int,
     page_tokens: int,
     block_size: int,
-    device: torch.device,
-) -> CallInputs:
+) -> HostInputs:
     """A prefill chunk and decode rows in one call (one pass over the weights): the chunk's token_bucket
     queries first, then one per decode row over shared pages. Logits row 0 is the chunk's, rows 1.. the
     decode rows'."""
-    return _to_device(
-        device,
+    return _host_inputs(
         table=_table_part([chunk], token_bucket, context_bucket, block_size, 1),
         paged=_paged_part(decode_chunks, batch_bucket, num_pages, page_tokens, block_size),
         decode_at=token_bucket,
     )
 
 
-def _to_device(
-    device: torch.device,
-    table: _HostPart | None = None,
-    paged: _HostPart | None = None,
-    decode_at: int | None = None,
-) -> CallInputs:
-    """The parts joined and sent; `decode_at`: where the decode rows' tokens start in input_ids (the paged
-    part's, or a batch-1 decode call's one token), None in a prefill call."""
-
-    def put(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
-
+def _host_inputs(
+    table: _HostPart | None = None, paged: _HostPart | None = None, decode_at: int | None = None
+) -> HostInputs:
+    """The parts joined; `decode_at`: where the decode rows' tokens start in input_ids (the paged part's, or
+    a batch-1 decode call's one token), None in a prefill call."""
     parts = [part for part in (table, paged) if part is not None]
     logits_indices, offset = [], 0
     for part in parts:
         logits_indices.append(part.logits_indices + offset)
         offset += len(part.input_ids)
-    input_ids = np.concatenate([part.input_ids for part in parts])
     decode_part = paged or table
-    return CallInputs(
-        input_ids=put(input_ids),
-        positions=put(np.concatenate([part.positions for part in parts])),
-        logits_indices=put(np.concatenate(logits_indices)),
-        metadata=NeuronAttentionMetadata(
-            slot_mapping=put(np.concatenate([part.slots for part in parts])),
-            table=None if table is None else TableQueries(**{k: put(v) for k, v in table.tables.items()}),
-            paged=None if paged is None else PageQueries(**{k: put(v) for k, v in paged.tables.items()}),
-        ),
+    return HostInputs(
+        input_ids=np.concatenate([part.input_ids for part in parts]),
+        positions=np.concatenate([part.positions for part in parts]),
+        logits_indices=np.concatenate(logits_indices),
+        slot_mapping=np.concatenate([part.slots for part in parts]),
+        table=None if table is None else table.tables,
+        paged=None if paged is None else paged.tables,
         # A mixed call's table part has one chunk, one logits row: the real rows of both parts come first.
         num_real_rows=sum(part.num_real_rows for part in parts),
-        host_input_ids=input_ids,
         decode_token_index=np.arange(0 if decode_at is None else decode_part.num_real_rows, dtype=np.int64)
         * decode_part.queries
         + (decode_at or 0),

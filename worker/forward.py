@@ -16,6 +16,7 @@ from vllm_neuron.compiler import compile as neuron_compile
 from vllm_neuron.upstream.vllm_runner import create_forward_context, override_forward_context
 from worker import draft_model
 from worker.call_inputs import CallInputs
+from worker.token_slots import size as token_slot_count
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -26,11 +27,14 @@ logger = init_logger("vllm.vllm_neuron.forward")
 class ForwardAndSample(torch.nn.Module):
     """What gets compiled: the model forward, the logits of the rows we keep, and a token sampled from each
     (with each row's parameters, vllm_neuron/sampling.py). The logits stay on the device unless a step needs
-    vLLM's host sampler."""
+    vLLM's host sampler. Decode rows whose token the previous step sampled take it from the token slots,
+    and each row's sample goes there for the next step (worker/token_slots.py); with a draft model the
+    call's token ids are returned too, for the draft's forward."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, returns_input_ids: bool) -> None:
         super().__init__()
         self.model = model
+        self.returns_input_ids = returns_input_ids
 
     def forward(
         self,
@@ -38,8 +42,13 @@ class ForwardAndSample(torch.nn.Module):
         positions: torch.Tensor,
         logits_indices: torch.Tensor,
         sampling_params: torch.Tensor,
+        token_slots: torch.Tensor,
+        token_feed: torch.Tensor,
+        token_keep: torch.Tensor,
         forward_context: ForwardContext,
     ) -> tuple[torch.Tensor, ...]:
+        fed = token_slots.index_select(0, token_feed).to(input_ids.dtype)
+        input_ids = torch.where(token_feed > 0, fed, input_ids)
         # vLLM's layers read the forward context from a global; set here, in the traced code, dynamo takes
         # the attention metadata from this argument, so serving and a background compile, in two threads,
         # each run with their own.
@@ -47,7 +56,8 @@ class ForwardAndSample(torch.nn.Module):
             hidden = self.model(input_ids=input_ids, positions=positions)
             logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         sampled = sampling.sample(logits, sampling_params)
-        return (
+        token_slots.index_copy_(0, token_keep, sampled.token_ids)
+        outputs = (
             logits,
             sampled.token_ids,
             sampled.logprob_token_ids,
@@ -55,6 +65,7 @@ class ForwardAndSample(torch.nn.Module):
             sampled.ranks,
             sampled.draft_probs,
         )
+        return (*outputs, input_ids) if self.returns_input_ids else outputs
 
 
 class CompiledModel:
@@ -63,7 +74,13 @@ class CompiledModel:
     each."""
 
     def __init__(
-        self, vllm_config: "VllmConfig", backend: str, num_graphs: int, compile_workers: int, tp_rank: int
+        self,
+        vllm_config: "VllmConfig",
+        backend: str,
+        num_graphs: int,
+        compile_workers: int,
+        tp_rank: int,
+        device: torch.device,
     ) -> None:
         start = time.perf_counter()
         self.vllm_config = vllm_config
@@ -72,22 +89,25 @@ class CompiledModel:
         dump_dir = envs.VLLM_NEURON_DUMP_GRAPHS
         if dump_dir and vllm_config.parallel_config.tensor_parallel_size > 1:
             dump_dir = f"{dump_dir}/rank-{tp_rank}"
+        speculative = vllm_config.speculative_config
+        with_draft = speculative is not None and speculative.method == "draft_model"
         self.step, self.recorder = neuron_compile.compile_static(
-            ForwardAndSample(self.model),
+            ForwardAndSample(self.model, returns_input_ids=with_draft),
             backend,
             num_graphs,
             strict=envs.VLLM_NEURON_STRICT_SHAPES,
             dump_dir=Path(dump_dir) if dump_dir else None,
             compile_workers=compile_workers,
         )
-        speculative = vllm_config.speculative_config
         self.draft_model: torch.nn.Module | None = None
         self.draft = None
-        if speculative is not None and speculative.method == "draft_model":
+        if with_draft:
             self.draft_model = draft_model.load_draft_model(vllm_config)
             self.draft, _ = neuron_compile.compile_static(
                 draft_model.DraftForward(self.draft_model), backend, num_graphs, recorder=self.recorder
             )
+        max_rows = vllm_config.scheduler_config.max_num_seqs
+        self.token_slots = self.recorder.zeros((token_slot_count(max_rows),), torch.int32, device)
         # The layers whose KV cache a call's metadata describes (the draft model's too): set once the cache is
         # bound to them.
         self.attention_layers: list[str] = []
@@ -97,20 +117,30 @@ class CompiledModel:
     def models(self) -> list[torch.nn.Module]:
         return [self.model, *([self.draft_model] if self.draft_model is not None else [])]
 
-    def forward(self, inputs: CallInputs, params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The compiled model and sampler on one call's inputs, then the draft model's on the same inputs
+    def forward(self, inputs: CallInputs) -> tuple[torch.Tensor, ...]:
+        """The compiled model and sampler on one call's inputs, then the draft model's on the same tokens
         (its KV cache follows the target's); the outputs (ForwardAndSample's) stay on the device."""
         outputs = self.step(
-            inputs.input_ids, inputs.positions, inputs.logits_indices, params, self._context(inputs.metadata)
-        )
-        if self.draft is not None:
-            self.draft_tokens(inputs)
-        return outputs
-
-    def draft_tokens(self, inputs: CallInputs) -> torch.Tensor:
-        """The compiled draft model on a call's inputs: each logits row's greedy token, on the device."""
-        return self.draft(
             inputs.input_ids,
+            inputs.positions,
+            inputs.logits_indices,
+            inputs.params,
+            self.token_slots,
+            inputs.token_feed,
+            inputs.token_keep,
+            self._context(inputs.metadata),
+        )
+        if self.draft is None:
+            return outputs
+        *outputs, input_ids = outputs
+        self.draft_tokens(inputs, input_ids)
+        return tuple(outputs)
+
+    def draft_tokens(self, inputs: CallInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The compiled draft model on a call's inputs (`input_ids`: its tokens as the target's graph took
+        them, default the call's own): each logits row's greedy token, on the device."""
+        return self.draft(
+            inputs.input_ids if input_ids is None else input_ids,
             inputs.positions,
             inputs.logits_indices,
             self._context(inputs.metadata.without_masks()),

@@ -26,11 +26,11 @@ from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.upstream.vllm_runner import Sampler, strip_speculative_padding
-from worker import draft_model, sampling_rows, speculation, warmup
+from worker import draft_model, sampling_rows, speculation, token_slots, warmup
 from worker.async_steps import DeviceThread, StepOutput
 from worker.background import compile_workers
 from worker.call_inputs import CallInputs, Chunk
-from worker.call_planner import CallPlanner, fill_previous_tokens
+from worker.call_planner import CallPlanner, Fills, fill_previous_tokens
 from worker.forward import CompiledModel
 from worker.input_batch import PersistentBatch
 from worker.kv_caches import KVCaches
@@ -61,6 +61,8 @@ class NeuronModelRunner:
             Sampler(logprobs_mode=self.model_config.logprobs_mode), self.model_config.get_vocab_size()
         )
         self.planner = CallPlanner(self.buckets, self.block_size, device)
+        self.max_rows = vllm_config.scheduler_config.max_num_seqs
+        self._slot_base = 1  # the half of the token slots the latest step wrote
         self.compiled: CompiledModel | None = None
         self.kv_cache = KVCaches(vllm_config, device)
         self.sleep_mode = SleepMode(self.kv_cache)
@@ -112,6 +114,7 @@ class NeuronModelRunner:
             self.buckets.num_graphs,
             self.readiness.compile_workers,
             self.tp_rank,
+            self.device,
         )
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -163,7 +166,7 @@ class NeuronModelRunner:
         )
         inputs = self.planner.inputs(call, parts, rows)
         with self.compiled.recorder.expecting(call):
-            self.compiled.forward(inputs, self.planner.greedy_params(len(inputs.logits_indices)))
+            self.compiled.forward(inputs)
         neuron_device.synchronize()
 
     def compile_progress(self) -> dict[str, object]:
@@ -273,7 +276,7 @@ class NeuronModelRunner:
         decode: list[tuple[int, Chunk]] = []
         prefill: list[tuple[int, Chunk]] = []
         partial: list[int] = []
-        fills: dict[int, str] = {}  # batch row -> request id, of rows whose token is still on the device
+        fills = Fills()  # rows whose token is still on the device
         drafts = scheduler_output.scheduled_spec_decode_tokens
         row_drafts: dict[int, list[int]] = {}  # batch row -> its drafts, of decode rows to verify
         for row, req_id in enumerate(batch.req_ids):
@@ -282,7 +285,7 @@ class NeuronModelRunner:
             if count == 1 and start == batch.num_tokens_no_spec[row]:
                 if previous is None:
                     raise RuntimeError(f"request {req_id}: its next token is neither known nor being sampled")
-                fills[row] = req_id
+                fills.add(row, req_id, previous.final_slots)
             if req_id in drafts:  # a decode row to verify: its last token, then its draft tokens
                 assert count == 1 + len(drafts[req_id]), (req_id, count, drafts[req_id])
                 # vLLM's scheduler pads a request that joins as a decode row (its whole prompt cached)
@@ -299,8 +302,9 @@ class NeuronModelRunner:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
         parameters = self._sampling_parameters(partial)
+        self._slot_base = slot_base = token_slots.next_base(self._slot_base, self.max_rows)
         planned = self.planner.plan(
-            decode, prefill, parameters, fills, row_drafts, self._random_draws, self.readiness
+            decode, prefill, parameters, fills, row_drafts, self._random_draws, self.readiness, slot_base
         )
         host_rows = [
             self.host_sampler_only or self.batch.sampling[req_id].host_reason is not None
@@ -317,8 +321,9 @@ class NeuronModelRunner:
             step_start,
             schedule,
             drafts=row_drafts,
+            final_slots=token_slots.final_slots(batch.req_ids, parameters, partial, row_drafts, slot_base),
         )
-        if fills:
+        if fills.from_host:
             step.previous, step.previous_outputs = previous, previous.outputs
         self.step_calls = [item.call for item in planned]
         step.prepare_seconds = time.perf_counter() - step_start
@@ -349,7 +354,7 @@ class NeuronModelRunner:
             fill_previous_tokens(step, self.device)
         step.device_started = time.perf_counter()
         outputs = [
-            CallOutputs(item.batch_rows, *self._run(item.inputs, item.params, item.call), item.call.queries)
+            CallOutputs(item.batch_rows, *self._run(item.inputs, item.call), item.call.queries)
             for item in step.planned
         ]
         step.device_ended = time.perf_counter()
@@ -357,7 +362,7 @@ class NeuronModelRunner:
         return outputs
 
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
-    def _run(self, inputs: CallInputs, params: torch.Tensor, call: Call) -> tuple[torch.Tensor, ...]:
+    def _run(self, inputs: CallInputs, call: Call) -> tuple[torch.Tensor, ...]:
         """One compiled call; returns its outputs (ForwardAndSample's)."""
         recorder = self.compiled.recorder
         recorder.current_call = call
@@ -365,7 +370,7 @@ class NeuronModelRunner:
             self.stats.record(call)
         start, graphs = time.perf_counter(), recorder.num_graphs
         try:
-            outputs = self.compiled.forward(inputs, params)
+            outputs = self.compiled.forward(inputs)
         except Exception as error:
             # A Neuron runtime error says nothing of our shapes: name the call (phase and bucket).
             logger.error("Compiled call failed: %s: %s", call, error)

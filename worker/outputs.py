@@ -120,7 +120,7 @@ def _complete_overflowed(
     for row in rows:
         call_index, j = final[row]
         logits.append(to_host(step.outputs[call_index].logits[j : j + 1]).float())
-        params.append(to_host(step.planned[call_index].params[j : j + 1]))
+        params.append(torch.from_numpy(step.planned[call_index].params[j : j + 1]))
     logits = torch.cat(logits)
     done = sampling.sample(logits, torch.cat(params), candidates=logits.shape[-1])
     tokens[rows] = done.token_ids.numpy()

@@ -146,7 +146,7 @@ def accept_drafts(
                 # vocabulary, with their own parameters and draws.
                 queries = slice(index * out.queries, (index + 1) * out.queries)
                 logits = to_host(out.logits[queries]).float()
-                params = to_host(step.planned[call_index].params[queries])
+                params = torch.from_numpy(step.planned[call_index].params[queries])
                 done = sampling.sample(logits, params, candidates=logits.shape[-1])
                 row_targets, row_probs = done.token_ids.numpy(), done.draft_probs.numpy()
             sampled_ids[row] = accepted_sampled(row_drafts, row_targets, row_probs, generators.get(row, True))

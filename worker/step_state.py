@@ -13,7 +13,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron.calls import Call
-from worker.call_inputs import CallInputs
+from worker.call_inputs import CallInputs, HostInputs
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
@@ -57,15 +57,22 @@ class ToHost:
 
 @dataclass
 class PlannedCall:
-    """One compiled call of a step, its inputs on the device, and the batch rows of its first logits rows."""
+    """One compiled call of a step: its inputs, sent to the device in one transfer (CallInputs), and the
+    batch rows of its first logits rows."""
 
     call: Call
-    inputs: CallInputs
-    params: torch.Tensor
+    host: HostInputs
+    params: np.ndarray  # [logits rows, sampling.PARAMS], as sent
+    token_feed: np.ndarray  # worker/token_slots.py
+    token_keep: np.ndarray
     batch_rows: list[int]
-    # Decode rows whose token is the previous step's sample, not yet on the host when the call was prepared:
-    # (index in input_ids, request id), filled in on the device thread.
+    # Decode rows whose token is the previous step's sample that the graph may leave to the host: (index in
+    # input_ids, request id), filled in on the device thread before the inputs are sent.
     fills: list[tuple[int, str]] = field(default_factory=list)
+    inputs: CallInputs | None = None  # None until sent
+
+    def send(self, device: torch.device) -> None:
+        self.inputs = self.host.send(device, self.params, self.token_feed, self.token_keep)
 
 
 @dataclass
@@ -93,6 +100,8 @@ class RunningStep:
     started: float  # execute_model
     schedule_seconds: float | None  # the engine's time since the previous step (None: it may have idled)
     drafts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> the draft tokens it verifies
+    # Requests whose sampled token is final in the token slots -> its slot (worker/token_slots.py).
+    final_slots: dict[str, int] = field(default_factory=dict)
     prepare_seconds: float = 0.0
     outputs: list[CallOutputs] | Future = field(default_factory=list)  # in call order: later rows win
     forward_seconds: float = 0.0

@@ -106,8 +106,14 @@ class CacheWrite:
     problems: list[str]
 
 
+def is_cache(shape: tuple[int, ...]) -> bool:
+    """Whether a buffer a graph updates in place is a KV cache: every one is but the token slots
+    (worker/token_slots.py), a vector of a few bytes."""
+    return len(shape) > 1
+
+
 def cache_writes(text: str) -> list[CacheWrite]:
-    """For each aliased parameter: follow it through reshapes and scatters to the aliased output, and name
+    """For each aliased KV cache: follow it through reshapes and scatters to the aliased output, and name
     what else touches it or copies a tensor of its size."""
     module = parse(text)
     chains = _chains(module)
@@ -115,6 +121,8 @@ def cache_writes(text: str) -> list[CacheWrite]:
     writes = []
     for parameter, (old, new, scatters) in chains.items():
         shape = module.arguments[f"%arg{parameter}"]
+        if not is_cache(shape):
+            continue
         numel = math.prod(shape)
         problems = [
             f"{op.name} ({op.result}) makes a tensor of {op.shape}: a copy of a whole cache or half of one"

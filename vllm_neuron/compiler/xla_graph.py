@@ -19,7 +19,7 @@ import torch
 
 from vllm_neuron import trn2
 from vllm_neuron.calls import Call
-from vllm_neuron.compiler import xla
+from vllm_neuron.compiler import hlo_text, xla
 
 # One logical core of a trn2 (LNC=2): its share of the chip's HBM bandwidth and dense BF16 FLOP/s.
 _CORE_FLOPS = trn2.CHIP_BF16_FLOPS / trn2.RANKS_PER_CHIP
@@ -138,7 +138,11 @@ def compile_graph(
     start = time.perf_counter()
     program = xla.compile(stablehlo, aliases)
     seconds = time.perf_counter() - start
-    caches = [example_inputs[parameter] for parameter in aliases]
+    caches = [
+        example_inputs[parameter]
+        for parameter in aliases
+        if hlo_text.is_cache(tuple(example_inputs[parameter].shape))
+    ]
     memory = program.memory
     report = CompiledGraph(
         seconds=seconds,

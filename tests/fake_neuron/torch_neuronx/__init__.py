@@ -34,7 +34,11 @@ Modelled and recorded, not raised:
     contiguous on the device first, compiled by neuronx-cc per shape (python_ops/to_copy.py): seconds on the
     first request of each shape. `vllm_neuron.device.to_host` is where the plugin's device tensors reach the
     host (the seam); the fake wraps it and records each new shape as an eager compile;
-(g) synchronize waits for the device: each call is recorded with its thread.
+(g) synchronize waits for the device: each call is recorded with its thread;
+(i) each host-to-device copy is an allocation and a runtime transfer of its own, and each device-to-host copy
+    waits for the tensor's producers: `vllm_neuron.device.to_device` and `to_host` (the seams) are counted
+    per thread, and so are the compiled graphs' runs, so that a test can bound transfers per call and find a
+    token's round trip through the host between two steps.
 
 Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the fake saw is written as JSON
 to FAKE_NEURON_RECORD (when set; where it is a folder, to <pid>.json in it, a file per process: tensor
@@ -43,10 +47,10 @@ exists, the local rank; what started the runtime, the NEFF cache folder and the 
 whether the process group came first, the root communicator's address (h), each memory query with its
 index (e), per compile whether fallback to eager execution was disabled
 (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1), NEURON_CC_FLAGS and NEURON_COMPILER_OPT_LEVEL as the compile
-read them (None: unset) and its NEFF, the eager compiles (f), and the synchronize calls per thread (g). The
-`neuron` compile backend lowers each graph as TorchNeuron does up to StableHLO
-(vllm_neuron.compiler.stablehlo), writes that StableHLO as the graph's .neff file into the cache folder, and
-runs the graph on the host.
+read them (None: unset) and its NEFF, the eager compiles (f), the synchronize calls per thread (g), and the
+transfers and graph runs per thread (i). The `neuron` compile backend lowers each graph as TorchNeuron does
+up to StableHLO (vllm_neuron.compiler.stablehlo), writes that StableHLO as the graph's .neff file into the
+cache folder, and runs the graph on the host.
 """
 
 import hashlib
@@ -85,12 +89,16 @@ class Runtime:
 
     def __init__(self) -> None:
         self.started_by: str | None = None
+        self.lock = threading.Lock()  # the device thread and the engine's record events at once
         self.facts: dict[str, Any] = {
             "compiles": [],
             "process_group_before_runtime": False,
             "eager_compiles": [],
             "memory_queries": [],
             "synchronize": {},
+            "to_device": {},
+            "to_host": {},
+            "graph_runs": {},
         }
 
     def start(self, trigger: str) -> None:
@@ -191,6 +199,7 @@ class Runtime:
         self.record()
 
         def run(*args: Any) -> Any:
+            self.count("graph_runs")
             outputs = compiled(*args)
             return type(outputs)(o.contiguous() if isinstance(o, torch.Tensor) else o for o in outputs)
 
@@ -210,8 +219,13 @@ class Runtime:
     def synchronize(self) -> None:
         """Rule (g): who waited for the device."""
         self.start("synchronize")
+        self.count("synchronize")
+
+    def count(self, event: str) -> None:
+        """Rules (g) and (i): an event, counted per thread."""
         thread = threading.current_thread().name
-        self.facts["synchronize"][thread] = self.facts["synchronize"].get(thread, 0) + 1
+        with self.lock:
+            self.facts[event][thread] = self.facts[event].get(thread, 0) + 1
         self.record()
 
     def check_memory_index(self, query: str, index: int | None) -> None:
@@ -245,7 +259,8 @@ class Runtime:
         target = Path(path)
         if target.is_dir():
             target = target / f"{os.getpid()}.json"
-        target.write_text(json.dumps({**self.facts, "pid": os.getpid()}))
+        with self.lock:
+            target.write_text(json.dumps({**self.facts, "pid": os.getpid()}))
 
 
 runtime = Runtime()
@@ -286,13 +301,19 @@ def _register() -> None:
     import vllm_neuron.device
 
     vllm_neuron.device.TENSOR_DEVICE_TYPE = "cpu"  # the seam: see the module docstring
-    to_host = vllm_neuron.device.to_host
+    to_host, to_device = vllm_neuron.device.to_host, vllm_neuron.device.to_device
 
     def copying_to_host(tensor: torch.Tensor) -> torch.Tensor:
         runtime.copy_to_host(tensor)  # rule (f)
+        runtime.count("to_host")  # rule (i)
         return to_host(tensor)
 
+    def copying_to_device(array: Any, device: torch.device) -> torch.Tensor:
+        runtime.count("to_device")  # rule (i)
+        return to_device(array, device)
+
     vllm_neuron.device.to_host = copying_to_host
+    vllm_neuron.device.to_device = copying_to_device
 
 
 _register()

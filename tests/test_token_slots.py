@@ -1,0 +1,95 @@
+"""A call's inputs cross to the device in one transfer (worker/packed_inputs.py), and a decode row takes the
+previous step's token from the token slots on the device (worker/token_slots.py)."""
+
+import numpy as np
+import torch
+
+from tests.test_sampling import params
+from worker import packed_inputs, token_slots
+
+CPU = torch.device("cpu")
+
+
+def test_a_calls_arrays_cross_in_one_transfer_as_views_of_one_buffer(monkeypatch):
+    from vllm_neuron import device
+
+    transfers = []
+    send = device.to_device
+    monkeypatch.setattr(
+        device, "to_device", lambda array, to: transfers.append(array.nbytes) or send(array, to)
+    )
+    arrays = [
+        np.arange(5, dtype=np.int64),
+        np.full((3, 6), 0.25, dtype=np.float32),  # 72 bytes: the next array starts 8-aligned
+        np.arange(12, dtype=np.int64).reshape(3, 4),
+        np.zeros(0, dtype=np.int64),
+        np.array([7], dtype=np.int64),
+    ]
+    sent = packed_inputs.send(arrays, CPU)
+    assert len(transfers) == 1
+    for array, tensor in zip(arrays, sent, strict=True):
+        assert tensor.is_contiguous() and tensor.numpy().tolist() == array.tolist()
+        assert (
+            tensor.numpy().dtype == array.dtype and tensor.storage_offset() * tensor.element_size() % 8 == 0
+        )
+    assert len({tensor.untyped_storage().data_ptr() for tensor in sent}) == 1
+
+
+def test_steps_write_alternate_halves_and_padding_the_null_slot():
+    rows = 4
+    first = token_slots.next_base(1, rows)
+    second = token_slots.next_base(first, rows)
+    assert {first, second} == {1, 1 + rows} and token_slots.next_base(second, rows) == first
+    # Halves of rows slots each, past the null slot 0: a step never writes the half the next one reads.
+    assert max(first, second) + rows - 1 == token_slots.size(rows) - 1
+    assert token_slots.keep(first, [2, 0], rows=4, queries=1).tolist() == [first + 2, first, 0, 0]
+    assert token_slots.keep(first, [2, 0], rows=8, queries=2).tolist() == [0] * 8  # verify: on the host
+
+
+def test_only_a_rows_final_token_is_fed_on_the_device():
+    """Not a partial prefill's discarded sample, a verify row's (accepted drafts decide), nor a row whose
+    top-p cut may lie beyond the graph's candidates (NO_TOKEN)."""
+    table = torch.cat(
+        [
+            params(1, temperature=0.0),
+            params(1, temperature=0.8, top_p=0.9),  # may overflow
+            params(1, temperature=0.8, top_k=40, top_p=0.9),  # top-k within the candidates: never
+            params(1, temperature=0.0),  # partial prefill
+            params(1, temperature=0.0),  # verify
+        ]
+    ).numpy()
+    req_ids = ["greedy", "top-p", "top-k-top-p", "partial", "verify"]
+    slots = token_slots.final_slots(req_ids, table, [3], {4: [5, 6]}, base=9)
+    assert slots == {"greedy": 9, "top-k-top-p": 11}
+
+
+def test_a_graph_reads_the_previous_steps_tokens_and_writes_its_own():
+    """ForwardAndSample's two lines on the slots, compiled: a decode row fed from the slot the previous step
+    wrote, a prefill row's id its own; the step's tokens into its half, padding into the null slot."""
+
+    def step(slots, input_ids, feed, keep, sampled):
+        fed = slots.index_select(0, feed).to(input_ids.dtype)
+        ids = torch.where(feed > 0, fed, input_ids)
+        slots.index_copy_(0, keep, sampled)
+        return ids
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=False)
+    rows = 2
+    slots = torch.zeros(token_slots.size(rows), dtype=torch.int32)
+    base = token_slots.next_base(1, rows)
+    keep = torch.from_numpy(token_slots.keep(base, [0, 1], rows=3, queries=1))
+    ids = compiled(
+        slots,
+        torch.tensor([5, 6, 0]),
+        torch.zeros(3, dtype=torch.int64),
+        keep,
+        torch.tensor([41, 42, 9], dtype=torch.int32),
+    )
+    assert ids.tolist() == [5, 6, 0] and slots[base : base + rows].tolist() == [41, 42]
+    # The next step: row 0 is the previous step's row 1, row 1 a new prompt's token.
+    feed = torch.tensor([base + 1, 0, 0])
+    next_keep = torch.from_numpy(token_slots.keep(token_slots.next_base(base, rows), [0, 1], 3, 1))
+    ids = compiled(
+        slots, torch.tensor([0, 7, 0]), feed, next_keep, torch.tensor([43, 44, 9], dtype=torch.int32)
+    )
+    assert ids.tolist() == [42, 7, 0]
