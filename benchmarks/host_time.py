@@ -91,6 +91,10 @@ def summarise(steps: list[dict], batch: int) -> dict[str, float]:
     if decode:
         figures["to_host_bytes"] = statistics.median(s["to_host_bytes"] for s in decode)
         figures["host_sampled_share"] = sum(s["sampler"] == "host" for s in decode) / len(decode)
+        # Transfers to the device and tokens through the host per step (traces before issue 37 have none).
+        for field in ("to_device_transfers", "tokens_from_host"):
+            if field in decode[0]:
+                figures[field] = statistics.median(s[field] for s in decode)
     return figures
 
 
@@ -126,20 +130,23 @@ def measure(variant: str, model: str, output_tokens: int, workdir: Path) -> dict
 def markdown(doc: dict) -> str:
     lines = [
         "| traffic | batch | variant | schedule ms | prepare ms | forward ms | sample ms | **host ms** | "
-        "bytes to host | host-sampled steps | steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "bytes to host | transfers to device | tokens via host | host-sampled steps | steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in next(iter(doc["results"].values())):
         traffic, batch = key.split("/")
         for variant in doc["results"]:
             f = doc["results"][variant][key]
             if not f.get("steps"):
-                lines.append(f"| {traffic} | {batch} | {variant} | no steady decode steps | | | | | | | 0 |")
+                lines.append(
+                    f"| {traffic} | {batch} | {variant} | no steady decode steps | | | | | | | | | 0 |"
+                )
                 continue
             lines.append(
                 f"| {traffic} | {batch} | {variant} | {f['schedule_ms']:.2f} | {f['prepare_ms']:.2f} | "
                 f"{f['forward_ms']:.2f} | {f['sample_ms']:.2f} | **{f['host_ms']:.2f}** | "
-                f"{f['to_host_bytes']:,.0f} | {100 * f['host_sampled_share']:.0f}% | {f['steps']} |"
+                f"{f['to_host_bytes']:,.0f} | {f.get('to_device_transfers', '-')} | "
+                f"{f.get('tokens_from_host', '-')} | {100 * f['host_sampled_share']:.0f}% | {f['steps']} |"
             )
     return "\n".join(lines)
 

@@ -14,11 +14,11 @@ def test_each_record_is_a_line_on_disk_at_once_and_close_closes_the_file(tmp_pat
     path = tmp_path / "trace" / "steps.jsonl"
     trace = StepTrace(str(path))
     start = time.perf_counter()
-    trace.record(start, start + 0.004, ["decode"], 1, 0, 0.001, 0.002, 0.0005, 0.0017, 4, "device")
+    trace.record(start, start + 0.004, ["decode"], 1, 0, 0.001, 0.002, 0.0005, 0.0017, 4, 1, 0, "device")
     [line] = path.read_text().splitlines()  # line-buffered: nothing waits for close
     step = json.loads(line)
     assert step["calls"] == ["decode"] and (step["step_ms"], step["host_ms"]) == (4.0, 1.7)
-    assert (step["to_host_bytes"], step["sampler"]) == (4, "device")
+    assert (step["to_host_bytes"], step["to_device_transfers"], step["sampler"]) == (4, 1, "device")
     trace.close()
     assert trace._file.closed
 

@@ -48,6 +48,8 @@ class StepMetrics:
                 sample_s=figures.sample_seconds,
                 host_s=figures.host_seconds,
                 to_host_bytes=figures.to_host_bytes,
+                to_device_transfers=len(step.planned),  # each call's packed inputs, sent once
+                tokens_from_host=sum(len(item.fills) for item in step.planned),
                 sampler="host" if host else "device",
             )
 

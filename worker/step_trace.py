@@ -5,7 +5,9 @@ times), its compiled calls, its decode rows and prefill tokens, the milliseconds
 milliseconds between the end of the previous step and the start of this one (the engine's own work:
 scheduling, output processing, messages to the API server, and any wait for the CPU or for requests), the
 host's share (the device's idle time since the previous step's calls, while requests kept running), the
-bytes copied from the device, and where the step sampled (device: the graph; host: vLLM's sampler).
+bytes copied from the device, the transfers to it (one per call: its packed inputs), the decode rows whose
+token came through the host (worker/token_slots.py: the rest took the previous step's on the device), and
+where the step sampled (device: the graph; host: vLLM's sampler).
 """
 
 import json
@@ -31,6 +33,8 @@ class StepTrace:
         sample_s: float,
         host_s: float | None,
         to_host_bytes: int,
+        to_device_transfers: int,
+        tokens_from_host: int,
         sampler: str,
     ) -> None:
         """One step that started at `start` and ended at `end` (time.perf_counter(); with async scheduling
@@ -49,6 +53,8 @@ class StepTrace:
             "since_previous_ms": None if between is None else round(between, 2),
             "host_ms": None if host_s is None else round(1e3 * host_s, 3),
             "to_host_bytes": to_host_bytes,
+            "to_device_transfers": to_device_transfers,
+            "tokens_from_host": tokens_from_host,
             "sampler": sampler,
         }
         self._file.write(json.dumps(line) + "\n")
