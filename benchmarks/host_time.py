@@ -14,10 +14,11 @@ prefill nothing, medians of: schedule (the engine between two steps' outputs: ou
 scheduling; with async scheduling it runs during the calls), prepare, forward (the compiled calls, which
 sample too with the device sampler), sample (outputs to the host, and vLLM's sampler where used), host (the
 device's idle time between two steps' calls: the host time not overlapped with the device; without async
-scheduling about schedule + prepare + sample), and the bytes copied from the device per step, with the
-share of steps that took the host sampler. In CPU mode the "device" is the host: a copy costs no transfer
-here, so the bytes are what a Trainium step would move, and the host's work competes with the calls for the
-same cores. Prints markdown; asserts nothing. Takes about 15 minutes on 2 cores.
+scheduling about schedule + prepare + sample), the bytes copied from the device per step, the transfers to
+the device and the decode rows whose token came through the host (traces before issue 37 have neither),
+with the share of steps that took the host sampler. In CPU mode the "device" is the host: a copy costs no
+transfer here, so the bytes are what a Trainium step would move, and the host's work competes with the calls
+for the same cores. Prints markdown; asserts nothing. Takes about 15 minutes on 2 cores.
 
 Targets (issue 22), per decode step at batch 32: host time not overlapped with the device call under 1 ms;
 under 64 KB to the host for greedy/top-k/top-p traffic.

@@ -16,6 +16,7 @@ import torch
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, model_runner
 from tests.environment import TEST_ENVIRONMENT
 from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
+from tests.test_speculative import SPECULATIVE, copy_friendly_prompt
 from vllm_neuron import device
 from vllm_neuron.compiler import compile_cache
 from vllm_neuron.platform import NeuronPlatform
@@ -262,7 +263,8 @@ def test_tensor_parallel_ranks_start_in_the_order_the_runtime_needs(tiny_model_d
     Each rank pins its own one core of the pod's two, creates the `neuron` process group before anything
     starts the runtime (which sets the root communicator's address), reads its memory by the indices the
     runtime answers for (rule (e)), compiles every bucket once in warm-up, and serves HF's greedy tokens with
-    no eager compile."""
+    no eager compile, with n-gram speculation (verify calls) and logprobs, each call's inputs in one
+    transfer (rule (i))."""
     records, cache_root = tmp_path / "fake_neuron", tmp_path / "compile-cache"
     records.mkdir()
     env = {
@@ -283,9 +285,12 @@ def test_tensor_parallel_ranks_start_in_the_order_the_runtime_needs(tiny_model_d
     # One bucket of each kind (test_tensor_parallel.py's server test): each phase's graph on each rank.
     small = {"prefill_buckets": [64], "decode_batch_buckets": [2], "context_buckets": [256]}
     engine = {**ENGINE_KWARGS, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-    engine |= {"max_num_seqs": 2, "additional_config": small}
+    engine |= {"max_num_seqs": 2, "additional_config": small, "speculative_config": SPECULATIVE}
     max_tokens = 4
     logprobs = [{"prompt": PROMPTS[0], "params": {"max_tokens": 2, "temperature": 0.0, "logprobs": 3}}]
+    # A prompt the n-gram drafter finds its next tokens in: verify calls.
+    repeating = copy_friendly_prompt(40, seed=1)
+    logprobs.append({"prompt": repeating, "params": {"max_tokens": 8, "temperature": 0.0}})
     result = run_engine(
         tiny_model_dir, engine, env, max_tokens=max_tokens, extra={"sampling": logprobs, "sleep_level": 1}
     )
@@ -293,12 +298,12 @@ def test_tensor_parallel_ranks_start_in_the_order_the_runtime_needs(tiny_model_d
     assert result["platform"] == "NeuronPlatform"
     assert result["tokens"] == [hf_greedy(hf_model, p, max_tokens) for p in PROMPTS]
     assert result["tokens_after_wake_up"] == result["tokens"]
-    assert result["sampled_tokens"][0] == hf_greedy(hf_model, PROMPTS[0], 2)
+    assert result["sampled_tokens"] == [hf_greedy(hf_model, PROMPTS[0], 2), hf_greedy(hf_model, repeating, 8)]
     stats = result["compile_stats"]
     assert [rank["rank"] for rank in stats] == [0, 1]
-    # Per rank a prefill graph (64 tokens) and a decode graph (2 rows), both of the 256-token context, all
-    # compiled in warm-up (strict shapes: a compile while serving would have failed the engine).
-    graphs = 2
+    # Per rank a prefill graph (64 tokens), a decode and a verify graph (2 rows), all of the 256-token
+    # context, compiled in warm-up (strict shapes: a compile while serving would have failed the engine).
+    graphs = 3
     assert all(rank["graphs"] == graphs and rank["unexpected_recompiles"] == 0 for rank in stats), stats
     facts = {}
     for path in records.iterdir():
@@ -326,6 +331,7 @@ def test_tensor_parallel_ranks_start_in_the_order_the_runtime_needs(tiny_model_d
         assert len(fact["compiles"]) == graphs
         assert all(graph["fallback_disabled"] for graph in fact["compiles"])
         assert fact["eager_compiles"] == []  # rule (f), through serving, logprobs, sleep and wake-up
+        assert sum(fact["to_device"].values()) == sum(fact["graph_runs"].values())  # rule (i)
         # Each rank's NEFFs in its own folder of the compile cache (its shard's graphs).
         folder = Path(fact["neff_cache_dir_at_start"]).parent
         assert folder.parent == cache_root and compile_cache.is_warm(folder)

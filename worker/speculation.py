@@ -104,9 +104,15 @@ class Drafter:
         each row's tokens from the batch, the step's included."""
         assert batch.req_ids == req_ids, "the batch changed between a step and its drafts"
         asked = [tokens if ok else [] for tokens, ok in zip(sampled, eligible, strict=True)]
+        threads = torch.get_num_threads()
         drafts = vllm_runner.propose_ngram_drafts(
             self.proposer, num_tokens, asked, batch.num_tokens_no_spec, batch.token_ids_cpu
         )
+        # The proposer sets numba's thread count and restores numba's default, which under its OpenMP layer
+        # is this thread's torch thread count too: dynamo guards on that, and a changed count recompiles
+        # every graph (a tensor-parallel rank runs fewer threads than the host's cores).
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         self._drafts = DraftTokenIds(list(req_ids), drafts)
 
     def take(self) -> DraftTokenIds | None:
