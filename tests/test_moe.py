@@ -90,6 +90,8 @@ def test_the_experts_lower_to_two_matmuls_without_gathers_or_scatters():
     (graph,) = backend.graphs
     assert graph.op_histogram["stablehlo.dot_general"] == 2
     assert not {"stablehlo.gather", "stablehlo.scatter"} & graph.op_histogram.keys()
+    # The router's top-k is a top-k (vllm_neuron/compiler/top_k.py), not a sort of the experts.
+    assert graph.op_histogram["chlo.top_k"] == 1 and "stablehlo.sort" not in graph.op_histogram
     torch.testing.assert_close(out, routed(x, w13, w2, logits, True))
 
 
