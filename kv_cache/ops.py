@@ -151,7 +151,7 @@ def attention_over_context(
 class PageMasks:
     """What page_attention derives from the pages alone, the same in every layer of a call.
 
-    hidden:    [1, pages, 1, page_tokens] keys of each page past its row's position
+    hidden:    [1, pages, page_tokens, queries, 1] keys of each page past its queries' positions
     owner:     [rows, pages] whether a page belongs to a row
     ownership: owner as float32, for the matmuls that add up each row's pages
     """
@@ -172,13 +172,14 @@ def page_masks(
     before position - window are hidden too."""
     positions = positions.reshape(positions.shape[0], -1)
     pages, (rows, queries) = page_rows.shape[0], positions.shape
-    key_positions = page_starts.view(pages, 1, 1) + torch.arange(page_tokens, device=page_rows.device)
-    page_positions = positions.index_select(0, page_rows).view(pages, queries, 1)
+    offsets = torch.arange(page_tokens, device=page_rows.device).view(1, page_tokens, 1)
+    key_positions = page_starts.view(pages, 1, 1) + offsets
+    page_positions = positions.index_select(0, page_rows).view(pages, 1, queries)
     hidden = key_positions > page_positions
     if window is not None:
         hidden = hidden | (key_positions <= page_positions - window)
     owner = page_rows.view(1, pages) == torch.arange(rows, device=page_rows.device).view(rows, 1)
-    return PageMasks(hidden.view(1, pages, queries, 1, page_tokens), owner, owner.to(torch.float32))
+    return PageMasks(hidden.view(1, pages, page_tokens, queries, 1), owner, owner.to(torch.float32))
 
 
 def page_attention(
@@ -204,34 +205,38 @@ def page_attention(
     its row's keys up to its own position: a verify row's queries share its pages, read once.
 
     Each page gives a partial softmax (its max, its sum, its weighted values); the rows combine their pages
-    by rescaling to the row's max, as split-K ("flash decoding") kernels do. Returns [rows * queries, heads,
-    head_size].
+    by rescaling to the row's max, as split-K ("flash decoding") kernels do. The keys and the values are
+    each gathered once and each read once, as gathered, by one matmul: scores are keys @ queries, [tokens,
+    queries], so no page-sized transpose or slice is copied (docs/lowering.md). Returns [rows * queries,
+    heads, head_size].
     """
     rows = positions.shape[0]
     queries = positions.numel() // rows
     num_heads, head_size = query.shape[1], query.shape[2]
-    keys, values = gather_blocks(kv_cache, page_blocks)  # [kv_heads, pages, page_tokens, d]
+    keys = _gather_pages(kv_cache, page_blocks, 0)  # [kv_heads, pages, page_tokens, d]
+    values = _gather_pages(kv_cache, page_blocks, 1)
     kv_heads, pages, page_tokens = keys.shape[0], keys.shape[1], keys.shape[2]
     group = num_heads // kv_heads
+    heads = queries * group
     if masks is None:
         masks = page_masks(page_rows, page_starts, positions, page_tokens)
-    # Each page takes its row's queries, every query head of every KV head: [kv_heads, pages, queries *
-    # group, d] (a row's queries fold into the query heads, as attention_over_context folds them).
-    q = query.view(rows, queries, kv_heads, group, head_size).transpose(1, 2)
-    q = q.reshape(rows, kv_heads, queries * group, head_size).index_select(0, page_rows).transpose(0, 1)
+    # Each page takes its row's queries, every query head of every KV head: [kv_heads, pages, d, queries *
+    # group] (a row's queries fold into the query heads, as attention_over_context folds them).
+    q = query.view(rows, queries, kv_heads, group, head_size).permute(0, 2, 4, 1, 3)
+    q = q.reshape(rows, kv_heads, head_size, heads).index_select(0, page_rows).transpose(0, 1)
     # Scores in the model's dtype, like the model's own eager attention; softmax statistics in float32.
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [kv_heads, pages, q * group, tokens]
+    scores = torch.matmul(keys, q).float() * scale  # [kv_heads, pages, tokens, q * group]
     if soft_cap is not None:
         scores = _capped(scores, soft_cap)
-    scores = scores.view(kv_heads, pages, queries, group, page_tokens).masked_fill(masks.hidden, _MASKED)
-    scores = scores.view(kv_heads, pages, queries * group, page_tokens)
-    page_max = scores.amax(-1)  # [kv_heads, pages, q * group]
-    weights = torch.exp(scores - page_max.unsqueeze(-1))
-    page_sum = weights.sum(-1)
-    page_out = torch.matmul(weights.to(values.dtype), values).float()  # [kv_heads, pages, q * group, d]
+    scores = scores.view(kv_heads, pages, page_tokens, queries, group).masked_fill(masks.hidden, _MASKED)
+    scores = scores.view(kv_heads, pages, page_tokens, heads)
+    page_max = scores.amax(2)  # [kv_heads, pages, q * group]
+    weights = torch.exp(scores - page_max.unsqueeze(2))
+    page_sum = weights.sum(2)
+    # [q * group, tokens] @ [tokens, d]: only the weights, a head_size-th of the values' size, are transposed.
+    page_out = torch.matmul(weights.transpose(2, 3).to(values.dtype), values).float()
     # Combine each row's pages through a [rows, pages] ownership matrix: matmuls and a masked max, no
     # scatter, so it traces and tiles the same way on every backend.
-    heads = queries * group
     row_max = torch.where(
         masks.owner.view(1, rows, pages, 1), page_max.view(kv_heads, 1, pages, heads), _MASKED
     ).amax(2)  # [kv_heads, rows, q * group]
@@ -239,8 +244,21 @@ def page_attention(
     total = torch.matmul(masks.ownership, (page_out * rescale.unsqueeze(-1)).reshape(kv_heads, pages, -1))
     norm = torch.matmul(masks.ownership, page_sum * rescale).clamp_min(torch.finfo(torch.float32).tiny)
     out = total.view(kv_heads, rows, heads, head_size) / norm.view(kv_heads, rows, heads, 1)
-    out = out.to(query.dtype).view(kv_heads, rows, queries, num_heads // kv_heads, head_size)
+    out = out.to(query.dtype).view(kv_heads, rows, queries, group, head_size)
     return out.permute(1, 2, 0, 3, 4).reshape(rows * queries, num_heads, head_size)
+
+
+def _gather_pages(kv_cache: torch.Tensor, page_blocks: torch.Tensor, kv: int) -> torch.Tensor:
+    """The keys (kv 0) or the values (kv 1) of each page, [kv_heads, pages, page_tokens, head_size]: a gather
+    of its own, so each matmul reads its operand as gathered (one gather of both is sliced by a copy)."""
+    copies, num_blocks, block_size, head_size = kv_cache.shape
+    kv_heads = copies // 2
+    pages, blocks_per_page = page_blocks.shape
+    copies_read = torch.arange(kv_heads, device=page_blocks.device).view(-1, 1) + kv * kv_heads
+    copy_offsets = copies_read * num_blocks
+    flat_ids = (copy_offsets + page_blocks.reshape(1, -1)).reshape(-1)
+    table = kv_cache.view(copies * num_blocks, block_size * head_size)
+    return table.index_select(0, flat_ids).view(kv_heads, pages, blocks_per_page * block_size, head_size)
 
 
 def _capped(scores: torch.Tensor, soft_cap: float) -> torch.Tensor:
