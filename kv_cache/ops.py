@@ -52,17 +52,22 @@ def write_kv(
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the blocks in each row of block_ids [rows, blocks], each row's blocks contiguous:
     [kv_heads, rows, blocks * block_size, head_size]."""
-    copies, num_blocks, block_size, head_size = kv_cache.shape
-    kv_heads = copies // 2
+    kv_heads = kv_cache.shape[0] // 2
+    both = _gather(kv_cache, block_ids, 0, 2 * kv_heads)
+    return both[:kv_heads], both[kv_heads:]
+
+
+def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, first: int, copies: int) -> torch.Tensor:
+    """Copies first .. first + copies - 1 of the cache (K of each KV head, then V of each) at the blocks of
+    each row of block_ids [rows, blocks]: [copies, rows, blocks * block_size, head_size]. One gather of whole
+    blocks along dim 0 of a [2 * kv_heads * blocks, block] view (copy c of a block at c * num_blocks +
+    block): several times faster on CPU than index_select along an inner dimension."""
+    all_copies, num_blocks, block_size, head_size = kv_cache.shape
     rows, blocks = block_ids.shape
-    # One gather of whole blocks along dim 0 of a [2 * kv_heads * blocks, block] view (K or V of a head's
-    # copy of a block at (kv * kv_heads + head) * num_blocks + block): several times faster on CPU than
-    # index_select along an inner dimension.
-    copy_offsets = torch.arange(copies, device=block_ids.device).view(-1, 1) * num_blocks
+    copy_offsets = (torch.arange(copies, device=block_ids.device).view(-1, 1) + first) * num_blocks
     flat_ids = (copy_offsets + block_ids.reshape(1, -1)).reshape(-1)
-    table = kv_cache.view(copies * num_blocks, block_size * head_size)
-    both = table.index_select(0, flat_ids).view(2, kv_heads, rows, blocks * block_size, head_size)
-    return both[0], both[1]
+    table = kv_cache.view(all_copies * num_blocks, block_size * head_size)
+    return table.index_select(0, flat_ids).view(copies, rows, blocks * block_size, head_size)
 
 
 def context_mask(
@@ -213,9 +218,12 @@ def page_attention(
     rows = positions.shape[0]
     queries = positions.numel() // rows
     num_heads, head_size = query.shape[1], query.shape[2]
-    keys = _gather_pages(kv_cache, page_blocks, 0)  # [kv_heads, pages, page_tokens, d]
-    values = _gather_pages(kv_cache, page_blocks, 1)
-    kv_heads, pages, page_tokens = keys.shape[0], keys.shape[1], keys.shape[2]
+    # Keys and values each a gather of its own, so that each matmul reads its operand as gathered (one
+    # gather of both is sliced by a copy): [kv_heads, pages, page_tokens, d].
+    kv_heads = kv_cache.shape[0] // 2
+    keys = _gather(kv_cache, page_blocks, 0, kv_heads)
+    values = _gather(kv_cache, page_blocks, kv_heads, kv_heads)
+    pages, page_tokens = keys.shape[1], keys.shape[2]
     group = num_heads // kv_heads
     heads = queries * group
     if masks is None:
@@ -246,19 +254,6 @@ def page_attention(
     out = total.view(kv_heads, rows, heads, head_size) / norm.view(kv_heads, rows, heads, 1)
     out = out.to(query.dtype).view(kv_heads, rows, queries, group, head_size)
     return out.permute(1, 2, 0, 3, 4).reshape(rows * queries, num_heads, head_size)
-
-
-def _gather_pages(kv_cache: torch.Tensor, page_blocks: torch.Tensor, kv: int) -> torch.Tensor:
-    """The keys (kv 0) or the values (kv 1) of each page, [kv_heads, pages, page_tokens, head_size]: a gather
-    of its own, so each matmul reads its operand as gathered (one gather of both is sliced by a copy)."""
-    copies, num_blocks, block_size, head_size = kv_cache.shape
-    kv_heads = copies // 2
-    pages, blocks_per_page = page_blocks.shape
-    copies_read = torch.arange(kv_heads, device=page_blocks.device).view(-1, 1) + kv * kv_heads
-    copy_offsets = copies_read * num_blocks
-    flat_ids = (copy_offsets + page_blocks.reshape(1, -1)).reshape(-1)
-    table = kv_cache.view(copies * num_blocks, block_size * head_size)
-    return table.index_select(0, flat_ids).view(kv_heads, pages, blocks_per_page * block_size, head_size)
 
 
 def _capped(scores: torch.Tensor, soft_cap: float) -> torch.Tensor:
