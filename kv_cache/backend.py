@@ -1,4 +1,5 @@
-"""vLLM attention backend over kv_cache.ops: what vLLM's Attention layers call on the Neuron platform."""
+"""vLLM attention backend over kv_cache.ops, called through the neuron_kv custom ops of kv_cache/kernels.py:
+what vLLM's Attention layers call on the Neuron platform."""
 
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
@@ -12,7 +13,8 @@ from vllm.v1.attention.backend import (
     AttentionType,
 )
 
-from kv_cache import ops
+from kv_cache import kernels, ops
+from vllm_neuron import envs
 
 
 @dataclass
@@ -140,6 +142,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.sliding_window = sliding_window
         self.soft_cap = logits_soft_cap or None
+        self.kernels = kernels.select(envs.VLLM_NEURON_ATTENTION_KERNELS)
 
     def forward(
         self,
@@ -153,7 +156,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        ops.write_kv(kv_cache, key, value, attn_metadata.slot_mapping)
+        self.kernels.write_kv(kv_cache, key, value, attn_metadata.slot_mapping)
         query = query.view(-1, self.num_heads, self.head_size)
         parts: list[torch.Tensor] = []
         first_paged = 0
@@ -167,7 +170,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                 table.masks[window] = ops.context_mask(
                     table.positions, context, group, query.dtype, table.first_keys, window
                 )
-            out = ops.table_attention(
+            out = self.kernels.table_attention(
                 query[:first_paged].view(rows, queries_per_row, self.num_heads, self.head_size),
                 kv_cache,
                 table.block_table,
@@ -184,8 +187,9 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                 paged.masks[window] = ops.page_masks(
                     paged.page_rows, paged.page_starts, paged.positions, page_tokens, window
                 )
+            masks = paged.masks[window]
             parts.append(
-                ops.page_attention(
+                self.kernels.page_attention(
                     query[first_paged:],
                     kv_cache,
                     paged.page_blocks,
@@ -193,7 +197,9 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                     paged.page_starts,
                     paged.positions,
                     self.scale,
-                    paged.masks[window],
+                    masks.hidden,
+                    masks.owner,
+                    masks.ownership,
                     self.soft_cap,
                 )
             )

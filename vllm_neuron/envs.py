@@ -109,6 +109,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "lower-only (the same lowering without running the graphs: outputs are zeros; `vllm-neuron check`), "
         "inductor, any other registered torch.compile backend, or none (no torch.compile, for debugging).",
     ),
+    "VLLM_NEURON_ATTENTION_KERNELS": (
+        _choice("VLLM_NEURON_ATTENTION_KERNELS", "torch", ("torch", "nki")),
+        "torch (default) | nki: what implements the KV write and attention ops (kv_cache/kernels.py). torch: "
+        "the plain torch of kv_cache/ops.py, on every device; nki: AWS's NKI kernels, refused at start-up "
+        'while none is bound to the ops (docs/lowering.md, "The kernel seam").',
+    ),
     "VLLM_NEURON_DUMP_GRAPHS": (
         lambda: os.environ.get("VLLM_NEURON_DUMP_GRAPHS", ""),
         "Folder where the stablehlo and xla backends write each graph's FX graph and StableHLO (xla: and "

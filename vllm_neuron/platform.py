@@ -9,7 +9,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
 from vllm_neuron import device as neuron_device
-from vllm_neuron import parallel
+from vllm_neuron import envs, parallel
 from vllm_neuron.config import (
     DEFAULT_BLOCK_SIZE,
     NeuronConfig,
@@ -162,6 +162,10 @@ class NeuronPlatform(Platform):
         if model_config is None:
             return
         _refuse_unsupported(vllm_config)
+        from kv_cache import kernels
+
+        if (message := kernels.refusal(envs.VLLM_NEURON_ATTENTION_KERNELS)) is not None:
+            raise UnsupportedConfigError(f"Neuron plugin: {message}")
         parallel.check(
             vllm_config, neuron_device.visible_core_count() if neuron_device.mode() == "neuron" else None
         )

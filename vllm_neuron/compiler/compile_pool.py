@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+import kv_cache.kernels  # noqa: F401  (registers the neuron_kv ops an unpickled graph calls by name)
 from vllm_neuron.upstream import torch_compile
 
 logger = logging.getLogger("vllm.vllm_neuron.compiler.compile_pool")

@@ -1,0 +1,201 @@
+"""The kernel seam (kv_cache/kernels.py): the neuron_kv ops equal their torch references, their fakes agree
+with them, the lowered graph of a layer that calls them is the graph the direct calls gave (the KV write one
+aliased scatter), and `nki` is refused by name while no NKI kernel is bound."""
+
+import pytest
+import torch
+
+from kv_cache import kernels, ops
+from kv_cache.layout import allocate
+from vllm_neuron.compiler import hlo_text
+from vllm_neuron.compiler.compile import CompileRecorder
+
+KV_HEADS, HEADS, BLOCKS, BLOCK_SIZE, HEAD_SIZE = 2, 4, 32, 4, 8
+ROWS, CHUNK, PAGES, PAGE_BLOCKS = 2, 4, 4, 2
+SCALE = HEAD_SIZE**-0.5
+
+
+def inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A step in miniature: a prefill chunk of ROWS rows and ROWS decode rows over PAGES pages."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = ROWS * CHUNK + ROWS
+    positions = torch.arange(CHUNK).repeat(ROWS, 1) + 4
+    return {
+        "key": torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=gen),
+        "value": torch.randn(tokens, KV_HEADS, HEAD_SIZE, generator=gen),
+        "slots": torch.randperm(BLOCKS * BLOCK_SIZE - BLOCK_SIZE, generator=gen)[:tokens] + BLOCK_SIZE,
+        "table_query": torch.randn(ROWS, CHUNK, HEADS, HEAD_SIZE, generator=gen),
+        "block_table": torch.arange(1, 1 + ROWS * 3).view(ROWS, 3),
+        "table_positions": positions,
+        "page_query": torch.randn(ROWS, HEADS, HEAD_SIZE, generator=gen),
+        "page_blocks": torch.arange(10, 10 + PAGES * PAGE_BLOCKS).view(PAGES, PAGE_BLOCKS),
+        "page_rows": torch.tensor([0, 0, 1, 1]),
+        "page_starts": torch.tensor([0, 8, 0, 8]),
+        "page_positions": torch.tensor([11, 13]),
+    }
+
+
+class Layer(torch.nn.Module):
+    """An attention layer's use of the cache: the write, then both attentions, through `calls`."""
+
+    def __init__(self, calls: kernels.Kernels, soft_cap: float | None = None) -> None:
+        super().__init__()
+        self.calls, self.soft_cap = calls, soft_cap
+        self.register_buffer(
+            "kv_cache", allocate(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, torch.float32, "cpu")
+        )
+
+    def forward(
+        self,
+        key,
+        value,
+        slots,
+        table_query,
+        block_table,
+        table_positions,
+        page_query,
+        page_blocks,
+        page_rows,
+        page_starts,
+        page_positions,
+    ):
+        self.calls.write_kv(self.kv_cache, key, value, slots)
+        mask = ops.context_mask(
+            table_positions, block_table.shape[1] * BLOCK_SIZE, HEADS // KV_HEADS, key.dtype
+        )
+        table = self.calls.table_attention(
+            table_query, self.kv_cache, block_table, table_positions, SCALE, mask, self.soft_cap
+        )
+        masks = ops.page_masks(page_rows, page_starts, page_positions, PAGE_BLOCKS * BLOCK_SIZE)
+        paged = self.calls.page_attention(
+            page_query,
+            self.kv_cache,
+            page_blocks,
+            page_rows,
+            page_starts,
+            page_positions,
+            SCALE,
+            masks.hidden,
+            masks.owner,
+            masks.ownership,
+            self.soft_cap,
+        )
+        return table, paged
+
+
+DIRECT = kernels.Kernels(ops.write_kv, ops.table_attention, kernels.REFERENCES[kernels.page_attention])
+
+
+@pytest.mark.parametrize("soft_cap", [None, 30.0])
+def test_the_ops_equal_their_references(soft_cap):
+    expected = Layer(DIRECT, soft_cap)
+    got = Layer(kernels.select("torch"), soft_cap)
+    for left, right in zip(got(**inputs()), expected(**inputs()), strict=True):
+        assert torch.equal(left, right)
+    assert torch.equal(got.kv_cache, expected.kv_cache)
+
+
+def test_the_ops_fakes_and_schemas_pass_opcheck():
+    args = inputs()
+    cache = allocate(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, torch.float32, "cpu")
+    torch.library.opcheck(kernels.write_kv, (cache, args["key"], args["value"], args["slots"]))
+    masks = ops.page_masks(args["page_rows"], args["page_starts"], args["page_positions"], 8)
+    torch.library.opcheck(
+        kernels.table_attention,
+        (args["table_query"], cache, args["block_table"], args["table_positions"], SCALE, None, None),
+    )
+    torch.library.opcheck(
+        kernels.page_attention,
+        (
+            args["page_query"],
+            cache,
+            args["page_blocks"],
+            args["page_rows"],
+            args["page_starts"],
+            args["page_positions"],
+            SCALE,
+            masks.hidden,
+            masks.owner,
+            masks.ownership,
+            None,
+        ),
+    )
+
+
+def lowered(calls: kernels.Kernels) -> tuple[str, tuple[torch.Tensor, ...], torch.Tensor]:
+    recorder = CompileRecorder("stablehlo")
+    layer = Layer(calls)
+    out = torch.compile(layer, backend=recorder, fullgraph=True, dynamic=False)(**inputs())
+    (graph,) = recorder.lowering.graphs
+    return graph.stablehlo, out, layer.kv_cache
+
+
+def test_the_lowered_graph_is_the_one_the_direct_calls_gave():
+    direct_text, direct_out, direct_cache = lowered(DIRECT)
+    text, out, cache = lowered(kernels.select("torch"))
+    assert text == direct_text
+    (write,) = hlo_text.cache_writes(text)
+    assert write.problems == []
+    assert len(write.scatters) == 1
+    for left, right in zip(out, direct_out, strict=True):
+        torch.testing.assert_close(left, right)
+    assert torch.equal(cache, direct_cache)
+
+
+def test_nki_is_refused_by_name_with_what_to_change():
+    message = kernels.refusal("nki")
+    assert "VLLM_NEURON_ATTENTION_KERNELS=nki" in message
+    assert "set VLLM_NEURON_ATTENTION_KERNELS=torch" in message
+    with pytest.raises(ValueError, match="no NKI kernel is bound"):
+        kernels.select("nki")
+    assert kernels.refusal("torch") is None
+
+
+def naive(args: dict[str, torch.Tensor], cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both attentions by ops.reference_attention, per row over its context laid out contiguously."""
+
+    def over(blocks: torch.Tensor, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        keys, values = ops.gather_blocks(cache, blocks.reshape(1, -1))  # [kv_heads, 1, context, d]
+        return ops.reference_attention(
+            query, keys[:, 0].transpose(0, 1), values[:, 0].transpose(0, 1), positions, SCALE
+        )
+
+    table = [
+        over(args["block_table"][r], args["table_query"][r], args["table_positions"][r]) for r in range(ROWS)
+    ]
+    paged = [
+        over(
+            args["page_blocks"][args["page_rows"] == r],
+            args["page_query"][r : r + 1],
+            args["page_positions"][r : r + 1],
+        )
+        for r in range(ROWS)
+    ]
+    return torch.stack(table), torch.cat(paged)
+
+
+def test_the_references_equal_naive_attention():
+    layer = Layer(kernels.select("torch"))
+    table, paged = layer(**inputs())
+    expected_table, expected_paged = naive(inputs(), layer.kv_cache)
+    torch.testing.assert_close(table, expected_table)
+    torch.testing.assert_close(paged, expected_paged)
+
+
+@pytest.mark.neuron
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_selected_kernels_on_neuron_equal_the_reference_and_naive_attention(dtype):
+    """The first trn2 run's check of the seam: the implementation VLLM_NEURON_ATTENTION_KERNELS selects, on
+    the device, against the references on the CPU and against naive attention."""
+    from vllm_neuron import envs
+
+    args = {name: value.to(dtype) if value.is_floating_point() else value for name, value in inputs().items()}
+    reference = Layer(kernels.select("torch")).to(dtype)
+    expected = reference(**args)
+    device = Layer(kernels.select(envs.VLLM_NEURON_ATTENTION_KERNELS)).to(dtype).to("neuron")
+    got = device(**{name: value.to("neuron") for name, value in args.items()})
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(device.kv_cache.cpu(), reference.kv_cache)
+    for left, right, slow in zip(got, expected, naive(args, reference.kv_cache), strict=True):
+        torch.testing.assert_close(left.cpu(), right, **tolerance)
+        torch.testing.assert_close(right, slow, **tolerance)
