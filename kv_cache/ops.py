@@ -1,6 +1,7 @@
 """Paged KV writes and paged attention in plain torch that traces with fullgraph=True and static shapes.
 
-No vLLM imports: these are the kernels, and NKI kernels can later sit behind the same signatures.
+No vLLM imports: these are the kernels' references; kv_cache/kernels.py makes them the neuron_kv custom ops
+that NKI kernels can stand behind.
 
 Layout (see kv_cache/layout.py): one tensor per layer, [2 * num_kv_heads, num_blocks, block_size, head_size],
 the keys of each KV head then the values of each. Block 0 is vLLM's null block: padded rows write there and

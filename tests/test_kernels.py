@@ -1,6 +1,9 @@
 """The kernel seam (kv_cache/kernels.py): the neuron_kv ops equal their torch references, their fakes agree
 with them, the lowered graph of a layer that calls them is the graph the direct calls gave (the KV write one
-aliased scatter), and `nki` is refused by name while no NKI kernel is bound."""
+aliased scatter), inductor keeps the ops and equals the direct calls, and `nki` is refused by name while no
+NKI kernel is bound; on a trn2, the selected kernels against the references and naive attention."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ import torch
 from kv_cache import kernels, ops
 from kv_cache.layout import allocate
 from vllm_neuron.compiler import hlo_text
-from vllm_neuron.compiler.compile import CompileRecorder
+from vllm_neuron.compiler.compile import CompileRecorder, compile_static
 
 KV_HEADS, HEADS, BLOCKS, BLOCK_SIZE, HEAD_SIZE = 2, 4, 32, 4, 8
 ROWS, CHUNK, PAGES, PAGE_BLOCKS = 2, 4, 4, 2
@@ -149,6 +152,31 @@ def test_nki_is_refused_by_name_with_what_to_change():
     with pytest.raises(ValueError, match="no NKI kernel is bound"):
         kernels.select("nki")
     assert kernels.refusal("torch") is None
+
+
+def test_nki_is_refused_at_start_up(monkeypatch):
+    from vllm_neuron.platform import NeuronPlatform, UnsupportedConfigError
+
+    monkeypatch.setenv("VLLM_NEURON_ATTENTION_KERNELS", "nki")
+    with pytest.raises(UnsupportedConfigError, match="Neuron plugin: VLLM_NEURON_ATTENTION_KERNELS=nki"):
+        NeuronPlatform.check_and_update_config(SimpleNamespace(model_config=object()))
+
+
+@pytest.mark.slow
+def test_inductor_keeps_the_ops_and_equals_the_direct_calls(tmp_path, monkeypatch):
+    """Inductor compiles in other processes, which find the ops by name (vllm_neuron/compiler/compile_pool.py)
+    and run their references as extern calls: the outputs and the cache are bit for bit the direct calls'."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    layer, expected = Layer(kernels.select("torch")), Layer(DIRECT)
+    compiled, recorder = compile_static(layer, "inductor", expected_graphs=1, compile_workers=1)
+    try:
+        with torch.no_grad():
+            got, want = compiled(**inputs()), expected(**inputs())
+    finally:
+        recorder.close()
+    for left, right in zip(got, want, strict=True):
+        assert torch.equal(left, right)
+    assert torch.equal(layer.kv_cache, expected.kv_cache)
 
 
 def naive(args: dict[str, torch.Tensor], cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

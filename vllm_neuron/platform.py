@@ -161,11 +161,11 @@ class NeuronPlatform(Platform):
         model_config = vllm_config.model_config
         if model_config is None:
             return
-        _refuse_unsupported(vllm_config)
         from kv_cache import kernels
 
         if (message := kernels.refusal(envs.VLLM_NEURON_ATTENTION_KERNELS)) is not None:
             raise UnsupportedConfigError(f"Neuron plugin: {message}")
+        _refuse_unsupported(vllm_config)
         parallel.check(
             vllm_config, neuron_device.visible_core_count() if neuron_device.mode() == "neuron" else None
         )
