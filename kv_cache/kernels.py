@@ -41,6 +41,21 @@ def _page_attention(
     )
 
 
+def _table_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """ops.table_attention as the op runs it: a dense result, the strides its fake promises (its own is a
+    permuted view, which inductor's stride check of the op's output refuses)."""
+    out = ops.table_attention(query, kv_cache, block_table, query_positions, scale, mask, soft_cap)
+    return out.contiguous()
+
+
 def _like_query(query: torch.Tensor, *_: object) -> torch.Tensor:
     return query.new_empty(query.shape)
 
@@ -56,7 +71,7 @@ def _define(name: str, reference: Callable, fake: Callable, mutates: tuple[str, 
 
 
 write_kv = _define("write_kv", ops.write_kv, _nothing, mutates=("kv_cache",))
-table_attention = _define("table_attention", ops.table_attention, _like_query)
+table_attention = _define("table_attention", _table_attention, _like_query)
 page_attention = _define("page_attention", _page_attention, _like_query)
 
 # Each op and the plain torch it stands for.

@@ -227,3 +227,17 @@ def test_the_selected_kernels_on_neuron_equal_the_reference_and_naive_attention(
     for left, right, slow in zip(got, expected, naive(args, reference.kv_cache), strict=True):
         torch.testing.assert_close(left.cpu(), right, **tolerance)
         torch.testing.assert_close(right, slow, **tolerance)
+
+
+def test_an_ops_result_has_the_strides_its_fake_promises():
+    """A single-row prefill chunk's attention is a permuted view in plain torch; the op returns it dense, as
+    its fake does: inductor checks the op's output strides against the fake's (a warm-up graph failed so)."""
+    query = torch.randn(1, 64, HEADS, HEAD_SIZE)
+    kv_cache = torch.randn(2 * KV_HEADS, 10, BLOCK_SIZE, HEAD_SIZE)
+    block_table = torch.arange(1, 7).view(1, 6)
+    positions = torch.arange(64).view(1, 64) % (6 * BLOCK_SIZE)
+    direct = ops.table_attention(query, kv_cache, block_table, positions, SCALE)
+    assert not direct.is_contiguous()  # what the op must not hand on
+    out = kernels.table_attention(query, kv_cache, block_table, positions, SCALE, None, None)
+    assert out.is_contiguous() and out.stride() == query.new_empty(query.shape).stride()
+    assert torch.equal(out, direct)
