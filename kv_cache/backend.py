@@ -72,6 +72,9 @@ class NeuronAttentionMetadata:
     slot_mapping: torch.Tensor
     table: TableQueries | None = None
     paged: PageQueries | None = None
+    # A fresh prefill call: one request's first chunk at positions 0 .. tokens - 1 (padding after it), which
+    # attends over its own keys only (kv_cache.ops.causal_attention), no table and no cache read.
+    causal: bool = False
 
     def without_masks(self) -> "NeuronAttentionMetadata":
         """The same inputs, no masks built yet: for a second model on the call (a draft model), whose graph
@@ -158,6 +161,18 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
     ) -> torch.Tensor:
         self.kernels.write_kv(kv_cache, key, value, attn_metadata.slot_mapping)
         query = query.view(-1, self.num_heads, self.head_size)
+        if attn_metadata.causal:
+            # Not a kernel-seam op: TorchNeuron binds this attention to its flash kernel itself.
+            out = ops.causal_attention(
+                query,
+                key.view(-1, self.num_kv_heads, self.head_size),
+                value.view(-1, self.num_kv_heads, self.head_size),
+                self.scale,
+                self.sliding_window,
+                self.soft_cap,
+            )
+            output.view(-1, self.num_heads, self.head_size).copy_(out)
+            return output
         parts: list[torch.Tensor] = []
         first_paged = 0
         if (table := attn_metadata.table) is not None:

@@ -15,7 +15,9 @@ attention, so one gather reads the cached prefix and the chunk alike.
 page_attention: one query per row, over pages of KV blocks that the rows share (each row as many as its
 context needs), so a decode step reads about the rows' real contexts instead of rows x the longest one.
 
-Both take a layer's sliding window (a query sees the `window` latest positions, its own included, as HF and
+causal_attention: a fresh prefill chunk over its own keys, no cache read (the flash-kernel form).
+
+All take a layer's sliding window (a query sees the `window` latest positions, its own included, as HF and
 flash-attention count it) in their masks, and its logit soft-cap (scores -> cap * tanh(scores / cap) before
 the mask, Gemma 2's rule).
 """
@@ -151,6 +153,41 @@ def attention_over_context(
         out = torch.matmul(weights.to(values.dtype), values)
     out = out.view(kv_heads, rows, group, num_queries, head_size)
     return out.permute(1, 3, 0, 2, 4).reshape(rows, num_queries, num_heads, head_size)
+
+
+def causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Attention of a fresh prefill chunk (one request's tokens from position 0, padding after them) over
+    its own keys and values [tokens, kv_heads, head_size], read from the step's projections, not the cache.
+
+    Without a window or soft-cap this is scaled_dot_product_attention with the causal flag and no mask: the
+    call TorchNeuron hands its NKI flash kernel (decompositions.flash_kernel_takes), which never materialises
+    the [tokens, tokens] scores. Its key heads are repeated to the query heads first, as TorchNeuron's
+    kernel path does itself. A window or a soft-cap needs the masked form (attention_over_context).
+    Returns [tokens, heads, head_size]."""
+    tokens, num_heads, head_size = query.shape
+    kv_heads = key.shape[1]
+    if window is None and soft_cap is None:
+        group = num_heads // kv_heads
+        q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, d]
+        k = key.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+        v = value.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return out.squeeze(0).transpose(0, 1)
+    positions = torch.arange(tokens, device=query.device).view(1, tokens)
+    mask = context_mask(positions, tokens, num_heads // kv_heads, query.dtype, window=window)
+    keys = key.transpose(0, 1).unsqueeze(1)  # [kv_heads, 1, tokens, d]
+    values = value.transpose(0, 1).unsqueeze(1)
+    out = attention_over_context(
+        query.view(1, tokens, num_heads, head_size), keys, values, mask, scale, soft_cap
+    )
+    return out.view(tokens, num_heads, head_size)
 
 
 @dataclass

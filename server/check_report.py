@@ -50,7 +50,7 @@ class Plan:
     def graphs(self) -> dict[str, int]:
         buckets = self.neuron.buckets
         graphs = {
-            "prefill": len(buckets.prefill_shapes()),
+            "prefill": len(buckets.prefill_shapes()) + len(buckets.fresh_shapes()),
             "decode": len(buckets.decode_shapes()),
             "mixed": len(buckets.mixed_shapes()),
             "verify": len(buckets.verify_shapes()),

@@ -64,8 +64,10 @@ def _graphs(report: Report) -> list[str]:
         ops = [graph["stablehlo_ops"] for graph in lowering.graphs]
         largest = max(lowering.graphs, key=lambda graph: graph["largest_tensor"]["bytes"])["largest_tensor"]
         layers = _plural(lowering.layers_checked, "layer")
+        flash = sum(1 for graph in lowering.graphs if graph.get("flash_attention"))
+        kernel = f" outside TorchNeuron's flash attention kernel (which {flash} graphs call)" if flash else ""
         lines.append(
-            f"  StableHLO ops per graph of {layers}: {min(ops)}-{max(ops)}; largest intermediate "
+            f"  StableHLO ops per graph of {layers}: {min(ops)}-{max(ops)}; largest intermediate{kernel} "
             f"{largest['dtype']} {largest['shape']} ({largest['bytes'] / 2**20:.1f} MiB)"
         )
         lines += _compiled(lowering.graphs, layers)

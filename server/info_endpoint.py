@@ -111,6 +111,7 @@ def describe(vllm_config) -> dict[str, Any]:
             "decode_batch": list(buckets.decode_batch_buckets),
             "context_tokens": list(buckets.context_buckets),
             "decode_context_tokens": buckets.decode_contexts(),
+            "fresh_prefill_tokens": list(buckets.fresh_buckets),
         },
         "graphs": buckets.num_graphs,
         "prefill_tokens_while_decoding": neuron_config.prefill_tokens_while_decoding,

@@ -30,11 +30,14 @@ ENGINE_KWARGS = dict(
         # Capped steps carry 64 prefill tokens (the CPU default is 16), so that the scripted steps show the
         # cap, a capped chunk that is a whole prompt, and one that ends a prompt chunked across steps.
         "prefill_tokens_while_decoding": 64,
+        # A fresh prefill graph for first chunks of 33-64 tokens (the default gives them to buckets of 512
+        # tokens and more, which TorchNeuron's flash kernel takes), so that HF parity covers both forms.
+        "fresh_prefill_buckets": [64],
     },
 )
-# prefill (32,128) (32,256) (64,128) (64,256) + decode 3 batch x 2 context + mixed: the decode shapes of batch
-# 1 and 2 (at most max_num_seqs // 2 rows), each with a 64-token chunk
-EXPECTED_GRAPHS = 14
+# prefill (32,128) (32,256) (64,128) (64,256) + fresh prefill (64) + decode 3 batch x 2 context + mixed: the
+# decode shapes of batch 1 and 2 (at most max_num_seqs // 2 rows), each with a 64-token chunk
+EXPECTED_GRAPHS = 15
 
 
 @pytest.fixture(scope="session", autouse=True)

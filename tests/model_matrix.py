@@ -26,7 +26,10 @@ from tests.architectures import ARCHITECTURES, WINDOW, Architecture, build  # no
 from tests.environment import TEST_ENVIRONMENT  # noqa: E402
 
 MAX_MODEL_LEN = 128
-# Few graphs per case: one prefill bucket, one decode batch bucket, one context bucket, and the mixed call.
+# Few graphs per case: one prefill bucket, one decode batch bucket, one context bucket, the mixed call, and
+# the fresh prefill graph: each prompt's first chunk attends over its own keys (kv_cache.ops.causal_attention:
+# SDPA's causal flag, or the masked form for a sliding window or a soft-cap), the chunks after it over the
+# cache.
 ENGINE = dict(
     dtype="float32",
     max_model_len=MAX_MODEL_LEN,
@@ -37,6 +40,7 @@ ENGINE = dict(
         "prefill_buckets": [64],
         "decode_batch_buckets": [2],
         "context_buckets": [MAX_MODEL_LEN],
+        "fresh_prefill_buckets": [64],
     },
 )
 # A prompt within a decode bucket, one past the sliding window, one chunked across steps (> 64 tokens).

@@ -19,10 +19,11 @@ ARRIVALS = {  # step -> [(request id, prompt tokens, max tokens)]
 CANCELLED = {6: ["a"]}
 
 EXPECTED = [
-    # step 0: nothing decodes yet: a's whole prompt and the first 56 tokens of b fill the 96-token budget
+    # step 0: nothing decodes yet: a's whole prompt and the first 56 tokens of b fill the 96-token budget,
+    # each its request's first chunk in the 64 bucket: a fresh call each, over its own keys
     [
-        Call.prefill(tokens=40, token_bucket=64, chunk_context=128),
-        Call.prefill(tokens=56, token_bucket=64, chunk_context=128),
+        Call.prefill(tokens=40, token_bucket=64, chunk_context=0),
+        Call.prefill(tokens=56, token_bucket=64, chunk_context=0),
     ],
     # step 1: a decodes while b's prefill finishes, in one call
     [
@@ -39,11 +40,11 @@ EXPECTED = [
     # step 3: three decodes pad to the batch bucket of 4
     [Call.decode(rows=3, batch=4, decode_context=128)],
     # step 4: d arrives while three of four requests decode (more than half: no cap): its first 93 tokens
-    # (96 minus 3 decodes) run as sub-chunks of 64 and 29, apart from the decode rows (batch 4 has no mixed
-    # calls: steps that full are not capped); b and c finish
+    # (96 minus 3 decodes) run as sub-chunks of 64 (fresh) and 29, apart from the decode rows (batch 4 has
+    # no mixed calls: steps that full are not capped); b and c finish
     [
         Call.decode(rows=3, batch=4, decode_context=128),
-        Call.prefill(tokens=64, token_bucket=64, chunk_context=128),
+        Call.prefill(tokens=64, token_bucket=64, chunk_context=0),
         Call.prefill(tokens=29, token_bucket=32, chunk_context=128, start=64),
     ],
     # step 5: light load (a decodes, d prefills): d's prefill may take 64 tokens, and its last 57 need the

@@ -86,7 +86,10 @@ def test_default_buckets_cover_the_engine_limits(limits):
 def test_default_buckets_example():
     buckets = default_buckets(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512, block_size=16)
     assert buckets == BucketConfig(
-        prefill_buckets=(128, 256, 512), decode_batch_buckets=(1, 2, 4, 8), context_buckets=(512, 1024, 2048)
+        prefill_buckets=(128, 256, 512),
+        decode_batch_buckets=(1, 2, 4, 8),
+        context_buckets=(512, 1024, 2048),
+        fresh_buckets=(512,),  # the multiples of 512: TorchNeuron's flash kernel takes them
     )
 
 

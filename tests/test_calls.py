@@ -1,5 +1,7 @@
 """vllm_neuron.calls: a call as a value, and how a step's decode rows and prefill chunks become calls."""
 
+from dataclasses import replace
+
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import Call, CallPlan, plan_step
 
@@ -93,3 +95,33 @@ def test_a_ready_graph_is_used_as_soon_as_it_joins():
     # A mixed graph joins too: the short chunk rides with the decode call of its shape.
     plans = plan_step([41, 9], [(0, 5)], BUCKETS, BLOCK_SIZE, ready=[*ready, ("mixed", 2, 128)])
     assert [plan.call.graph for plan in plans] == [("mixed", 2, 128)]
+
+
+# The suite's buckets with a fresh graph for the 64-token bucket (tests/conftest.py's engine has it too).
+FRESH = replace(BUCKETS, fresh_buckets=(64,))
+
+
+def test_a_request_whose_first_chunk_has_a_fresh_graph_runs_alone_over_its_own_keys():
+    # (start, length): a first chunk of the fresh bucket, one of the 32 bucket, a prefix hit, and a first
+    # chunk longer than the largest bucket (its rest after the fresh call, reading it back from the cache)
+    plans = plan_step([], [(0, 40), (0, 20), (32, 40), (0, 90)], FRESH, BLOCK_SIZE)
+    assert plans == [
+        CallPlan(Call.prefill(40, 64, 0), parts=((0, 0, 40),)),
+        CallPlan(Call.prefill(64, 64, 0), parts=((3, 0, 64),)),
+        CallPlan(Call.prefill(60, 64, 128, chunks=2), parts=((1, 0, 20), (2, 32, 40))),
+        CallPlan(Call.prefill(26, 32, 128, start=64), parts=((3, 64, 26),)),
+    ]
+    fresh = plans[0].call
+    assert fresh.fresh and fresh.graph == ("prefill", 64, 0) and fresh.bucket == "64x0"
+    assert str(fresh) == "fresh prefill of 40 tokens: tokens 64, over its own keys"
+    assert fresh.chunk_pairs == 64 * 65 // 2  # the causal triangle, not a context bucket
+    assert FRESH.graphs()[4] == ("prefill", 64, 0) and FRESH.num_graphs == BUCKETS.num_graphs + 1
+
+
+def test_a_fresh_graph_not_ready_yet_leaves_the_chunk_to_the_packed_calls():
+    ready = {*FRESH.minimal_graphs(), ("prefill", 64, 256)}
+    plans = plan_step([], [(0, 40)], FRESH, BLOCK_SIZE, ready)
+    assert plans == [CallPlan(Call.prefill(40, 64, 256), parts=((0, 0, 40),))]
+    assert [
+        p.call.graph for p in plan_step([], [(0, 40)], FRESH, BLOCK_SIZE, {*ready, ("prefill", 64, 0)})
+    ] == [("prefill", 64, 0)]

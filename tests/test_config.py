@@ -100,6 +100,7 @@ def test_engine_config_gets_our_worker_buckets_and_no_vllm_compilation(tiny_mode
         "decode_context_buckets": [],  # decode calls use the context buckets
         "prefill_tokens_while_decoding": 16,  # what a decode call takes along cheaply in CPU mode
         "mixed_batch_buckets": [1, 2],  # steps with at most max_num_seqs // 2 = 2 rows decoding
+        "fresh_prefill_buckets": [],  # no prefill bucket is a multiple of 512
     }
 
 
@@ -193,6 +194,8 @@ def test_float64_is_refused(tiny_model_dir):
         ({"prefill_tokens_while_decoding": -1}, "must be a non-negative integer"),
         ({"mixed_batch_buckets": [3]}, "are not decode batch buckets"),
         ({"mixed_batch_buckets": 2}, "must be a list of integers"),
+        ({"fresh_prefill_buckets": [48]}, "fresh prefill buckets .48. are not prefill buckets"),
+        ({"fresh_prefill_buckets": 64}, "fresh_prefill_buckets must be a list of integers"),
         (
             {"mixed_batch_buckets": [1], "prefill_tokens_while_decoding": 0},
             "needs prefill_tokens_while_decoding > 0",
@@ -202,6 +205,23 @@ def test_float64_is_refused(tiny_model_dir):
 def test_invalid_buckets_fail_at_start_up(tiny_model_dir, additional_config, message):
     with pytest.raises(ValueError, match=message):
         engine_config(tiny_model_dir, additional_config=additional_config)
+
+
+@pytest.mark.parametrize(
+    ("additional_config", "fresh"),
+    [
+        ({"prefill_buckets": [128, 512]}, [512]),  # by default the buckets the flash kernel takes
+        ({"prefill_buckets": [128, 512], "fresh_prefill_buckets": []}, []),
+        ({"prefill_buckets": [128, 512], "fresh_prefill_buckets": [128]}, [128]),
+    ],
+)
+def test_fresh_prefill_graphs_by_default_for_the_flash_kernels_buckets(
+    tiny_model_dir, additional_config, fresh
+):
+    config = engine_config(
+        tiny_model_dir, max_model_len=1024, max_num_batched_tokens=512, additional_config=additional_config
+    )
+    assert config.additional_config["fresh_prefill_buckets"] == fresh
 
 
 def test_malformed_bucket_variable_is_refused(tiny_model_dir, monkeypatch):
@@ -262,7 +282,9 @@ def test_automatic_bucket_policy_fits_the_graph_budget(tiny_model_dir):
         "decode_context_buckets",
         "prefill_tokens_while_decoding",
         "mixed_batch_buckets",
+        "fresh_prefill_buckets",
     }
+    assert config.additional_config["fresh_prefill_buckets"] == []  # the policy's budget has none
     assert config.additional_config["decode_batch_buckets"][0] == 1
 
 

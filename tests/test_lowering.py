@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kv_cache.layout import allocate
-from kv_cache.ops import gather_blocks, write_kv
+from kv_cache.ops import causal_attention, gather_blocks, write_kv
 from tests.conftest import EXPECTED_GRAPHS, model_runner
 from vllm_neuron.calls import Call
 from vllm_neuron.compiler import hlo_text
@@ -162,6 +162,29 @@ def test_sdpa_lowers_as_the_neuron_dispatch_decomposes_it():
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
+@pytest.mark.parametrize("tokens, window, flash", [(512, None, 1), (512, 100, 0), (64, None, 0)])
+def test_a_fresh_chunk_lowers_to_the_attention_torchneurons_flash_kernel_takes(tokens, window, flash):
+    """A fresh chunk's causal attention lowers (the causal flag's mask in the graph) and equals eager; the
+    lowering counts it as TorchNeuron's flash kernel's where the kernel's rule holds (no window: no mask;
+    lengths of whole 512-token tiles), and its [tokens, tokens] scores then are not the graph's largest
+    intermediate: the kernel computes them in tiles."""
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(tokens, 4, 64, generator=gen)
+    key, value = (torch.randn(tokens, 2, 64, generator=gen) for _ in range(2))
+
+    def attend(query, key, value):
+        return causal_attention(query, key, value, 0.125, window)
+
+    backend = StableHLOBackend()
+    out = torch.compile(attend, backend=backend, fullgraph=True, dynamic=False)(query, key, value)
+    torch.testing.assert_close(out, attend(query, key, value), rtol=1e-5, atol=1e-5)
+    (graph,) = backend.graphs
+    assert graph.flash_attention == flash
+    scores = [2, tokens * 2, tokens] if window else [4, tokens, tokens]  # as each form lays them out
+    largest = list(graph.largest_tensor[0])
+    assert (largest[-2:] != scores[-2:]) if flash else (largest[-2:] == scores[-2:])
+
+
 def widening_dtype_view(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.float32) + 1  # bfloat16 [4, 6] as float32 [4, 3]: StableHLO has no such bitcast
 
@@ -188,6 +211,7 @@ def test_every_warm_up_graph_of_the_engine_lowers_with_the_cache_in_place(llm):
     assert len(graphs) == EXPECTED_GRAPHS
     calls = [graph.label for graph in graphs]
     assert sum(call.startswith("prefill") for call in calls) == 4
+    assert sum(call.startswith("fresh prefill") for call in calls) == 1
     assert sum("with prefill" in call for call in calls) == 4  # the mixed calls
     layers, kv_heads = len(runner.kv_cache.tensors), runner.kv_cache.tensors[0].shape[0] // 2
     for graph in graphs:

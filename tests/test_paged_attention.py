@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from kv_cache.layout import NULL_BLOCK, allocate, kv_cache_shape
 from kv_cache.ops import (
+    causal_attention,
     context_mask,
     page_attention,
     page_masks,
@@ -406,6 +407,40 @@ def test_prefill_window_and_cap_match_reference(heads, kv_heads, window, soft_ca
         query[0, :9], seq.keys, seq.values, positions[0, :9], SCALE, window, soft_cap
     )
     assert_close(out[0, :9], expected, torch.float32)
+
+
+# ---- fresh prefill: a chunk over its own keys -----------------------------------------------------
+
+
+@pytest.mark.parametrize("window, soft_cap", [(None, None), *WINDOW_AND_CAP])
+@pytest.mark.parametrize("heads, kv_heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fresh_chunk_matches_reference_padding_after_it(heads, kv_heads, dtype, window, soft_cap):
+    """A fresh prefill call's attention: its real tokens first, padding after them that no real query sees
+    (the padding's keys are garbage here, large ones, and must not leak into the real rows)."""
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    tokens, real = 32, 23
+    query = torch.randn(tokens, heads, HEAD_SIZE, generator=gen).to(dtype)
+    key = torch.randn(tokens, kv_heads, HEAD_SIZE, generator=gen).to(dtype)
+    value = torch.randn(tokens, kv_heads, HEAD_SIZE, generator=gen).to(dtype)
+    key[real:] *= 100
+    value[real:] *= 100
+    out = causal_attention(query, key, value, SCALE, window, soft_cap)
+    assert out.shape == query.shape and out.dtype == dtype
+    expected = reference_attention(
+        query[:real], key[:real], value[:real], torch.arange(real), SCALE, window, soft_cap
+    )
+    assert_close(out[:real], expected, dtype)
+
+
+def test_fresh_chunk_equals_the_table_path_over_the_cache():
+    """The fresh form and the masked form over the same chunk written to the cache give the same rows."""
+    seq, inputs = prefill_case(4, 2, 4, torch.float32, start=0, count=16)
+    kv_cache, key, value, slots, query, block_table, positions = inputs
+    write_kv(kv_cache, key, value, slots)
+    table = table_attention(query, kv_cache, block_table, positions, SCALE)
+    fresh = causal_attention(query[0], key, value, SCALE)
+    assert_close(fresh[:16], table[0, :16], torch.float32)
 
 
 # ---- tracing ---------------------------------------------------------------------------------------

@@ -279,6 +279,7 @@ def test_neuron_info_endpoint(server):
         "decode_batch": buckets["decode_batch_buckets"],
         "context_tokens": buckets["context_buckets"],
         "decode_context_tokens": buckets["context_buckets"],  # none of their own: the same pages
+        "fresh_prefill_tokens": buckets["fresh_prefill_buckets"],
     }
     assert info["graphs"] == EXPECTED_GRAPHS and info["max_model_len"] == MAX_MODEL_LEN
     assert info["kv_cache"]["block_size"] == 32 and info["kv_cache"]["num_blocks"] > 0

@@ -24,6 +24,7 @@ BUCKETS = BucketConfig(
     page_tokens=decode_page_tokens(DEFAULT_BLOCK_SIZE),
     mixed_chunk_bucket=SHARE,
     mixed_batch_buckets=light_load_batches(SETTINGS["decode_batch_buckets"], LIMITS["max_num_seqs"]),
+    fresh_buckets=tuple(SETTINGS["fresh_prefill_buckets"]),
 )
 
 

@@ -19,6 +19,12 @@ batch bucket in `mixed_batch_buckets`; the chunk attends over the largest contex
 attention is cheap next to a pass over the weights, and a context dimension would multiply the graphs
 again).
 
+A fresh prefill call runs the first chunk of one request (position 0, nothing cached before it) on its own,
+in a graph of its token bucket that attends over the chunk's own keys only (`fresh_buckets`; its graph key's
+context is 0): causal attention with no mask and no cache read, the form TorchNeuron hands its NKI flash
+attention kernel (docs/lowering.md, "Prefill on TorchNeuron's flash path"). Every other chunk (a prefix
+hit, a later chunk, chunks packed together) takes the masked form over its context bucket.
+
 With speculative decoding, a verify call checks each decode row's draft tokens in one pass: the row's last
 token and its k drafts, `verify_tokens` = k + 1 queries a row, over the decode calls' shapes (batch bucket x
 decode context bucket), its rows sharing KV pages as a decode call's do.
@@ -30,7 +36,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 # A compiled graph: (phase, prefill token bucket or decode batch bucket, context bucket). A mixed graph's
-# chunk bucket and chunk context are fixed by the bucket set, so batch and context name it.
+# chunk bucket and chunk context are fixed by the bucket set, so batch and context name it. A fresh prefill
+# graph's context is 0: it reads no cached KV.
 GraphKey = tuple[Literal["prefill", "decode", "mixed", "verify"], int, int]
 
 
@@ -42,6 +49,12 @@ class BucketError(ValueError):
 # prompt as for a long one, so the short prompts of one step share it. Every prefill call keeps this many
 # logits rows, so packing changes no shape (a row's lm_head is about a fifth of a token's work in SmolLM2).
 PACKED_CHUNKS = 8
+
+
+# TorchNeuron's flash attention kernel takes query and key lengths in multiples of 128 and keys in whole
+# sequence tiles of at least 512 (torch_neuronx's SDPA decomposition): the token buckets that get fresh
+# prefill graphs by default.
+FLASH_TOKENS = 512
 
 
 def pick_bucket(buckets: Sequence[int], size: int) -> int:
@@ -97,6 +110,11 @@ class BucketConfig:
     verify_tokens: int = (
         0  # queries a verify row (speculative decoding: 1 + draft tokens); 0: no verify calls
     )
+    fresh_buckets: tuple[int, ...] = ()  # prefill token buckets with a fresh prefill graph
+
+    def fresh_shapes(self) -> list[tuple[int, int]]:
+        """(tokens, 0) of the fresh prefill graphs: a request's first chunk alone, over its own keys."""
+        return [(tokens, 0) for tokens in self.fresh_buckets]
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """(tokens, context) pairs a prefill call can take: a chunk that needs bucket T has more tokens than
@@ -155,15 +173,18 @@ class BucketConfig:
     def num_graphs(self) -> int:
         return (
             len(self.prefill_shapes())
+            + len(self.fresh_shapes())
             + len(self.decode_shapes())
             + len(self.mixed_shapes())
             + len(self.verify_shapes())
         )
 
     def graphs(self) -> list[GraphKey]:
-        """Every graph of the bucket set, in warm-up order: prefill, decode, mixed, then verify shapes."""
+        """Every graph of the bucket set, in warm-up order: prefill (fresh last), decode, mixed, then verify
+        shapes."""
         return [
             *(("prefill", tokens, ctx) for tokens, ctx in self.prefill_shapes()),
+            *(("prefill", tokens, ctx) for tokens, ctx in self.fresh_shapes()),
             *(("decode", batch, ctx) for batch, ctx in self.decode_shapes()),
             *(("mixed", batch, ctx) for batch, ctx in self.mixed_shapes()),
             *(("verify", batch, ctx) for batch, ctx in self.verify_shapes()),
@@ -194,9 +215,11 @@ class BucketConfig:
             f", decode context {list(self.decode_context_buckets)}" if self.decode_context_buckets else ""
         )
         verify = f", verify: {self.verify_tokens} tokens a row" if self.verify_tokens else ""
+        fresh = f", fresh prefill {list(self.fresh_buckets)}" if self.fresh_buckets else ""
         return (
-            f"prefill tokens {list(self.prefill_buckets)}, decode batch {list(self.decode_batch_buckets)}, "
-            f"context {list(self.context_buckets)}{decode_context}{mixed}{verify} -> {self.num_graphs} graphs"
+            f"prefill tokens {list(self.prefill_buckets)}{fresh}, decode batch "
+            f"{list(self.decode_batch_buckets)}, context {list(self.context_buckets)}{decode_context}{mixed}"
+            f"{verify} -> {self.num_graphs} graphs"
         )
 
 
@@ -260,12 +283,19 @@ def default_buckets(
 ) -> BucketConfig:
     max_chunk = min(max_num_batched_tokens, max_model_len)
     max_context = round_up(max_model_len, block_size)
+    prefill_buckets = tuple(powers_of_two(min(128, max_chunk), max_chunk))
     return BucketConfig(
-        prefill_buckets=tuple(powers_of_two(min(128, max_chunk), max_chunk)),
+        prefill_buckets=prefill_buckets,
         decode_batch_buckets=tuple(powers_of_two(1, max_num_seqs)),
         context_buckets=tuple(powers_of_two(min(round_up(512, block_size), max_context), max_context)),
         page_tokens=decode_page_tokens(block_size),
+        fresh_buckets=flash_buckets(prefill_buckets),
     )
+
+
+def flash_buckets(prefill_buckets: Sequence[int]) -> tuple[int, ...]:
+    """The prefill token buckets whose fresh graphs TorchNeuron's flash kernel can take (FLASH_TOKENS)."""
+    return tuple(tokens for tokens in prefill_buckets if tokens % FLASH_TOKENS == 0)
 
 
 def _check_ascending(name: str, values: Sequence[int], setting: str) -> None:
@@ -347,6 +377,12 @@ def validate_buckets(
         setting = "decode_context_buckets / VLLM_NEURON_DECODE_CONTEXT_BUCKETS"
         _check_ascending("decode context", buckets.decode_context_buckets, setting)
         _check_contexts("decode context", buckets.decode_context_buckets, setting, **sizes)
+    stray_fresh = sorted(set(buckets.fresh_buckets) - set(buckets.prefill_buckets))
+    if stray_fresh:
+        raise BucketError(
+            f"fresh prefill buckets {stray_fresh} are not prefill buckets {list(buckets.prefill_buckets)}: "
+            "change fresh_prefill_buckets"
+        )
     full = [batch for batch in buckets.mixed_batch_buckets if batch >= max_num_seqs]
     if full:
         raise BucketError(

@@ -17,7 +17,7 @@ class CallCosts:
     token: float  # each prefill token slot of the token bucket
     row: float  # each decode row slot of the batch bucket (its logits and sampling too)
     kv_position: float  # each KV position a decode call reads: batch bucket x pages of its context bucket
-    attention: float  # each (query, key) pair of a prefill chunk: token bucket x context bucket
+    attention: float  # each (query, key) pair of a prefill chunk (Call.chunk_pairs)
 
     def of(self, call: Call, page_tokens: int) -> float:
         """The estimated time of one call. A mixed call pays one pass over the weights for its decode rows
@@ -28,7 +28,7 @@ class CallCosts:
             # A verify row's queries each cost a row; they share its pages.
             ms += self.row * call.batch * call.queries + self.kv_position * read
         if call.phase in ("prefill", "mixed"):
-            ms += self.token * call.token_bucket + self.attention * call.token_bucket * call.chunk_context
+            ms += self.token * call.token_bucket + self.attention * call.chunk_pairs
         return ms
 
 

@@ -6,7 +6,8 @@ label, what the padding metrics count, and what the bucket policy's simulation p
 one rule that maps a step's decode rows and prefill chunks to calls: the runner (worker/model_runner.py) and
 the simulation (vllm_neuron/planning/step_simulation.py) both call it. A step becomes one or more calls:
 - prefill: one or more requests' chunks packed in one row of queries (`chunks`), `tokens` real tokens
-  padded to `token_bucket`, attending over the context bucket `chunk_context`;
+  padded to `token_bucket`, attending over the context bucket `chunk_context`; a fresh prefill call
+  (`chunk_context` 0) runs one request's first chunk over its own keys (buckets.py);
 - decode: `rows` requests of one token each, padded to the batch bucket `batch`, over the decode context
   bucket `decode_context`;
 - mixed: a decode call that also runs one prefill chunk of `tokens` tokens (padded to `token_bucket`), which
@@ -23,9 +24,14 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Literal
 
-from vllm_neuron.buckets import BucketConfig, BucketError, GraphKey, ceil_div, pack_prefill
+from vllm_neuron.buckets import BucketConfig, BucketError, GraphKey, ceil_div, pack_prefill, pick_bucket
 
 Phase = Literal["prefill", "decode", "mixed", "verify"]
+
+
+def fresh_pairs(tokens: int) -> int:
+    """(query, key) pairs of causal attention over `tokens` tokens' own keys (ints or numpy arrays)."""
+    return tokens * (tokens + 1) // 2
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,19 @@ class Call:
         )
 
     @property
+    def fresh(self) -> bool:
+        """A fresh prefill call: one request's first chunk, over its own keys (no context bucket)."""
+        return self.phase == "prefill" and not self.chunk_context
+
+    @property
+    def chunk_pairs(self) -> int:
+        """(query, key) pairs its prefill chunk's attention computes: token bucket x context bucket, or a
+        fresh chunk's causal triangle over its own keys."""
+        if self.fresh:
+            return fresh_pairs(self.token_bucket)
+        return self.token_bucket * self.chunk_context
+
+    @property
     def graph(self) -> GraphKey:
         """The compiled graph this call runs."""
         if self.phase == "prefill":
@@ -115,6 +134,8 @@ class Call:
                 f"tokens {self.token_bucket} x context {self.chunk_context}"
             )
         shape = f"tokens {self.token_bucket} x context {self.chunk_context}"
+        if self.fresh:
+            return f"fresh prefill of {self.tokens} tokens: tokens {self.token_bucket}, over its own keys"
         if self.chunks == 1:
             return f"prefill of {self.tokens} tokens at {self.start}: {shape}"
         return f"prefill of {self.chunks} requests, {self.tokens} tokens: {shape}"
@@ -176,15 +197,18 @@ def plan_step(
         plans.append(CallPlan(call, rows))
     prefill_shapes = _usable(buckets.prefill_shapes(), "prefill", ready)
     largest_context = buckets.context_buckets[-1]
-    remaining = [index for index in range(len(chunks)) if index != taken]
+    remaining = [(index, *chunks[index]) for index in range(len(chunks)) if index != taken]
+    fresh = {tokens for tokens, _ in _usable(buckets.fresh_shapes(), "prefill", ready)}
+    if fresh:
+        plans += fresh_calls(remaining, fresh, buckets.prefill_buckets)
     packed_calls = pack_prefill(
-        [chunks[index] for index in remaining],
+        [(start, length) for _, start, length in remaining],
         max(tokens for tokens, ctx in prefill_shapes if ctx == largest_context),
         largest_context,
         block_size,
     )
     for packed in packed_calls:
-        parts = tuple((remaining[index], start, length) for index, start, length in packed.parts)
+        parts = tuple((remaining[index][0], start, length) for index, start, length in packed.parts)
         token_bucket, context = next(
             (tokens, ctx)
             for tokens, ctx in prefill_shapes
@@ -192,6 +216,26 @@ def plan_step(
         )
         call = Call.prefill(packed.tokens, token_bucket, context, chunks=len(parts), start=parts[0][1])
         plans.append(CallPlan(call, parts=parts))
+    return plans
+
+
+def fresh_calls(
+    chunks: list[tuple[int, int, int]], fresh: set[int], prefill_buckets: Sequence[int]
+) -> list[CallPlan]:
+    """Fresh prefill calls for the chunks (index, start, length) that start their request (position 0) and
+    whose token bucket has a fresh graph: each alone, over its own keys. A chunk longer than the largest
+    bucket runs its first bucket's worth fresh, and the rest stays in `chunks` (updated in place) for the
+    packed calls, which run after it and read its KV from the cache."""
+    plans = []
+    largest = prefill_buckets[-1]
+    for position, (index, start, length) in enumerate(chunks):
+        tokens = min(length, largest)
+        bucket = pick_bucket(prefill_buckets, tokens)
+        if start or bucket not in fresh:
+            continue
+        plans.append(CallPlan(Call.prefill(tokens, bucket, 0), parts=((index, 0, tokens),)))
+        chunks[position] = (index, tokens, length - tokens)
+    chunks[:] = [chunk for chunk in chunks if chunk[2]]
     return plans
 
 

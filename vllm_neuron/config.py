@@ -18,6 +18,7 @@ from vllm_neuron.buckets import (
     BucketError,
     decode_page_tokens,
     default_buckets,
+    flash_buckets,
     light_load_batches,
     validate_buckets,
 )
@@ -39,6 +40,8 @@ POLICY_SETTINGS = ("bucket_policy", "graph_budget", "traffic", "call_costs")
 PREFILL_SHARE_SETTING = "prefill_tokens_while_decoding"
 # --additional-config key: decode batch buckets whose calls take the prefill share's chunk along (buckets.py)
 MIXED_BATCH_SETTING = "mixed_batch_buckets"
+# --additional-config key: prefill token buckets with a fresh prefill graph (buckets.py); [] turns them off
+FRESH_SETTING = "fresh_prefill_buckets"
 DEFAULT_GRAPH_BUDGET = 24
 DEFAULT_BLOCK_SIZE = 32
 # Without mixed calls the prefill share's chunk is a call of its own: by default the share is at least this
@@ -97,7 +100,13 @@ class NeuronConfig:
         """The settings from --additional-config's keys, the engine's limits (engine_limits) and the
         environment (bucket overrides, the compile backend); `verify_tokens`: with speculative decoding,
         1 + its draft tokens (verify calls' queries a row)."""
-        accepted = {*BUCKET_SETTINGS, *POLICY_SETTINGS, PREFILL_SHARE_SETTING, MIXED_BATCH_SETTING}
+        accepted = {
+            *BUCKET_SETTINGS,
+            *POLICY_SETTINGS,
+            PREFILL_SHARE_SETTING,
+            MIXED_BATCH_SETTING,
+            FRESH_SETTING,
+        }
         unknown = sorted(set(additional) - accepted)
         if unknown:
             raise NeuronConfigError(
@@ -124,6 +133,7 @@ class NeuronConfig:
             decode_context_buckets=chosen["decode_context_buckets"],
             page_tokens=decode_page_tokens(limits["block_size"]),
             verify_tokens=verify_tokens,
+            fresh_buckets=_fresh_buckets(additional, chosen["prefill_buckets"]),
         )
         try:
             validate_buckets(buckets, **limits)
@@ -152,6 +162,7 @@ class NeuronConfig:
             "decode_context_buckets": list(self.buckets.decode_context_buckets),
             PREFILL_SHARE_SETTING: self.prefill_tokens_while_decoding,
             MIXED_BATCH_SETTING: list(self.buckets.mixed_batch_buckets),
+            FRESH_SETTING: list(self.buckets.fresh_buckets),
         }
 
 
@@ -200,6 +211,22 @@ def _with_mixed_calls(
     if not value:
         return buckets
     return replace(buckets, mixed_chunk_bucket=share, mixed_batch_buckets=tuple(sorted(set(value))))
+
+
+def _fresh_buckets(additional: dict[str, Any], prefill_buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The fresh prefill graphs' token buckets: those given, else the prefill buckets TorchNeuron's flash
+    kernel can take (none under the automatic policy, whose graph budget does not count them)."""
+    value = additional.get(FRESH_SETTING)
+    if value is None:
+        automatic = additional.get("bucket_policy", "default") == "auto"
+        return () if automatic else flash_buckets(prefill_buckets)
+    if not isinstance(value, list | tuple) or any(
+        not isinstance(v, int) or isinstance(v, bool) for v in value
+    ):
+        raise NeuronConfigError(
+            f"{FRESH_SETTING} must be a list of integers ([] turns fresh prefill graphs off), got {value!r}"
+        )
+    return tuple(sorted(set(value)))
 
 
 def _prefill_share(additional: dict[str, Any], buckets: BucketConfig) -> int:

@@ -57,6 +57,7 @@ class HostInputs:
     paged: dict[str, np.ndarray] | None  # the fields of its PageQueries
     num_real_rows: int  # the first logits rows, those of real requests
     decode_token_index: np.ndarray  # where each decode row's token is in input_ids, in row order
+    causal: bool = False  # a fresh prefill call (NeuronAttentionMetadata.causal)
 
     @property
     def rows(self) -> int:
@@ -90,6 +91,7 @@ class HostInputs:
             slot_mapping=sent.pop("slot_mapping"),
             table=TableQueries(**table) if self.table is not None else None,
             paged=PageQueries(**paged) if self.paged is not None else None,
+            causal=self.causal,
         )
         return CallInputs(metadata=metadata, **sent)
 
@@ -281,8 +283,31 @@ def prefill_inputs(
 ) -> HostInputs:
     """The chunks of up to PACKED_CHUNKS requests packed in one row of token_bucket queries, each over its
     own segment of the context bucket; keeps each chunk's last real token's logits. Every prefill call keeps
-    PACKED_CHUNKS logits rows, so packing changes no shape."""
+    PACKED_CHUNKS logits rows, so packing changes no shape. A context bucket of 0 is a fresh prefill call:
+    one chunk at position 0, over its own keys."""
+    if not context_bucket:
+        return _fresh_inputs(chunks, token_bucket, block_size)
     return _host_inputs(table=_table_part(chunks, token_bucket, context_bucket, block_size, PACKED_CHUNKS))
+
+
+def _fresh_inputs(chunks: list[Chunk], token_bucket: int, block_size: int) -> HostInputs:
+    """One request's first chunk, its tokens first and padding after (a causal query never sees a later
+    key, so the padding needs no mask), and no table: attention reads the chunk's own keys."""
+    (chunk,) = chunks
+    if chunk.start:
+        raise ValueError(f"a fresh prefill call starts at position 0, not {chunk.start}")
+    count = len(chunk.token_ids)
+    input_ids = np.zeros(token_bucket, dtype=np.int64)
+    positions = np.zeros(token_bucket, dtype=np.int64)
+    slots = np.full(token_bucket, NULL_BLOCK * block_size, dtype=np.int64)
+    input_ids[:count] = chunk.token_ids
+    positions[:count] = np.arange(count)
+    blocks = _context_blocks(chunk.block_row, ceil_div(count, block_size))
+    slots[:count] = slot_mapping(blocks, positions[:count], block_size)
+    logits_indices = np.zeros(PACKED_CHUNKS, dtype=np.int64)
+    logits_indices[0] = count - 1
+    part = _HostPart(input_ids, positions, slots, logits_indices, 1, {})
+    return _host_inputs(table=part, causal=True)
 
 
 def mixed_inputs(
@@ -307,10 +332,14 @@ def mixed_inputs(
 
 
 def _host_inputs(
-    table: _HostPart | None = None, paged: _HostPart | None = None, decode_at: int | None = None
+    table: _HostPart | None = None,
+    paged: _HostPart | None = None,
+    decode_at: int | None = None,
+    causal: bool = False,
 ) -> HostInputs:
     """The parts joined; `decode_at`: where the decode rows' tokens start in input_ids (the paged part's, or
-    a batch-1 decode call's one token), None in a prefill call."""
+    a batch-1 decode call's one token), None in a prefill call; `causal`: the table part is a fresh chunk's,
+    without tables."""
     parts = [part for part in (table, paged) if part is not None]
     logits_indices, offset = [], 0
     for part in parts:
@@ -322,11 +351,12 @@ def _host_inputs(
         positions=np.concatenate([part.positions for part in parts]),
         logits_indices=np.concatenate(logits_indices),
         slot_mapping=np.concatenate([part.slots for part in parts]),
-        table=None if table is None else table.tables,
+        table=None if table is None or causal else table.tables,
         paged=None if paged is None else paged.tables,
         # A mixed call's table part has one chunk, one logits row: the real rows of both parts come first.
         num_real_rows=sum(part.num_real_rows for part in parts),
         decode_token_index=np.arange(0 if decode_at is None else decode_part.num_real_rows, dtype=np.int64)
         * decode_part.queries
         + (decode_at or 0),
+        causal=causal,
     )

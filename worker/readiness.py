@@ -283,4 +283,6 @@ def _by_phase(graphs: list[GraphKey]) -> dict[str, int]:
 
 def _describe(graph: GraphKey) -> str:
     phase, size, context = graph
+    if phase == "prefill" and not context:
+        return f"fresh prefill tokens {size}"
     return f"{phase} {'tokens' if phase == 'prefill' else 'batch'} {size} x context {context}"

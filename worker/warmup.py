@@ -84,19 +84,29 @@ def _step(
 def warmup_steps(
     buckets: BucketConfig, *, max_model_len: int, block_size: int, graphs: Collection[GraphKey] | None = None
 ) -> Iterator[WarmupStep]:
-    """One step per graph shape: each prefill (tokens, context), each decode (batch, context) and each mixed
-    (batch, context); only those of `graphs` if given."""
+    """One step per graph shape: each prefill (tokens, context), each fresh prefill (tokens, 0), each decode
+    (batch, context) and each mixed (batch, context); only those of `graphs` if given."""
     wanted = set(buckets.graphs() if graphs is None else graphs)
     for index, (tokens, context) in enumerate(buckets.prefill_shapes()):
         if ("prefill", tokens, context) not in wanted:
             continue
-        # A chunk of n tokens ending at the context bucket (or at max_model_len, inside the same bucket).
+        # A chunk of n tokens ending at the context bucket (or at max_model_len, inside the same bucket); one
+        # token short where it would start its request with a fresh graph of its bucket, which would take it.
         total = min(context, max_model_len)
-        count = min(tokens, total)
+        count = min(tokens, total) - (total <= tokens and tokens in buckets.fresh_buckets)
         assert pick_bucket(buckets.prefill_buckets, count) == tokens
         assert pick_bucket(buckets.context_buckets, total) == context
         req_id = f"warmup-prefill-{index}"
         request = _request(req_id, total, total - count, block_size, index)
+        yield WarmupStep("prefill", (tokens, context), _step([request], {req_id: count}), [req_id])
+    for index, (tokens, context) in enumerate(buckets.fresh_shapes()):
+        if ("prefill", tokens, context) not in wanted:
+            continue
+        # A request's first chunk, alone: its whole prompt.
+        count = min(tokens, max_model_len)
+        assert pick_bucket(buckets.prefill_buckets, count) == tokens
+        req_id = f"warmup-fresh-{index}"
+        request = _request(req_id, count, 0, block_size, index)
         yield WarmupStep("prefill", (tokens, context), _step([request], {req_id: count}), [req_id])
     for index, (batch, context) in enumerate(buckets.decode_shapes()):
         if ("decode", batch, context) not in wanted:
@@ -157,7 +167,7 @@ def synthetic_call(
         return Chunk(np.zeros(count, dtype=np.int32), total - count, null_row)
 
     if phase == "prefill":
-        total = min(context, max_model_len)
+        total = min(context or size, max_model_len)  # a fresh graph (context 0): the whole prompt
         count = min(size, total)
         return Call.prefill(count, size, context), [chunk(total, count)], []
     if phase == "verify":

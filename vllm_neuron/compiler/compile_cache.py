@@ -73,6 +73,7 @@ def key_fields(
             "decode_context_tokens": neuron_config.buckets.decode_context_buckets,
             "mixed_tokens": neuron_config.buckets.mixed_chunk_bucket,
             "mixed_batch": neuron_config.buckets.mixed_batch_buckets,
+            "fresh_tokens": neuron_config.buckets.fresh_buckets,
         },
         "tensor_parallel_size": parallel_config.tensor_parallel_size,
         # Each rank compiles the graphs of its own shard (on Trainium, with its place in the group).

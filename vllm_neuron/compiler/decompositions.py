@@ -4,6 +4,7 @@ then the one Neuron's compiler gets. Modelled on TorchNeuron's rules, not copied
 
 import itertools
 import math
+import threading
 
 import torch
 
@@ -85,6 +86,35 @@ def _sdpa_math(
     return out, (peak + torch.log(total)).squeeze(-1).float()
 
 
+def flash_kernel_takes(query: torch.Tensor, key: torch.Tensor, attn_mask: object, dropout_p: float) -> bool:
+    """TorchNeuron's rule for handing an attention to its NKI flash kernel (its SDPA decomposition, with
+    TORCH_NEURONX_ENABLE_NKI_SDPA on, the default): no mask, no dropout, query and key lengths multiples of
+    128, keys in whole sequence tiles (512 at the least) and a head size of at most 128."""
+    length, keys, head_size = query.shape[-2], key.shape[-2], key.shape[-1]
+    return (
+        attn_mask is None
+        and not dropout_p
+        and length % 128 == 0
+        and keys % FLASH_TILE == 0
+        and head_size <= 128
+    )
+
+
+# The smallest sequence tile of TorchNeuron's flash kernel: key lengths it takes are multiples of it.
+FLASH_TILE = 512
+
+
+class _FlashCalls(threading.local):
+    """The attentions of the graph being traced, as (query length, key length, flash kernel takes it): what
+    the report of its largest intermediate leaves to the kernel (stablehlo._largest_tensor)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, bool]] = []
+
+
+FLASH_CALLS = _FlashCalls()
+
+
 def _sdpa_cpu(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -95,9 +125,19 @@ def _sdpa_cpu(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU dispatch of scaled_dot_product_attention, lowered as the Neuron dispatch is (see _sdpa_math):
-    the same model code must give the same graph on either device."""
-    if dropout_p or is_causal:
+    the same model code must give the same graph on either device. A causal attention is what TorchNeuron
+    gives its flash kernel where the kernel takes it (flash_kernel_takes); here it lowers to the same math
+    with the causal mask, and FLASH_CALLS records which it was."""
+    if dropout_p or (is_causal and attn_mask is not None):
         return NotImplemented
+    length, keys = query.shape[-2], key.shape[-2]
+    FLASH_CALLS.calls.append((length, keys, flash_kernel_takes(query, key, attn_mask, dropout_p)))
+    if is_causal:
+        rows = torch.arange(length, device=query.device).view(-1, 1)
+        columns = torch.arange(keys, device=query.device).view(1, -1)
+        attn_mask = torch.zeros((length, keys), dtype=query.dtype, device=query.device).masked_fill(
+            columns > rows, float("-inf")
+        )
     return _sdpa_math(query, key, value, attn_mask, scale)
 
 

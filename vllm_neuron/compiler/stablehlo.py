@@ -29,7 +29,7 @@ import torch
 
 from vllm_neuron.calls import Call
 from vllm_neuron.compiler import graph_memory
-from vllm_neuron.compiler.decompositions import decomposition_table
+from vllm_neuron.compiler.decompositions import FLASH_CALLS, decomposition_table
 from vllm_neuron.compiler.plain_stablehlo import NotStableHLOError, make_plain
 from vllm_neuron.compiler.top_k import restore_top_k
 from vllm_neuron.compiler.xla_graph import CompiledGraph, compile_graph
@@ -70,6 +70,7 @@ class LoweredGraph:
     aliases: list[Alias]
     largest_tensor: tuple[tuple[int, ...], str]  # shape and dtype of the largest intermediate
     scratchpad_bytes: int  # peak of live intermediates (graph_memory.scratchpad_bytes)
+    flash_attention: int = 0  # attentions TorchNeuron hands its flash kernel (decompositions.FLASH_CALLS)
     op_histogram: dict[str, int] = field(default_factory=dict)
     collectives: list[str] = field(default_factory=list)  # lowered by TorchNeuron's own pipeline
     compiled: "CompiledGraph | None" = None  # what XLA made of it (the `xla` backend)
@@ -92,6 +93,7 @@ class LoweredGraph:
             "stablehlo_ops": self.op_count,
             "largest_tensor": {"shape": list(shape), "dtype": dtype, "bytes": self.largest_tensor_bytes},
             "scratchpad_bytes": self.scratchpad_bytes,
+            "flash_attention": self.flash_attention,
             "aliased_inputs": [alias.parameter for alias in self.aliases],
             "collectives": len(self.collectives),
             **(self.compiled.summary() if self.compiled is not None else {}),
@@ -196,15 +198,26 @@ def _explain(message: str, gm: torch.fx.GraphModule, label: str) -> LoweringErro
     )
 
 
-def _largest_tensor(gm: torch.fx.GraphModule, aliases: list[Alias]) -> tuple[tuple[int, ...], str]:
+_CPU_ATTENTION = str(aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def _largest_tensor(
+    gm: torch.fx.GraphModule, aliases: list[Alias], flash: set[tuple[int, int]]
+) -> tuple[tuple[int, ...], str]:
     """Shape and dtype of the largest tensor the graph computes, leaving out the aliased inputs' own buffers
-    (their views and their in-place writes): what a compile must find room for beside the inputs."""
+    (their views and their in-place writes), and the scores of attentions TorchNeuron's flash kernel
+    computes in its tiles (`flash`: their query and key lengths): what a compile must find room for beside
+    the inputs."""
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     buffers = {placeholders[alias.parameter] for alias in aliases}
     best: tuple[int, tuple[int, ...], str] = (0, (), "float32")
     for node in gm.graph.nodes:
         value = node.meta.get("val")
         if node.op != "call_function" or not isinstance(value, torch.Tensor):
+            continue
+        # Not identity: the OpOverload that tracing records is not always the object aten.<op> gives.
+        in_kernel = str(node.meta.get("original_aten")) == _CPU_ATTENTION
+        if in_kernel and tuple(value.shape[-2:]) in flash:
             continue
         if node.target in (*_VIEW_OPS, aten.scatter.src) and node.args[0] in buffers:
             buffers.add(node)
@@ -272,8 +285,18 @@ _STAND_INS = {
 }
 
 
-def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
-    """Strip the mutations into aliased outputs and import the graph to StableHLO with torch-mlir."""
+def _flash_shapes(calls: list[tuple[int, int, bool]]) -> set[tuple[int, int]]:
+    """(query length, key length) of the attentions the flash kernel takes, where no attention of the same
+    lengths is left to the math."""
+    return {(q, k) for q, k, takes in calls if takes} - {(q, k) for q, k, takes in calls if not takes}
+
+
+def lower(
+    gm: torch.fx.GraphModule, label: str, flash_calls: list[tuple[int, int, bool]] | None = None
+) -> LoweredGraph:
+    """Strip the mutations into aliased outputs and import the graph to StableHLO with torch-mlir.
+    flash_calls: the graph's attentions as its decompositions recorded them (decompositions.FLASH_CALLS)."""
+    flash_calls = flash_calls or []
     from torch_mlir import fx as mlir_fx
     from torch_mlir import ir
     from torch_mlir.dialects import torch as torch_dialect
@@ -313,8 +336,9 @@ def lower(gm: torch.fx.GraphModule, label: str) -> LoweredGraph:
         seconds=time.perf_counter() - start,
         stablehlo=text,
         aliases=aliases,
-        largest_tensor=_largest_tensor(gm, aliases),
+        largest_tensor=_largest_tensor(gm, aliases, _flash_shapes(flash_calls)),
         scratchpad_bytes=graph_memory.scratchpad_bytes(text),
+        flash_attention=sum(takes for *_, takes in flash_calls),
         op_histogram=op_histogram(text),
         collectives=collectives,
     )
@@ -411,7 +435,7 @@ class StableHLOBackend:
 
         def fw_compiler(aot_gm: torch.fx.GraphModule, aot_inputs: list[Any]) -> Callable:
             fx_text = aot_gm.print_readable(print_output=False)
-            lowered = lower(aot_gm, label)
+            lowered = lower(aot_gm, label, list(FLASH_CALLS.calls))
             if self.execute == "xla" and lowered.collectives:
                 raise LoweringError(
                     f"{label}: the xla backend runs one rank; a graph with collectives "
@@ -433,6 +457,7 @@ class StableHLOBackend:
                 return _zeros_instead(aot_gm, lowered.aliases)
             return _run_with_aliases(aot_gm, lowered.aliases)
 
+        FLASH_CALLS.calls.clear()
         return torch_compile.aot_autograd(
             fw_compiler=fw_compiler,
             keep_inference_input_mutations=True,

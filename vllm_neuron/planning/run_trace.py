@@ -5,7 +5,8 @@ vLLM's scheduler never sees the buckets, so the same steps happen whatever the b
 bucketed many ways: that is what makes the bucket search cheap. Each step becomes calls as `calls.plan_step`
 makes them, whose rules this module applies in bulk: decode rows in calls of at most the largest batch
 bucket, the step's first chunk of at most `mixed_chunk_bucket` tokens riding in a decode call whose batch
-bucket has mixed calls (one mixed call), the other chunks packed by `buckets.pack_prefill`. Identical calls
+bucket has mixed calls (one mixed call), a request's first chunk alone in a fresh call where its bucket has
+a fresh graph (`calls.fresh_calls`), the other chunks packed by `buckets.pack_prefill`. Identical calls
 are stored once with a count, so a long decode-heavy run stays small. tests/test_bucket_policy.py checks the
 bulk figures against `plan_step` and `CallCosts.of` step by step.
 """
@@ -17,6 +18,7 @@ import numpy as np
 
 from vllm_neuron.buckets import BucketConfig, BucketError, ceil_div, pack_prefill
 from vllm_neuron.call_costs import CallCosts
+from vllm_neuron.calls import fresh_calls, fresh_pairs
 from vllm_neuron.planning.step_simulation import SimulatedStep
 
 
@@ -37,7 +39,8 @@ class PrefillCalls:
     """Distinct prefill calls: one or more chunks packed in one row of queries."""
 
     length: np.ndarray  # tokens
-    context: np.ndarray  # KV positions the call attends over: its chunks' contexts, each in whole blocks
+    context: np.ndarray  # KV positions the call attends over: its chunks' contexts, each in whole blocks;
+    # 0: a fresh call, over its own keys
     attention: np.ndarray  # causal attention work of its real tokens: a token at position p reads p + 1 keys
     count: np.ndarray  # how many such calls ran
 
@@ -145,10 +148,17 @@ def mixed_steps(
 
 
 def prefill_calls(
-    trace: Trace, mixed: np.ndarray, largest_tokens: int, largest_context: int, block_size: int
+    trace: Trace,
+    mixed: np.ndarray,
+    largest_tokens: int,
+    largest_context: int,
+    block_size: int,
+    fresh: Sequence[int] = (),
+    prefill_buckets: Sequence[int] = (),
 ) -> PrefillCalls:
     """The prefill calls of the run: each step's chunks but those riding in mixed calls (`mixed`, per
-    decode step), packed by `pack_prefill`."""
+    decode step), the first chunks of requests in fresh calls where their bucket of `prefill_buckets` is one
+    of `fresh`, the others packed by `pack_prefill`."""
     chunks = trace.prefill
     kept = np.ones(len(chunks.step), bool)
     if mixed.any():
@@ -157,7 +167,11 @@ def prefill_calls(
     calls: list[tuple[int, int, int]] = []  # (tokens, context, attention)
     boundaries = np.flatnonzero(np.diff(step)) + 1
     for parts in np.split(np.stack((start, length), axis=1), boundaries):
-        for call in pack_prefill(parts.tolist(), largest_tokens, largest_context, block_size):
+        chunks = [(index, s, n) for index, (s, n) in enumerate(parts.tolist())]
+        for plan in fresh_calls(chunks, set(fresh), prefill_buckets) if fresh else ():
+            calls.append((plan.call.tokens, 0, causal_work(plan.call.tokens, 0)))
+        packed = [(s, n) for _, s, n in chunks]
+        for call in pack_prefill(packed, largest_tokens, largest_context, block_size):
             attention = sum(causal_work(n, s) for _, s, n in call.parts)
             calls.append((call.tokens, call.context, attention))
     if not calls:
@@ -217,10 +231,11 @@ def _ratio(real: float, padded: float) -> float:
 def prefill_figures(buckets: BucketConfig, calls: PrefillCalls, costs: CallCosts) -> dict[str, float]:
     """Real and padded work and estimated time of the prefill calls."""
     tokens = pick(buckets.prefill_buckets, calls.length, "prefill call of")
-    context = pick(buckets.context_buckets, calls.context, "prefill context")
+    fresh = calls.context == 0
+    context = pick(buckets.context_buckets, np.where(fresh, 1, calls.context), "prefill context")
     count = int(calls.count.sum())
     slots = (calls.count * tokens).sum()
-    pairs = (calls.count * tokens * context).sum()
+    pairs = (calls.count * np.where(fresh, fresh_pairs(tokens), tokens * context)).sum()
     return {
         "prefill_calls": count,
         "prefill_tokens": float((calls.count * calls.length).sum()),
@@ -278,7 +293,15 @@ def evaluate(
     )
     prefill = prefill_figures(
         buckets,
-        prefill_calls(trace, mixed, buckets.prefill_buckets[-1], buckets.context_buckets[-1], block_size),
+        prefill_calls(
+            trace,
+            mixed,
+            buckets.prefill_buckets[-1],
+            buckets.context_buckets[-1],
+            block_size,
+            buckets.fresh_buckets,
+            buckets.prefill_buckets,
+        ),
         costs,
     )
     decode = decode_figures(buckets, trace, mixed, costs)
