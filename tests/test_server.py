@@ -404,7 +404,7 @@ def test_step_trace_gives_each_step_of_a_request(server, client):
     # The prompt in one step (50 tokens, within the budget), which samples the first token; then one decode
     # row per further token.
     assert [(step["prefill_tokens"], step["decode_rows"]) for step in steps] == [(50, 0)] + [(0, 1)] * 5
-    assert steps[0]["calls"] == ["prefill of 50 tokens at 0: tokens 64 x context 128"]
+    assert steps[0]["calls"] == ["fresh prefill of 50 tokens: tokens 64, over its own keys"]
     assert all(step["calls"] == ["decode of 1 requests: batch 1 x context 128"] for step in steps[1:])
     for step in steps:
         assert start <= step["time"] <= time.time()
