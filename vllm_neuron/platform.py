@@ -128,6 +128,11 @@ class NeuronPlatform(Platform):
         return neuron_device.communicator_cls()
 
     @classmethod
+    def get_punica_wrapper(cls) -> str:
+        # Dense over fixed slots, the slot per token a call input: no data-dependent shape (issue 39).
+        return "vllm_neuron.lora.punica.NeuronPunicaWrapper"
+
+    @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
         if dtype == torch.float64:
             raise UnsupportedConfigError(
