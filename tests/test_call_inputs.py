@@ -1,5 +1,6 @@
 """worker.call_inputs: bucket-shaped, padded host inputs of decode and prefill calls."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,7 +12,15 @@ from kv_cache.backend import NeuronAttentionImpl
 from kv_cache.layout import NULL_BLOCK, allocate
 from kv_cache.ops import page_attention, table_attention, write_kv
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
-from worker.call_inputs import Chunk, HostInputs, decode_inputs, mixed_inputs, prefill_inputs, verify_inputs
+from worker.call_inputs import (
+    CallInputs,
+    Chunk,
+    HostInputs,
+    decode_inputs,
+    mixed_inputs,
+    prefill_inputs,
+    verify_inputs,
+)
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -508,3 +517,89 @@ def test_the_layers_of_a_call_share_its_masks(monkeypatch):
         ]
     )
     torch.testing.assert_close(output, on_the_spot)
+
+
+# ---- LoRA slots: each token's and logits row's adapter, aligned with input_ids, padding 0 (the base) ----
+
+
+def with_slots(chunks: list[Chunk], *slots: int) -> list[Chunk]:
+    return [dataclasses.replace(chunk, lora_slot=slot) for chunk, slot in zip(chunks, slots, strict=True)]
+
+
+def lora_sent(host: HostInputs) -> CallInputs:
+    inputs = host.send(CPU, lora=True)
+    assert_int64_cpu(inputs.lora_slots, inputs.lora_rows)
+    assert torch.equal(inputs.lora_rows, inputs.lora_slots[inputs.logits_indices])
+    return inputs
+
+
+def test_packed_prefill_chunks_each_carry_their_adapter():
+    inputs = lora_sent(
+        prefill_inputs(with_slots(PACKED, 2, 0, 1), token_bucket=16, context_bucket=32, block_size=BLOCK_SIZE)
+    )
+    assert inputs.lora_slots.tolist() == [2] * 5 + [0] * 3 + [1] * 2 + [0] * 6
+    # The chunks' rows, then the padding rows, which repeat token 0's.
+    assert inputs.lora_rows.tolist() == [2, 0, 1] + [2] * (PACKED_CHUNKS - 3)
+
+
+def test_a_fresh_prefill_gives_its_tokens_the_adapter_and_the_padding_the_base():
+    chunk = Chunk(np.arange(100, 105, dtype=np.int32), 0, block_row(9, 4), lora_slot=3)
+    inputs = lora_sent(prefill_inputs([chunk], token_bucket=8, context_bucket=0, block_size=BLOCK_SIZE))
+    assert inputs.lora_slots.tolist() == [3] * 5 + [0] * 3
+    assert inputs.lora_rows[0] == 3
+
+
+@pytest.mark.parametrize("batch_bucket", [1, 4])
+def test_decode_rows_carry_their_adapter(batch_bucket):
+    chunks = with_slots(DECODE_CHUNKS, 1, 0, 2)[:batch_bucket]
+    inputs = lora_sent(
+        decode_inputs(
+            chunks, batch_bucket=batch_bucket, num_pages=5, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE
+        )
+    )
+    assert inputs.lora_slots.tolist() == [1, 0, 2, 0][:batch_bucket]
+    assert inputs.lora_rows.tolist() == [1, 0, 2, 0][:batch_bucket]
+
+
+def test_a_mixed_call_carries_the_chunks_adapter_then_the_decode_rows():
+    chunk = Chunk(np.arange(100, 105, dtype=np.int32), 6, block_row(9, 4, 13), lora_slot=2)
+    inputs = lora_sent(
+        mixed_inputs(
+            chunk,
+            with_slots(DECODE_CHUNKS, 0, 3, 1),
+            token_bucket=8,
+            context_bucket=16,
+            batch_bucket=4,
+            num_pages=5,
+            page_tokens=PAGE_TOKENS,
+            block_size=BLOCK_SIZE,
+        )
+    )
+    assert inputs.lora_slots.tolist() == [2] * 5 + [0] * 3 + [0, 3, 1, 0]
+    assert inputs.lora_rows.tolist() == [2, 0, 3, 1, 0]
+
+
+def test_every_query_of_a_verify_row_carries_its_adapter():
+    rows = [
+        Chunk(np.array([11, 12, 13], dtype=np.int32), 0, block_row(5), lora_slot=2),
+        Chunk(np.array([33], dtype=np.int32), 7, block_row(3, 12), lora_slot=1),  # one token, 2 unused slots
+    ]
+    inputs = lora_sent(
+        verify_inputs(
+            rows, batch_bucket=3, queries=3, num_pages=4, page_tokens=PAGE_TOKENS, block_size=BLOCK_SIZE
+        )
+    )
+    assert inputs.lora_slots.tolist() == [2, 2, 2, 1, 1, 1, 0, 0, 0]
+    assert inputs.lora_rows.tolist() == inputs.lora_slots.tolist()
+
+
+def test_without_lora_the_call_sends_no_slots():
+    host = prefill_inputs(
+        with_slots(PACKED, 2, 0, 1), token_bucket=16, context_bucket=32, block_size=BLOCK_SIZE
+    )
+    inputs = host.send(CPU)
+    assert inputs.lora_slots is None and inputs.lora_rows is None
+    # The same transfer otherwise: every other input as with the slots.
+    with_lora = host.send(CPU, lora=True)
+    for name in ("input_ids", "positions", "logits_indices", "params", "token_feed", "token_keep"):
+        assert torch.equal(getattr(inputs, name), getattr(with_lora, name)), name

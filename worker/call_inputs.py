@@ -1,6 +1,7 @@
 """Padded inputs of one compiled call, built on the host: the only place that turns rows into bucket shapes.
 
-Padding conventions: token id 0, position 0, slot 0 (inside the null block), block id 0 (the null block).
+Padding conventions: token id 0, position 0, slot 0 (inside the null block), block id 0 (the null block),
+LoRA slot 0 (the base model).
 A padded prefill query at position 0 attends to one finite key, a padded decode row to no page (zeros), so no
 row produces NaN; their logits are dropped. A padding decode page starts past every position: no key of it
 is visible.
@@ -28,6 +29,7 @@ class Chunk:
     token_ids: np.ndarray
     start: int
     block_row: np.ndarray  # the request's block ids (zeros past its allocation)
+    lora_slot: int = 0  # the request's adapter slot: 0 the base model, k vLLM's LoRA slot k - 1
 
 
 @dataclass
@@ -43,6 +45,9 @@ class CallInputs:
     # logits row's sampled token goes (0: the null slot): worker/token_slots.py.
     token_feed: torch.Tensor  # [tokens]
     token_keep: torch.Tensor  # [rows]
+    # Each token's and each logits row's LoRA slot (vllm_neuron/lora/punica.py); None without --enable-lora.
+    lora_slots: torch.Tensor | None = None  # [tokens]
+    lora_rows: torch.Tensor | None = None  # [rows]
 
 
 @dataclass
@@ -57,6 +62,7 @@ class HostInputs:
     paged: dict[str, np.ndarray] | None  # the fields of its PageQueries
     num_real_rows: int  # the first logits rows, those of real requests
     decode_token_index: np.ndarray  # where each decode row's token is in input_ids, in row order
+    lora_slots: np.ndarray  # each token's LoRA slot, aligned with input_ids (padding: 0, the base)
     causal: bool = False  # a fresh prefill call (NeuronAttentionMetadata.causal)
 
     @property
@@ -64,15 +70,22 @@ class HostInputs:
         """Logits rows: each gets a row of sampling parameters and a sampled token."""
         return len(self.logits_indices)
 
+    @property
+    def lora_rows(self) -> np.ndarray:
+        """Each logits row's LoRA slot: its token's (a padding row repeats row 0's token, harmlessly)."""
+        return self.lora_slots[self.logits_indices]
+
     def send(
         self,
         device: torch.device,
         params: np.ndarray | None = None,
         token_feed: np.ndarray | None = None,
         token_keep: np.ndarray | None = None,
+        lora: bool = False,
     ) -> CallInputs:
-        """On the device, in one transfer, with each logits row's sampling parameters (default: greedy) and
-        where tokens come from and go to in the token slots (default: nowhere)."""
+        """On the device, in one transfer, with each logits row's sampling parameters (default: greedy),
+        where tokens come from and go to in the token slots (default: nowhere) and, with `lora`, the LoRA
+        slots of the tokens and the logits rows (without it the call's inputs are as they were)."""
         host = {
             "input_ids": self.input_ids,
             "positions": self.positions,
@@ -83,6 +96,7 @@ class HostInputs:
             "slot_mapping": self.slot_mapping,
             **{f"table.{name}": array for name, array in (self.table or {}).items()},
             **{f"paged.{name}": array for name, array in (self.paged or {}).items()},
+            **({"lora_slots": self.lora_slots, "lora_rows": self.lora_rows} if lora else {}),
         }
         sent = dict(zip(host, packed_inputs.send(list(host.values()), device), strict=True))
         table = {name: sent.pop(f"table.{name}") for name in self.table or {}}
@@ -106,6 +120,7 @@ class _HostPart:
     logits_indices: np.ndarray  # within the part; its real rows first
     num_real_rows: int
     tables: dict[str, np.ndarray]  # the fields of its TableQueries / PageQueries
+    lora_slots: np.ndarray  # each token's LoRA slot
     queries: int = 1  # query slots a row has (a verify call's rows: its last token and its drafts)
 
 
@@ -134,6 +149,7 @@ def _table_part(
     slots = np.full(token_bucket, NULL_BLOCK * block_size, dtype=np.int64)
     block_table = np.full(num_blocks, NULL_BLOCK, dtype=np.int64)
     logits_indices = np.zeros(logits_rows, dtype=np.int64)
+    lora_slots = np.zeros(token_bucket, dtype=np.int64)
     tokens_used = blocks_used = 0
     for index, chunk in enumerate(chunks):
         count = len(chunk.token_ids)
@@ -148,6 +164,7 @@ def _table_part(
         segment = block_table[blocks_used : blocks_used + blocks]
         segment[:] = _context_blocks(chunk.block_row, blocks)
         input_ids[tokens] = chunk.token_ids
+        lora_slots[tokens] = chunk.lora_slot
         positions[tokens] = np.arange(chunk.start, end)
         slots[tokens] = slot_mapping(segment, positions[tokens], block_size)
         first_keys[tokens] = blocks_used * block_size
@@ -165,6 +182,7 @@ def _table_part(
             "first_keys": first_keys.reshape(1, token_bucket),
             "block_table": block_table.reshape(1, num_blocks),
         },
+        lora_slots,
     )
 
 
@@ -212,6 +230,11 @@ def _paged_part(
         block_rows[row_index, positions[:rows] // block_size] * block_size + positions[:rows] % block_size
     )
     slots[:rows] = np.where(real, written, NULL_BLOCK * block_size)
+    # Every query slot of a row takes the row's adapter (its unused ones' logits are dropped anyway).
+    lora_slots = np.zeros((batch_bucket, queries), dtype=np.int64)
+    lora_slots[:rows] = np.fromiter((chunk.lora_slot for chunk in chunks), dtype=np.int64, count=rows)[
+        :, None
+    ]
 
     # The pages in row order: page p of row r holds the row's blocks p*blocks_per_page onwards.
     used = int(row_pages.sum())
@@ -237,6 +260,7 @@ def _paged_part(
             "page_rows": page_rows,
             "page_starts": page_starts,
         },
+        lora_slots.reshape(-1),
         queries,
     )
 
@@ -301,12 +325,14 @@ def _fresh_inputs(chunks: list[Chunk], token_bucket: int, block_size: int) -> Ho
     positions = np.zeros(token_bucket, dtype=np.int64)
     slots = np.full(token_bucket, NULL_BLOCK * block_size, dtype=np.int64)
     input_ids[:count] = chunk.token_ids
+    lora_slots = np.zeros(token_bucket, dtype=np.int64)
+    lora_slots[:count] = chunk.lora_slot
     positions[:count] = np.arange(count)
     blocks = _context_blocks(chunk.block_row, ceil_div(count, block_size))
     slots[:count] = slot_mapping(blocks, positions[:count], block_size)
     logits_indices = np.zeros(PACKED_CHUNKS, dtype=np.int64)
     logits_indices[0] = count - 1
-    part = _HostPart(input_ids, positions, slots, logits_indices, 1, {})
+    part = _HostPart(input_ids, positions, slots, logits_indices, 1, {}, lora_slots)
     return _host_inputs(table=part, causal=True)
 
 
@@ -358,5 +384,6 @@ def _host_inputs(
         decode_token_index=np.arange(0 if decode_at is None else decode_part.num_real_rows, dtype=np.int64)
         * decode_part.queries
         + (decode_at or 0),
+        lora_slots=np.concatenate([part.lora_slots for part in parts]),
         causal=causal,
     )
