@@ -1,20 +1,16 @@
 """The Neuron punica wrapper (vllm_neuron/lora/punica.py) against a per-token reference: mixed slots with the
 base model among them, ranks below the maximum, one to three slices, logits rows and the embedding; then the
 ops in one static graph on the `stablehlo` backend, the slots an input and the slot weights written in place
-without a recompile. The last tests pin the vLLM 0.32 seam the wrapper relies on."""
-
-import inspect
+without a recompile. tests/test_upstream.py pins the vLLM 0.32 seam the wrapper relies on."""
 
 import pytest
 import torch
 from vllm.forward_context import ForwardContext
-from vllm.lora.layers.vocab_parallel_embedding import VocabParallelEmbeddingWithLoRA
 from vllm.utils.import_utils import resolve_obj_by_qualname
 
 from vllm_neuron.compiler.stablehlo import StableHLOBackend
 from vllm_neuron.lora.punica import LORA_ROWS, LORA_SLOTS, NeuronPunicaWrapper
 from vllm_neuron.platform import NeuronPlatform
-from vllm_neuron.upstream.vllm_lora import PunicaWrapperBase
 from vllm_neuron.upstream.vllm_runner import override_forward_context
 
 NUM_SLOTS, MAX_RANK, HIDDEN, SCALE = 3, 4, 16, 0.5
@@ -183,21 +179,5 @@ def test_one_static_graph_serves_any_slots_and_in_place_slot_writes(dtype, tol):
     assert "gather" not in graph.stablehlo and graph.stablehlo.count("dot_general") == 5
 
 
-# ---- the vLLM 0.32 seam: vllm_neuron/upstream/vllm_lora.py ----------------------------------------------
-
-
 def test_the_platform_names_this_wrapper():
     assert resolve_obj_by_qualname(NeuronPlatform.get_punica_wrapper()) is NeuronPunicaWrapper
-
-
-def test_the_wrapper_implements_every_op_vllm_declares_abstract():
-    assert not NeuronPunicaWrapper.__abstractmethods__
-    assert {"add_shrink", "add_expand", "add_lora_linear", "add_lora_logits", "add_lora_embedding"} <= set(
-        PunicaWrapperBase.__abstractmethods__
-    )
-
-
-def test_the_embedding_layer_reads_the_wrappers_embedding_offsets():
-    assert "self.punica_wrapper._embeddings_indices[:num_tokens]" in inspect.getsource(
-        VocabParallelEmbeddingWithLoRA.forward
-    )

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_neuron.upstream import torch_compile, vllm_engine, vllm_runner, vllm_server
+from vllm_neuron.upstream import torch_compile, vllm_engine, vllm_lora, vllm_runner, vllm_server
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("vllm_neuron", "worker", "kv_cache", "server", "loadtest")
@@ -504,6 +504,30 @@ def test_the_worker_helpers():
         "weights_path",
         "is_checkpoint_format",
     ], moved("reload_weights", "vllm_engine")
+
+
+# ---- vLLM's LoRA seam: vllm_neuron/upstream/vllm_lora.py ---------------------------------------------------
+
+
+def test_the_punica_seam_the_lora_wrapper_fills():
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.layers.vocab_parallel_embedding import VocabParallelEmbeddingWithLoRA
+
+    from vllm_neuron.lora.punica import NeuronPunicaWrapper
+
+    # Every op vLLM declares is the wrapper's own (none left abstract), reading the slots from the context.
+    assert {"add_shrink", "add_expand", "add_lora_linear", "add_lora_logits", "add_lora_embedding"} <= set(
+        vllm_lora.PunicaWrapperBase.__abstractmethods__
+    ), moved("PunicaWrapperBase's abstract ops", "vllm_lora")
+    assert not NeuronPunicaWrapper.__abstractmethods__
+    assert parameters(vllm_lora.get_forward_context) == []
+    # The embedding layer reads the wrapper's offsets directly, the linear layers call add_lora_linear.
+    assert "self.punica_wrapper._embeddings_indices[:num_tokens]" in inspect.getsource(
+        VocabParallelEmbeddingWithLoRA.forward
+    ), moved("VocabParallelEmbeddingWithLoRA reading _embeddings_indices", "vllm_lora")
+    assert "self.punica_wrapper.add_lora_linear(" in inspect.getsource(
+        BaseLinearLayerWithLoRA._apply_lora_to_output
+    ), moved("BaseLinearLayerWithLoRA calling add_lora_linear", "vllm_lora")
 
 
 # ---- vLLM's model runner: vllm_neuron/upstream/vllm_runner.py ---------------------------------------------
