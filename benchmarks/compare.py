@@ -30,19 +30,19 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compare_tables import CONCURRENCY, markdown, ours_table  # noqa: E402
+from foreign_cpu import QUIET_LIMIT_S, ForeignCpu, wait_quiet  # noqa: E402
 from serving import ROOT, Config, Server  # noqa: E402
 
 from loadtest.stats import RequestRecord, level_summary, measured_window  # noqa: E402
 from loadtest.workload import LengthDist, Workload  # noqa: E402
 
-CONCURRENCY = (1, 8, 32)
 PROMPT_TOKENS = OUTPUT_TOKENS = 128
 MAX_MODEL_LEN = 512  # prompt + output = 256 fit, with room; the same for (a) and (b)
 TOKEN_IDS = (100, 49152)  # SmolLM2's special tokens are below 100
@@ -55,88 +55,6 @@ QUIET_ENV = {
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-
-
-class ForeignCpu:
-    """CPU used by processes outside this run (other users of the machine) while a phase runs, in cores:
-    the machine's busy time (/proc/stat) minus the CPU time of this process and every descendant seen. A
-    thread samples the descendants every second, so those that end (and may be reaped by init, as vLLM's
-    workers are) keep their last-seen time."""
-
-    def __init__(self) -> None:
-        self.ticks = os.sysconf("SC_CLK_TCK")
-        self._seen: dict[tuple[int, str], int] = {}  # (pid, start time) -> utime + stime
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._reset()
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    @staticmethod
-    def _busy_ticks() -> int:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-
-    def _scan(self) -> None:
-        children: dict[int, list[int]] = {}
-        stats: dict[int, list[str]] = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            stats[int(entry.name)] = fields
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-        todo = [os.getpid()]
-        with self._lock:
-            while todo:
-                pid = todo.pop()
-                if pid in stats:
-                    fields = stats[pid]
-                    self._seen[(pid, fields[19])] = int(fields[11]) + int(fields[12])  # utime + stime
-                todo.extend(children.get(pid, []))
-
-    def _tree_ticks(self) -> int:
-        self._scan()
-        with self._lock:
-            return sum(self._seen.values())
-
-    def _watch(self) -> None:
-        while not self._stop.wait(1.0):
-            self._scan()
-
-    def _reset(self) -> None:
-        self._start = (time.monotonic(), self._busy_ticks(), self._tree_ticks())
-
-    def cores(self) -> float:
-        """Mean foreign cores since the last call (or creation)."""
-        now = (time.monotonic(), self._busy_ticks(), self._tree_ticks())
-        seconds = now[0] - self._start[0]
-        foreign = (now[1] - self._start[1]) - (now[2] - self._start[2])
-        self._start = now
-        return max(0.0, foreign / self.ticks / seconds) if seconds > 0 else 0.0
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-QUIET_LIMIT_S = [1800.0]  # --quiet-limit
-
-
-def wait_quiet(limit_s: float | None = None, threshold: float = 0.15) -> float:
-    """Wait (at most limit_s) until other processes use under `threshold` cores over 10 s."""
-    limit_s = QUIET_LIMIT_S[0] if limit_s is None else limit_s
-    monitor, waited = ForeignCpu(), 0.0
-    while True:
-        time.sleep(10)
-        waited += 10
-        cores = monitor.cores()
-        if cores < threshold or waited >= limit_s:
-            monitor.close()
-            if waited > 10:
-                print(f"waited {waited:.0f} s for a quiet machine (other processes: {cores:.2f} cores)")
-            return cores
 
 
 def workload() -> Workload:
@@ -385,134 +303,6 @@ def machine() -> dict[str, object]:
     }
 
 
-def _p(summary: dict, key: str) -> str:
-    values = summary[key]
-    return (
-        " / ".join(
-            f"{values[f'p{q}']:.0f}" if values[f"p{q}"] >= 10 else f"{values[f'p{q}']:.1f}"
-            for q in (50, 90, 99)
-        )
-        if values["count"]
-        else "-"
-    )
-
-
-def markdown(result: dict) -> str:
-    a = {lv["concurrency"]: lv for lv in result["ours"]["levels"]}
-    b = {lv["concurrency"]: lv for lv in result["vllm_cpu"]["levels"]}
-    before = result.get("ours_before")
-    a0 = {lv["concurrency"]: lv for lv in before["levels"]} if before else None
-    rev = before["source"]["commit"] if before else ""
-    c = result.get("hf")
-    c_at = {1: c["sequential"], 8: c["batch8"], 32: c["batch32"]} if c else None
-    tok = "output_tokens_per_s"
-    lines = ["| system | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
-    systems = {"(a) vllm-torchneuron, CPU mode": a}
-    if a0 is not None:
-        systems = {f"(a) vllm-torchneuron, CPU mode, now ({result['ours']['source']['commit']})": a}
-        systems[f"(a) vllm-torchneuron, CPU mode, before ({rev})"] = a0
-    systems["(b) vLLM CPU platform"] = b
-    for name, levels in systems.items():
-        lines.append(f"| {name} | " + " | ".join(f"{levels[k][tok]:.1f}" for k in CONCURRENCY) + " |")
-    if c is not None:
-        lines.append(f"| (c) HF generate, sequential (batch 1) | {c['sequential'][tok]:.1f} | | |")
-        lines.append(
-            "| (c) HF generate, static batch of c | "
-            + " | ".join(f"{c_at[k][tok]:.1f}" for k in CONCURRENCY)
-            + " |"
-        )
-    lines += ["", "| ratio | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
-    rows = {"(a) / (b)": [a[k][tok] / b[k][tok] for k in CONCURRENCY]}
-    if a0 is not None:
-        rows["(a) before / (b)"] = [a0[k][tok] / b[k][tok] for k in CONCURRENCY]
-        rows["(a) now / (a) before"] = [a[k][tok] / a0[k][tok] for k in CONCURRENCY]
-    if c is not None:
-        rows |= {
-            "(a) / (c) sequential": [a[k][tok] / c["sequential"][tok] for k in CONCURRENCY],
-            "(a) / (c) static batch of c": [a[k][tok] / c_at[k][tok] for k in CONCURRENCY],
-            "(b) / (c) sequential": [b[k][tok] / c["sequential"][tok] for k in CONCURRENCY],
-            "(b) / (c) static batch of c": [b[k][tok] / c_at[k][tok] for k in CONCURRENCY],
-        }
-    lines += [f"| {name} | " + " | ".join(f"{v:.2f}" for v in values) + " |" for name, values in rows.items()]
-    lines += ["", "| system | c | requests | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | E2E p50 ms |"]
-    lines.append("|---|---|---|---|---|---|")
-    latency = {
-        "(a)": a,
-        **({f"(a) before ({rev})": a0} if a0 else {}),
-        "(b)": b,
-        **({"(c)": c_at} if c else {}),
-    }
-    for name, levels in latency.items():
-        for k in CONCURRENCY:
-            s = levels[k]
-            lines.append(
-                f"| {name} | {k} | {s['completed']} | {_p(s, 'ttft_ms')} | {_p(s, 'itl_ms')} | "
-                f"{s['e2e_ms']['p50']:.0f} |"
-            )
-    hw = result["roofline"]
-    weights = c["weight_bytes"] if c else 0
-    lines += ["", "| roofline | start | end |", "|---|---|---|"]
-    for key, label in (
-        ("copy_gb_s", "tensor copy GB/s (read + write)"),
-        ("read_gb_s", "tensor sum GB/s (read)"),
-        ("bf16_matmul_gflop_s", "bf16 matmul 2048^3 GFLOP/s"),
-    ):
-        lines.append(f"| {label} | {hw['start'][key]:.1f} | {hw['end'][key]:.1f} |")
-    if c is None:
-        return "\n".join([*lines, *_steps(a, a0, rev)])
-    bandwidth = hw["start"]["copy_gb_s"] * 1e9
-    steps = bandwidth / weights
-    flops_per_token = 2 * c["parameters"]
-    compute_tok_s = hw["start"]["bf16_matmul_gflop_s"] * 1e9 / flops_per_token
-    lines += [
-        "",
-        f"Weights: {c['parameters']:,} parameters, {weights / 1e6:.1f} MB in bf16. Decode roofline at the "
-        f"start's copy bandwidth ({bandwidth / 1e9:.1f} GB/s): {steps:.0f} steps/s, so at most "
-        + ", ".join(f"{k * steps:.0f} tok/s at batch {k}" for k in CONCURRENCY)
-        + f" (weights only); compute bound at {hw['start']['bf16_matmul_gflop_s']:.0f} GFLOP/s and "
-        f"{flops_per_token / 1e9:.2f} GFLOP per token: {compute_tok_s:.0f} tok/s.",
-    ]
-    lines += _steps(a, a0, rev)[:-1]
-    lines.append(
-        "| HF model's linear layers alone, batch of c rows | "
-        + " | ".join(f"{c['linears_ms'][str(k)]:.1f}" for k in CONCURRENCY)
-        + " |"
-    )
-    if "attention_ms" in result:
-        lines.append(
-            "| the plugin's paged attention alone, c rows x 512 context, 30 layers | "
-            + " | ".join(f"{result['attention_ms'][str(k)]:.1f}" for k in CONCURRENCY)
-            + " |"
-        )
-    lines.append(_steps(a, a0, rev)[-1])
-    return "\n".join(lines)
-
-
-def _steps(a: dict, a0: dict | None, rev: str) -> list[str]:
-    """(a)'s mean time per step part (and before's, with --before); its padding efficiency last."""
-    lines = ["", "| (a) per step, mean ms | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
-    for suffix, levels in (("", a), *(((f", before ({rev})", a0),) if a0 else ())):
-        parts = sorted({p for k in CONCURRENCY for p in (levels[k]["server"] or {}).get("step_ms_mean", {})})
-        for part in parts:
-            lines.append(
-                f"| {part}{suffix} | "
-                + " | ".join(
-                    f"{(levels[k]['server'] or {}).get('step_ms_mean', {}).get(part, float('nan')):.1f}"
-                    for k in CONCURRENCY
-                )
-                + " |"
-            )
-    eff = [a[k]["server"]["padding_efficiency"] if a[k]["server"] else {} for k in CONCURRENCY]
-    lines.append(
-        "| padding efficiency prefill / decode | "
-        + " | ".join(
-            f"{e.get('prefill', float('nan')):.2f} / {e.get('decode', float('nan')):.2f}" for e in eff
-        )
-        + " |"
-    )
-    return lines
-
-
 PACKAGES = ("vllm_neuron", "worker", "kv_cache", "server")
 
 
@@ -568,18 +358,6 @@ def run_before(model: str, requests: list[int], workdir: Path, rev: str) -> dict
         return run_ours(model, requests, workdir, tree, "ours-before")
     finally:
         git("worktree", "remove", "--force", str(tree))
-
-
-def ours_table(*docs: dict) -> str:
-    lines = ["| (a) output tok/s | c=1 | c=8 | c=32 |", "|---|---|---|---|"]
-    for doc in docs:
-        levels = {lv["concurrency"]: lv for lv in doc["levels"]}
-        lines.append(
-            f"| vllm-torchneuron, CPU mode, {doc['source']['commit']} | "
-            + " | ".join(f"{levels[k]['output_tokens_per_s']:.1f}" for k in CONCURRENCY)
-            + " |"
-        )
-    return "\n".join(lines)
 
 
 def main() -> None:
