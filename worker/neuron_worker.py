@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from vllm.v1.outputs import AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput
 
+    from worker.lora_slots import LoRASlots
+
 logger = init_logger("vllm.vllm_neuron.worker")
 
 
@@ -230,16 +232,22 @@ class NeuronWorker(WorkerBase):
         self.model_runner.release_kv_cache()
 
     def add_lora(self, lora_request: "LoRARequest") -> bool:
-        raise RuntimeError("LoRA is not supported by the Neuron plugin")
+        return self._lora().add(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        raise RuntimeError("LoRA is not supported by the Neuron plugin")
+        return self._lora().remove(lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
-        raise RuntimeError("LoRA is not supported by the Neuron plugin")
+        return self._lora().pin(lora_id)
 
     def list_loras(self) -> set[int]:
-        return set()
+        lora = self.model_runner.lora
+        return lora.list() if lora is not None else set()
+
+    def _lora(self) -> "LoRASlots":
+        if self.model_runner.lora is None:
+            raise RuntimeError("LoRA is not enabled: start the engine with --enable-lora")
+        return self.model_runner.lora
 
     def shutdown(self) -> None:
         runner = getattr(self, "model_runner", None)  # absent if init_device failed
