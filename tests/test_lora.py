@@ -1,6 +1,7 @@
 """LoRA adapters served through the real engine (issue 39, slice 2): two adapters built offline with peft
 (different ranks and target modules, random nonzero B) and the base model in one batch give HF's greedy
-tokens with that adapter applied, and serving them compiles no graph after warm-up."""
+tokens with that adapter applied (peft), with no graph compiled after warm-up; adapters the slots cannot
+hold, and configurations the slots do not serve, are refused by name."""
 
 from pathlib import Path
 
@@ -8,15 +9,27 @@ import pytest
 import torch
 
 from tests.conftest import ENGINE_KWARGS
-from tests.helpers import greedy, hf_greedy, random_prompt
+from tests.helpers import engine_config, greedy, hf_greedy, random_prompt
 
-MAX_TOKENS = 10
-# name -> (rank, alpha, target modules, seed): one attention-only adapter, one over every projection
-ADAPTERS = {
-    "attention": (8, 16, ["q_proj", "v_proj"], 1),
-    "everywhere": (16, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 2),
+MAX_TOKENS = 8
+MAX_RANK = 16
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, target modules, seed): q and v only at rank 8; every projection at the maximum rank
+ADAPTERS = {"qv": (8, 16, ["q_proj", "v_proj"], 1), "all": (MAX_RANK, 8, ATTENTION + MLP, 2)}
+# A short prompt, and one chunked past the 64-token prefill bucket.
+PROMPTS = [random_prompt(n, seed=300 + n) for n in (5, 70)]
+ENGINE = {
+    **ENGINE_KWARGS,
+    "max_num_seqs": 8,
+    "enable_lora": True,
+    "max_loras": 2,
+    "max_lora_rank": MAX_RANK,
+    # The projections only: lm_head and embed_tokens get no slots, so an adapter on them is refused.
+    "lora_target_modules": ATTENTION + MLP,
+    # Few graphs (prefill, decode), every path still taken: sub-chunks, decode rows of several adapters.
+    "additional_config": {"prefill_buckets": [64], "decode_batch_buckets": [8], "context_buckets": [256]},
 }
-PROMPTS = [random_prompt(n, seed=300 + n) for n in (5, 40, 70)]  # 70: a prompt past the 64-token bucket
 
 
 def build_adapter(base_dir: Path, out: Path, rank: int, alpha: int, targets: list[str], seed: int):
@@ -34,23 +47,24 @@ def build_adapter(base_dir: Path, out: Path, rank: int, alpha: int, targets: lis
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
-    folder = tmp_path_factory.mktemp("adapters")
+def adapter_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("adapters")
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, adapter_dir) -> dict[str, tuple[Path, torch.nn.Module]]:
     return {
-        name: (folder / name, build_adapter(tiny_model_dir, folder / name, *spec))
+        name: (adapter_dir / name, build_adapter(tiny_model_dir, adapter_dir / name, *spec))
         for name, spec in ADAPTERS.items()
     }
 
 
 @pytest.fixture(scope="module")
 def lora_llm(tiny_model_dir):
-    """One engine with two adapter slots of rank up to 16."""
+    """The module's one engine: two adapter slots of rank up to 16."""
     from vllm import LLM
 
-    engine = LLM(
-        model=str(tiny_model_dir),
-        **{**ENGINE_KWARGS, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16},
-    )
+    engine = LLM(model=str(tiny_model_dir), **ENGINE)
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
@@ -65,21 +79,55 @@ def test_two_adapters_and_the_base_in_one_batch_give_hf_peft_tokens(lora_llm, ad
         name: LoRARequest(name, lora_id, str(path))
         for lora_id, (name, (path, _)) in enumerate(adapters.items(), start=1)
     }
-    # Every prompt with each adapter and with none, all in one generate call.
-    cases = [(tuple(prompt), name) for prompt in PROMPTS for name in (*ADAPTERS, None)]
+    # Every prompt with each adapter and with none, in one generate call (max_num_seqs 8: one batch).
+    cases = [(prompt, name) for prompt in PROMPTS for name in (*ADAPTERS, None)]
     outputs = lora_llm.generate(
-        [TokensPrompt(prompt_token_ids=list(prompt)) for prompt, _ in cases],
+        [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in cases],
         greedy(MAX_TOKENS),
         lora_request=[requests[name] if name else None for _, name in cases],
         use_tqdm=False,
     )
     tokens = [list(output.outputs[0].token_ids) for output in outputs]
     references = {name: model for name, (_, model) in adapters.items()} | {None: hf_model}
-    expected = [hf_greedy(references[name], list(prompt), MAX_TOKENS) for prompt, name in cases]
-    assert tokens == expected
-    # Each adapter changes the tokens of some prompt: the slots are not read as the base's.
-    by_case = dict(zip(cases, tokens, strict=True))
-    for name in ADAPTERS:
-        assert any(by_case[(tuple(p), name)] != by_case[(tuple(p), None)] for p in PROMPTS), name
+    assert tokens == [hf_greedy(references[name], prompt, MAX_TOKENS) for prompt, name in cases]
+    # Each adapter changes some prompt's tokens: its slot is read, not the base's.
+    base = {tuple(prompt): t for (prompt, name), t in zip(cases, tokens, strict=True) if name is None}
+    for adapter in ADAPTERS:
+        assert any(t != base[tuple(p)] for (p, name), t in zip(cases, tokens, strict=True) if name == adapter)
     [after] = lora_llm.collective_rpc("compile_stats")
     assert (after["graphs"], after["unexpected_recompiles"]) == (before["graphs"], 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, rank, targets, refused",
+    [
+        ("head", 4, ["q_proj", "lm_head"], "targets modules the adapter slots do not hold: lm_head"),
+        ("wide", 2 * MAX_RANK, ["q_proj"], "LoRA rank 32 is greater than max_lora_rank 16"),
+    ],
+)
+def test_an_adapter_the_slots_cannot_hold_is_refused_by_name(
+    lora_llm, tiny_model_dir, adapter_dir, name, rank, targets, refused
+):
+    from vllm.lora.request import LoRARequest
+
+    build_adapter(tiny_model_dir, adapter_dir / name, rank, rank, targets, seed=3)
+    with pytest.raises(Exception, match=refused):
+        lora_llm.llm_engine.add_lora(LoRARequest(name, 10 + rank, str(adapter_dir / name)))
+
+
+@pytest.mark.parametrize(
+    "option, refused",
+    [
+        ({"fully_sharded_loras": True}, "--fully-sharded-loras is not supported"),
+        (
+            {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}},
+            "with a draft model",
+        ),
+    ],
+)
+def test_lora_configurations_the_slots_do_not_serve_are_refused(tiny_model_dir, option, refused):
+    if "speculative_config" in option:
+        option["speculative_config"]["model"] = str(tiny_model_dir)
+    with pytest.raises(ValueError, match=refused):
+        engine_config(tiny_model_dir, enable_lora=True, **option)
