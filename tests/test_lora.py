@@ -99,6 +99,36 @@ def test_two_adapters_and_the_base_in_one_batch_give_hf_peft_tokens(lora_llm, ad
 
 
 @pytest.mark.slow
+def test_an_adapter_evicted_and_reloaded_gives_the_same_tokens(
+    lora_llm, adapters, tiny_model_dir, adapter_dir
+):
+    """A third adapter takes the least recently used slot (and host copy: max_cpu_loras = max_loras); the
+    evicted adapter, reloaded from its folder, gives its tokens again, with no graph compiled."""
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    build_adapter(tiny_model_dir, adapter_dir / "third", 4, 8, ["o_proj", "down_proj"], seed=4)
+    requests = [
+        LoRARequest(name, lora_id, str(adapter_dir / name)) for lora_id, name in enumerate(ADAPTERS, 1)
+    ]
+    requests.append(LoRARequest("third", 3, str(adapter_dir / "third")))
+    [before] = lora_llm.collective_rpc("compile_stats")
+    prompt = [TokensPrompt(prompt_token_ids=PROMPTS[0])]
+
+    def generate(request: "LoRARequest") -> list[int]:
+        [output] = lora_llm.generate(prompt, greedy(MAX_TOKENS), lora_request=request, use_tqdm=False)
+        return list(output.outputs[0].token_ids)
+
+    first = [generate(request) for request in requests]
+    again = [generate(request) for request in requests]  # each evicts the least recently used
+    assert again == first
+    assert len({tuple(tokens) for tokens in first}) == 3
+    assert lora_llm.llm_engine.list_loras() <= {1, 2, 3} and len(lora_llm.llm_engine.list_loras()) == 2
+    [after] = lora_llm.collective_rpc("compile_stats")
+    assert (after["graphs"], after["unexpected_recompiles"]) == (before["graphs"], 0)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, rank, targets, refused",
     [
