@@ -99,6 +99,15 @@ def test_two_adapters_and_the_base_in_one_batch_give_hf_peft_tokens(lora_llm, ad
 
 
 @pytest.mark.slow
+def test_the_slots_bytes_are_counted_beside_the_weights(lora_llm):
+    # Per layer and slot, in units of the rank: qkv A 3 x 128 + B (128 + 64 + 64), o 128 + 128, gate_up
+    # A 2 x 128 + B 2 x 256, down 256 + 128 = 2048; 2 layers, 2 slots, rank 16, float32.
+    [info] = lora_llm.collective_rpc("lora_info")
+    assert (info["max_loras"], info["max_lora_rank"], len(info["slots"])) == (2, MAX_RANK, 2)
+    assert info["slot_bytes"] == 2048 * 2 * 2 * MAX_RANK * 4
+
+
+@pytest.mark.slow
 def test_an_adapter_evicted_and_reloaded_gives_the_same_tokens(
     lora_llm, adapters, tiny_model_dir, adapter_dir
 ):

@@ -69,6 +69,27 @@ class LoRASlots:
             return self.device_thread.submit(writes).result()
         return writes()
 
+    def slot_bytes(self) -> int:
+        """Device bytes of the stacked adapter weights: plain attributes of the LoRA layers, neither
+        parameters nor buffers, so the weights' count misses them."""
+        total = 0
+        for layer in self.manager.wrapped_layers():
+            for name in ("lora_a_stacked", "lora_b_stacked"):
+                stacked = getattr(layer, name)
+                for tensor in stacked if isinstance(stacked, tuple) else (stacked,):
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
+    def info(self) -> dict[str, object]:
+        """The slots' configuration, the adapter id in each (None: free) and their bytes."""
+        lora = self.vllm_config.lora_config
+        return {
+            "max_loras": lora.max_loras,
+            "max_lora_rank": lora.max_lora_rank,
+            "slots": list(self.manager.slot_ids()),
+            "slot_bytes": self.slot_bytes(),
+        }
+
     def add(self, request: "LoRARequest") -> bool:
         return self._write(lambda: self.manager.add_adapter(request))
 

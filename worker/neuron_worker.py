@@ -85,9 +85,10 @@ class NeuronWorker(WorkerBase):
             return envs.VLLM_NEURON_CPU_KV_CACHE_BYTES
         self.graph_reserve = graph_memory.planned(self.cache_fields)
         logger.info("Graph reserve %s", self.graph_reserve.describe())
+        lora = self.model_runner.lora
         return neuron_kv_cache_bytes(
             neuron_device.total_memory(),
-            weight_bytes(self.model_runner.model),
+            weight_bytes(self.model_runner.model) + (lora.slot_bytes() if lora is not None else 0),
             self.cache_config.gpu_memory_utilization,
             self.graph_reserve.bytes,
         )
@@ -243,6 +244,12 @@ class NeuronWorker(WorkerBase):
     def list_loras(self) -> set[int]:
         lora = self.model_runner.lora
         return lora.list() if lora is not None else set()
+
+    def lora_info(self) -> dict[str, object] | None:
+        """The LoRA slots: configuration, adapter per slot, bytes (collective_rpc("lora_info")); None
+        without --enable-lora."""
+        lora = self.model_runner.lora
+        return lora.info() if lora is not None else None
 
     def _lora(self) -> "LoRASlots":
         if self.model_runner.lora is None:

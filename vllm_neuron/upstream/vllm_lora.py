@@ -7,6 +7,7 @@ when one moves.
 
 from collections.abc import Callable
 
+import torch
 from vllm.forward_context import get_forward_context
 from vllm.lora.layers import LoRAMapping
 from vllm.lora.lora_model import LoRAModel
@@ -38,6 +39,10 @@ class CheckedLoRAManager(LRUCacheWorkerLoRAManager):
     def slot_ids(self) -> list[int | None]:
         """The adapter id in each of vLLM's slots (None: free)."""
         return self._adapter_manager.lora_index_to_id
+
+    def wrapped_layers(self) -> list[torch.nn.Module]:
+        """The model's layers vLLM replaced by LoRA layers (BaseLayerWithLoRA)."""
+        return list(self._adapter_manager.modules.values())
 
 
 __all__ = [
