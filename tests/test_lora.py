@@ -61,10 +61,15 @@ def adapters(tiny_model_dir, adapter_dir) -> dict[str, tuple[Path, torch.nn.Modu
 
 @pytest.fixture(scope="module")
 def lora_llm(tiny_model_dir):
-    """The module's one engine: two adapter slots of rank up to 16."""
+    """The module's one engine: two adapter slots of rank up to 16, and the calls on a thread of their own as
+    on Trainium (VLLM_NEURON_DEVICE_THREAD=on), so that slot writes follow the calls already submitted."""
     from vllm import LLM
 
-    engine = LLM(model=str(tiny_model_dir), **ENGINE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_NEURON_DEVICE_THREAD", "on")  # read by the engine core process at its start
+        engine = LLM(model=str(tiny_model_dir), **ENGINE)
+    [threaded] = engine.collective_rpc("device_thread")
+    assert threaded
     yield engine
     engine.llm_engine.engine_core.shutdown()
 
