@@ -55,7 +55,8 @@ class LoRASlots:
     def activate(self, batch: "InputBatch") -> list[int]:
         """Each batch row's slot, its adapter activated first."""
         requests = set(batch.lora_id_to_lora_request.values())
-        if not {request.lora_int_id for request in requests} <= set(self.manager.slot_ids()):
+        writes = any(request.load_inplace for request in requests)  # a reload of an active adapter
+        if writes or not {request.lora_int_id for request in requests} <= set(self.manager.slot_ids()):
             self._write(lambda: self.manager.set_active_adapters(requests, _MAPPING))
         else:
             self.manager.set_active_adapters(requests, _MAPPING)  # LRU order and metadata only: no write
