@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from vllm_neuron.buckets import FLASH_TOKENS
 from vllm_neuron.upstream import torch_compile
 
 aten = torch.ops.aten
@@ -95,13 +96,9 @@ def flash_kernel_takes(query: torch.Tensor, key: torch.Tensor, attn_mask: object
         attn_mask is None
         and not dropout_p
         and length % 128 == 0
-        and keys % FLASH_TILE == 0
+        and keys % FLASH_TOKENS == 0
         and head_size <= 128
     )
-
-
-# The smallest sequence tile of TorchNeuron's flash kernel: key lengths it takes are multiples of it.
-FLASH_TILE = 512
 
 
 class _FlashCalls(threading.local):
