@@ -155,7 +155,7 @@ def kv_cache_bytes(weights: int = 1024**2, utilization: float = 0.9) -> int:
     worker = SimpleNamespace(
         cache_config=SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=utilization),
         local_rank=0,
-        model_runner=SimpleNamespace(model=model),
+        model_runner=SimpleNamespace(model=model, lora=None),
         cache_fields={"model": "a configuration no graph was lowered for"},
     )
     return NeuronWorker.determine_available_memory(worker)

@@ -530,6 +530,23 @@ def test_the_punica_seam_the_lora_wrapper_fills():
     ), moved("BaseLinearLayerWithLoRA calling add_lora_linear", "vllm_lora")
 
 
+def test_the_adapter_manager_seam_the_lora_slots_use():
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    # CheckedLoRAManager checks each adapter where vLLM loads it, against the manager's wrapped modules.
+    assert parameters(WorkerLoRAManager._load_adapter) == ["self", "lora_request"], moved(
+        "WorkerLoRAManager._load_adapter", "vllm_lora"
+    )
+    init = inspect.getsource(LoRAModelManager.__init__)
+    for attribute in ("self.modules:", "self.packed_modules:", "self.lora_index_to_id:"):
+        assert attribute in init, moved(f"LoRAModelManager's {attribute[:-1]}", "vllm_lora")
+    # vLLM calls update_metadata only when the mapping or the slot layout changes: one fixed mapping suffices.
+    assert "self._last_slot_layout != slot_layout" in inspect.getsource(
+        LoRAModelManager.set_adapter_mapping
+    ), moved("LoRAModelManager.set_adapter_mapping", "vllm_lora")
+
+
 # ---- vLLM's model runner: vllm_neuron/upstream/vllm_runner.py ---------------------------------------------
 
 

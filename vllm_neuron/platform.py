@@ -5,6 +5,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import vllm.envs as vllm_envs
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
@@ -259,6 +260,25 @@ def speculative_method(vllm_config: "VllmConfig") -> str | None:
     return None if speculative is None else speculative.method
 
 
+def _lora_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
+    """What the LoRA slots (vllm_neuron/lora/punica.py) do not serve, refused by name at start-up."""
+    lora = vllm_config.lora_config
+    if lora is None:
+        return {}
+    model_config = vllm_config.model_config
+    return {
+        "LoRA on MoE models is not supported: the experts take no adapter slots": model_config.is_moe,
+        "LoRA with --tensor-parallel-size > 1 is not supported yet: serve adapters with one rank": (
+            vllm_config.parallel_config.tensor_parallel_size > 1
+        ),
+        "--fully-sharded-loras is not supported: remove it": lora.fully_sharded_loras,
+        "VLLM_LORA_ENABLE_DUAL_STREAM is CUDA only: unset it": (vllm_envs.VLLM_LORA_ENABLE_DUAL_STREAM),
+        "LoRA with a draft model is not supported (the draft would run unadapted): use the ngram method": (
+            speculative_method(vllm_config) == "draft_model"
+        ),
+    }
+
+
 def _draft_model_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
     """What the plugin's draft model runner (worker/draft_model.py) does not do."""
     speculative = vllm_config.speculative_config
@@ -308,7 +328,7 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
         )
         not in (None, *SPECULATIVE_METHODS),
         **_draft_model_refusals(vllm_config),
-        "LoRA is not supported: remove --enable-lora": vllm_config.lora_config is not None,
+        **_lora_refusals(vllm_config),
         f"quantized MoE models are not supported ({model_config.quantization} quantization): the plugin's "
         "experts are unquantized (vllm_neuron/moe.py); serve an unquantized checkpoint": (
             model_config.is_moe and model_config.quantization is not None

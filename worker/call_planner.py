@@ -40,10 +40,13 @@ class Fills:
 
 
 class CallPlanner:
-    def __init__(self, buckets: BucketConfig, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, buckets: BucketConfig, block_size: int, device: torch.device, lora: bool = False
+    ) -> None:
         self.buckets = buckets
         self.block_size = block_size
         self.device = device
+        self.lora = lora  # send each call's LoRA slots (--enable-lora)
 
     def plan(
         self,
@@ -79,7 +82,8 @@ class CallPlanner:
             for index, start, length in plan.parts:
                 chunk = prefill[index][1]
                 offset = start - chunk.start
-                parts.append(Chunk(chunk.token_ids[offset : offset + length], start, chunk.block_row))
+                tokens = chunk.token_ids[offset : offset + length]
+                parts.append(Chunk(tokens, start, chunk.block_row, chunk.lora_slot))
             rows = [decode[index][1] for index in plan.decode_rows]
             host = self.host_inputs(plan.call, parts, rows)
             # Logits rows come in call order: the prefill parts' first, then the decode rows'; padding rows
@@ -106,7 +110,7 @@ class CallPlanner:
                 elif row in fills.from_host:
                     host_fills.append((token_index, fills.from_host[row]))
             keep = token_slots.keep(slot_base, batch_rows, host.rows, queries)
-            item = PlannedCall(plan.call, host, table, feed, keep, batch_rows, host_fills)
+            item = PlannedCall(plan.call, host, table, feed, keep, batch_rows, host_fills, self.lora)
             if not host_fills:
                 item.send(self.device)
             planned.append(item)
@@ -115,7 +119,7 @@ class CallPlanner:
     def inputs(self, call: Call, parts: list[Chunk], rows: list[Chunk]) -> CallInputs:
         """A call's inputs on the device, greedy, its tokens all its own (warm-up's synthetic calls, the
         draft model's calls)."""
-        return self.host_inputs(call, parts, rows).send(self.device)
+        return self.host_inputs(call, parts, rows).send(self.device, lora=self.lora)
 
     def host_inputs(self, call: Call, parts: list[Chunk], rows: list[Chunk]) -> HostInputs:
         """A call's inputs, padded to its buckets, on the host."""

@@ -13,9 +13,11 @@ from vllm.model_executor.model_loader import get_model
 from kv_cache.backend import NeuronAttentionMetadata
 from vllm_neuron import envs, fused_moe, sampling
 from vllm_neuron.compiler import compile as neuron_compile
+from vllm_neuron.lora.punica import LORA_ROWS, LORA_SLOTS
 from vllm_neuron.upstream.vllm_runner import create_forward_context, override_forward_context
 from worker import draft_model
 from worker.call_inputs import CallInputs
+from worker.lora_slots import LoRASlots
 from worker.token_slots import size as token_slot_count
 
 if TYPE_CHECKING:
@@ -81,11 +83,14 @@ class CompiledModel:
         compile_workers: int,
         tp_rank: int,
         device: torch.device,
+        lora: LoRASlots | None = None,
     ) -> None:
         start = time.perf_counter()
         self.vllm_config = vllm_config
         fused_moe.register()  # before vLLM builds the model's MoE layers
         self.model = get_model(vllm_config=vllm_config)
+        if lora is not None:  # vLLM's LoRA layers in place of the model's, before the graphs are traced
+            self.model = lora.wrap(self.model)
         dump_dir = envs.VLLM_NEURON_DUMP_GRAPHS
         if dump_dir and vllm_config.parallel_config.tensor_parallel_size > 1:
             dump_dir = f"{dump_dir}/rank-{tp_rank}"
@@ -128,7 +133,7 @@ class CompiledModel:
             self.token_slots,
             inputs.token_feed,
             inputs.token_keep,
-            self._context(inputs.metadata),
+            self._context(inputs.metadata, inputs),
         )
         if self.draft is None:
             return outputs
@@ -146,6 +151,12 @@ class CompiledModel:
             self._context(inputs.metadata.without_masks()),
         )
 
-    def _context(self, metadata: NeuronAttentionMetadata) -> ForwardContext:
+    def _context(self, metadata: NeuronAttentionMetadata, inputs: CallInputs | None = None) -> ForwardContext:
         # Every attention layer, the draft model's too, reads the call's metadata: they share block tables.
-        return create_forward_context(dict.fromkeys(self.attention_layers, metadata), self.vllm_config)
+        # With --enable-lora the punica wrapper reads the call's LoRA slots from it too.
+        lora = inputs is not None and inputs.lora_slots is not None
+        return create_forward_context(
+            dict.fromkeys(self.attention_layers, metadata),
+            self.vllm_config,
+            additional_kwargs={LORA_SLOTS: inputs.lora_slots, LORA_ROWS: inputs.lora_rows} if lora else None,
+        )

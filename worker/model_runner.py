@@ -34,6 +34,7 @@ from worker.call_planner import CallPlanner, Fills, fill_previous_tokens
 from worker.forward import CompiledModel
 from worker.input_batch import PersistentBatch
 from worker.kv_caches import KVCaches
+from worker.lora_slots import LoRASlots
 from worker.outputs import TokenCollector
 from worker.readiness import Readiness, lowered_graphs
 from worker.sleep_mode import SleepMode
@@ -60,7 +61,7 @@ class NeuronModelRunner:
         self.tokens = TokenCollector(
             Sampler(logprobs_mode=self.model_config.logprobs_mode), self.model_config.get_vocab_size()
         )
-        self.planner = CallPlanner(self.buckets, self.block_size, device)
+        self.planner = CallPlanner(self.buckets, self.block_size, device, lora=bool(vllm_config.lora_config))
         self.max_rows = vllm_config.scheduler_config.max_num_seqs
         self._slot_base = 1  # the half of the token slots the latest step wrote
         self.compiled: CompiledModel | None = None
@@ -88,6 +89,7 @@ class NeuronModelRunner:
         # Speculative decoding: the n-gram drafter, or a draft model (worker/draft_model.py), proposes draft
         # tokens after each step; the scheduler takes them.
         self.drafter = speculation.Drafter.for_config(vllm_config)
+        self.lora = LoRASlots(vllm_config, device, self.device_thread) if vllm_config.lora_config else None
         self._model_drafts: DraftTokenIds | None = None
         self._step_ended = 0.0  # when the latest step's output was made
         self._execute_returned = 0.0  # when execute_model last returned
@@ -115,6 +117,7 @@ class NeuronModelRunner:
             self.readiness.compile_workers,
             self.tp_rank,
             self.device,
+            self.lora,
         )
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -279,6 +282,7 @@ class NeuronModelRunner:
         fills = Fills()  # rows whose token is still on the device
         drafts = scheduler_output.scheduled_spec_decode_tokens
         row_drafts: dict[int, list[int]] = {}  # batch row -> its drafts, of decode rows to verify
+        lora_slots = self.lora.activate(batch) if self.lora is not None else [0] * batch.num_reqs
         for row, req_id in enumerate(batch.req_ids):
             count = scheduler_output.num_scheduled_tokens[req_id]
             start = int(batch.num_computed_tokens_cpu[row])
@@ -296,7 +300,7 @@ class NeuronModelRunner:
                     row_drafts[row] = real
             else:
                 token_ids = batch.token_ids_cpu[row, start : start + count]
-            chunk = Chunk(token_ids, start, self.batch.block_table[row])
+            chunk = Chunk(token_ids, start, self.batch.block_table[row], lora_slots[row])
             (decode if count == 1 or req_id in drafts else prefill).append((row, chunk))
             if start + count < batch.num_tokens_no_spec[row]:
                 partial.append(row)  # prefill not finished: this row's sample is discarded

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from vllm.v1.outputs import AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput
 
+    from worker.lora_slots import LoRASlots
+
 logger = init_logger("vllm.vllm_neuron.worker")
 
 
@@ -83,9 +85,10 @@ class NeuronWorker(WorkerBase):
             return envs.VLLM_NEURON_CPU_KV_CACHE_BYTES
         self.graph_reserve = graph_memory.planned(self.cache_fields)
         logger.info("Graph reserve %s", self.graph_reserve.describe())
+        lora = self.model_runner.lora
         return neuron_kv_cache_bytes(
             neuron_device.total_memory(),
-            weight_bytes(self.model_runner.model),
+            weight_bytes(self.model_runner.model) + (lora.slot_bytes() if lora is not None else 0),
             self.cache_config.gpu_memory_utilization,
             self.graph_reserve.bytes,
         )
@@ -230,16 +233,28 @@ class NeuronWorker(WorkerBase):
         self.model_runner.release_kv_cache()
 
     def add_lora(self, lora_request: "LoRARequest") -> bool:
-        raise RuntimeError("LoRA is not supported by the Neuron plugin")
+        return self._lora().add(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        raise RuntimeError("LoRA is not supported by the Neuron plugin")
+        return self._lora().remove(lora_id)
 
     def pin_lora(self, lora_id: int) -> bool:
-        raise RuntimeError("LoRA is not supported by the Neuron plugin")
+        return self._lora().pin(lora_id)
 
     def list_loras(self) -> set[int]:
-        return set()
+        lora = self.model_runner.lora
+        return lora.list() if lora is not None else set()
+
+    def lora_info(self) -> dict[str, object] | None:
+        """The LoRA slots: configuration, adapter per slot, bytes (collective_rpc("lora_info")); None
+        without --enable-lora."""
+        lora = self.model_runner.lora
+        return lora.info() if lora is not None else None
+
+    def _lora(self) -> "LoRASlots":
+        if self.model_runner.lora is None:
+            raise RuntimeError("LoRA is not enabled: start the engine with --enable-lora")
+        return self.model_runner.lora
 
     def shutdown(self) -> None:
         runner = getattr(self, "model_runner", None)  # absent if init_device failed

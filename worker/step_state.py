@@ -69,10 +69,11 @@ class PlannedCall:
     # Decode rows whose token is the previous step's sample that the graph may leave to the host: (index in
     # input_ids, request id), filled in on the device thread before the inputs are sent.
     fills: list[tuple[int, str]] = field(default_factory=list)
+    lora: bool = False  # send the LoRA slots too (--enable-lora)
     inputs: CallInputs | None = None  # None until sent
 
     def send(self, device: torch.device) -> None:
-        self.inputs = self.host.send(device, self.params, self.token_feed, self.token_keep)
+        self.inputs = self.host.send(device, self.params, self.token_feed, self.token_keep, self.lora)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from vllm_neuron.upstream import torch_compile
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.lora import LoRAConfig
 
     from vllm_neuron.config import NeuronConfig
 
@@ -87,6 +88,17 @@ def key_fields(
         "device_mode": device.mode(),
         "compile_backend": neuron_config.compile_backend,
         "versions": device.versions(),
+        # The LoRA slots' shapes are in every graph; absent without --enable-lora: other keys are unchanged.
+        **({"lora": _lora_fields(vllm_config.lora_config)} if vllm_config.lora_config else {}),
+    }
+
+
+def _lora_fields(lora: "LoRAConfig") -> dict[str, object]:
+    return {
+        "max_loras": lora.max_loras,
+        "max_lora_rank": lora.max_lora_rank,
+        "lora_dtype": str(lora.lora_dtype),
+        "target_modules": lora.target_modules,
     }
 
 

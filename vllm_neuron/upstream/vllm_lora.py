@@ -1,11 +1,56 @@
-"""vLLM 0.32's LoRA seam as the plugin's punica wrapper reaches it: the wrapper base class the LoRA layers
-call, and the forward context its ops read the call's adapter slots from. tests/test_lora_punica.py pins what
-the wrapper relies on (the abstract ops, the layers' stacked weight shapes, the embedding layer reading
-`_embeddings_indices`); docs/maintaining.md says what to do when one moves.
+"""vLLM 0.32's LoRA seam as the plugin reaches it: the wrapper base class the LoRA layers call, the forward
+context its ops read the call's adapter slots from, and the worker-side adapter manager (private attributes
+read here only). tests/test_lora_punica.py pins what the wrapper relies on (the abstract ops, the layers'
+stacked weight shapes, the embedding layer reading `_embeddings_indices`); docs/maintaining.md says what to do
+when one moves.
 """
 
-# The base of every platform's punica wrapper: vLLM's LoRA layers call its ops (add_lora_linear, ...).
-from vllm.forward_context import get_forward_context
-from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+from collections.abc import Callable
 
-__all__ = ["PunicaWrapperBase", "get_forward_context"]
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.lora.layers import LoRAMapping
+from vllm.lora.lora_model import LoRAModel
+from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+from vllm.lora.request import LoRARequest
+from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+from vllm.model_executor.models import supports_lora
+
+
+class CheckedLoRAManager(LRUCacheWorkerLoRAManager):
+    """vLLM's LRU adapter manager whose every loaded adapter goes through `check(adapter, wrapped modules)`
+    before it takes a slot: vLLM itself skips an adapter module it did not wrap, silently."""
+
+    def __init__(self, *args, check: Callable[[LoRAModel, set[str]], None], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._check = check
+
+    def _load_adapter(self, lora_request: LoRARequest) -> LoRAModel:
+        adapter = super()._load_adapter(lora_request)
+        self._check(adapter, self._servable_modules())
+        return adapter
+
+    def _servable_modules(self) -> set[str]:
+        # Wrapped modules, and the per-projection names of the packed ones (q_proj of qkv_proj).
+        manager = self._adapter_manager
+        packed = {name for key in manager.modules for name in manager.packed_modules.get(key, ())}
+        return set(manager.modules) | packed
+
+    def slot_ids(self) -> list[int | None]:
+        """The adapter id in each of vLLM's slots (None: free)."""
+        return self._adapter_manager.lora_index_to_id
+
+    def wrapped_layers(self) -> list[torch.nn.Module]:
+        """The model's layers vLLM replaced by LoRA layers (BaseLayerWithLoRA)."""
+        return list(self._adapter_manager.modules.values())
+
+
+__all__ = [
+    "CheckedLoRAManager",
+    "LoRAMapping",
+    "LoRAModel",
+    "LoRARequest",
+    "PunicaWrapperBase",
+    "get_forward_context",
+    "supports_lora",
+]

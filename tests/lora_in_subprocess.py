@@ -1,0 +1,85 @@
+"""Run one LoRA engine in a fresh process and print what tests/test_lora.py checks, as JSON.
+
+An engine built in the pytest process would, at its shutdown, tear down the parallel groups the session's
+shared engine still uses; so the LoRA engine lives here, as tests/generate_in_subprocess.py's do.
+
+    python tests/lora_in_subprocess.py '{"model": DIR, "engine": {...}, "adapters": {NAME: DIR}, ...}'
+
+Keys: "mixed" (a list of [prompt, adapter name or null], generated in one batch), "cycle" (adapter names,
+each generated alone with "prompt", twice round: eviction and reload), "refused" (adapter names whose
+add_lora must fail: their error messages), "max_tokens". Adapter ids follow the order of "adapters".
+"""
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` importable, as under pytest
+
+
+def calls_by_phase() -> Counter:
+    """The calls the engine (in this process) ran so far, by phase."""
+    from vllm_neuron import metrics
+
+    counts: Counter = Counter()
+    for metric in metrics.BUCKET_CALLS.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                counts[sample.labels["phase"]] += sample.value
+    return counts
+
+
+def main() -> None:
+    request = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    llm = LLM(model=request["model"], **request["engine"])
+    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
+    loras = {
+        name: LoRARequest(name, lora_id, path)
+        for lora_id, (name, path) in enumerate(request["adapters"].items(), start=1)
+    }
+    [before] = llm.collective_rpc("compile_stats")
+    calls_before = calls_by_phase()
+
+    def generate(cases: list[tuple[list[int], str | None]]) -> list[list[int]]:
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in cases],
+            params,
+            lora_request=[loras[name] if name else None for _, name in cases],
+            use_tqdm=False,
+        )
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
+    mixed = generate(request["mixed"])
+    mixed_phases = sorted(calls_by_phase() - calls_before)
+    [info] = llm.collective_rpc("lora_info")
+    # Each alone, twice round: with more adapters than slots, each evicts the least recently used.
+    cycle = [generate([(request["prompt"], name)])[0] for name in request["cycle"] * 2]
+    loaded = sorted(llm.llm_engine.list_loras())
+    refused = {}
+    for name in request["refused"]:
+        try:
+            llm.llm_engine.add_lora(loras[name])
+            refused[name] = None
+        except Exception as error:  # noqa: BLE001 (the message is the result)
+            refused[name] = str(error)
+    [after] = llm.collective_rpc("compile_stats")
+    result = {
+        "device_thread": llm.collective_rpc("device_thread")[0],
+        "mixed": mixed,
+        "mixed_phases": mixed_phases,
+        "info": info,
+        "cycle": cycle,
+        "loaded": loaded,
+        "refused": refused,
+        "compile_stats": [before, after],
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
