@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from server import admission
 from vllm_neuron import acceptance, device
 from vllm_neuron.config import NeuronConfig
+from vllm_neuron.upstream import vllm_server
 from worker import sampling_rows
 
 ENDPOINT_PLUGIN_NAME = "neuron-info"
@@ -34,6 +35,9 @@ class NeuronInfoEndpoint:
             # The driver rank's graph reserve, and how it was chosen (None in CPU mode).
             reserve = await state.engine_client.collective_rpc("graph_reserve_info")
             info = dict(state.neuron_info)
+            if info["lora"] is not None:
+                [slots] = (await state.engine_client.collective_rpc("lora_info"))[:1]
+                info["lora"] = {**info["lora"], **_lora_slots(slots, state.openai_serving_models)}
             if info["speculative"] is not None:
                 totals = _registry_totals(acceptance.COUNTERS)
                 info["speculative"] = {**info["speculative"], **acceptance.figures(*totals)}
@@ -49,6 +53,8 @@ class NeuronInfoEndpoint:
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         state.neuron_info = describe(engine_client.vllm_config)
+        if engine_client.vllm_config.lora_config is not None:
+            vllm_server.answer_refused_adapters_with_400(state.openai_serving_models)
 
 
 def _speculative(vllm_config, buckets) -> dict[str, Any] | None:
@@ -68,6 +74,30 @@ def _speculative(vllm_config, buckets) -> dict[str, Any] | None:
         # A draft model compiles a graph of its own for each of the plan's shapes (worker/draft_model.py).
         "draft_graphs": buckets.num_graphs if draft_model else 0,
         "applies_to": "requests sampled in the graph without logprobs; others decode a token a step",
+    }
+
+
+def _lora(vllm_config) -> dict[str, Any] | None:
+    """The adapter slots' configuration (None: --enable-lora off); the endpoint adds what they hold."""
+    lora = vllm_config.lora_config
+    if lora is None:
+        return None
+    return {
+        "max_loras": lora.max_loras,
+        "max_lora_rank": lora.max_lora_rank,
+        "max_cpu_loras": lora.max_cpu_loras,
+    }
+
+
+def _lora_slots(slots: dict[str, Any], serving_models) -> dict[str, Any]:
+    """The driver rank's slots by adapter name (None: free), their device bytes, and every adapter the server
+    knows (loaded at start or at run time; those not in a slot are loaded by the next request that names
+    them)."""
+    names = {request.lora_int_id: name for name, request in serving_models.lora_requests.items()}
+    return {
+        "slots": [names.get(lora_id, str(lora_id)) if lora_id else None for lora_id in slots["slots"]],
+        "slot_bytes": slots["slot_bytes"],
+        "adapters": sorted(names.values()),
     }
 
 
@@ -117,6 +147,7 @@ def describe(vllm_config) -> dict[str, Any]:
         "prefill_tokens_while_decoding": neuron_config.prefill_tokens_while_decoding,
         "sampling": sampling_rows.summary(sampling_rows.host_only(vllm_config.model_config)),
         "speculative": _speculative(vllm_config, buckets),
+        "lora": _lora(vllm_config),
         "kv_cache": {"block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks},
         "versions": device.versions(),
     }

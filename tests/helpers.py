@@ -90,3 +90,18 @@ def hf_greedy_with_logprobs(
             logprobs.append(float(torch.log_softmax(logits, -1)[tokens[-1]]))
             step_input = torch.tensor([[tokens[-1]]])
     return tokens, logprobs
+
+
+def build_adapter(base_dir: Path, out: Path, rank: int, alpha: int, targets: list[str], seed: int):
+    """A peft adapter with random A and B (init_lora_weights=False: the default B = 0 is a no-op), saved to
+    `out`; returns the HF model with it applied."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+    peft_model = get_peft_model(model, config).eval()
+    peft_model.save_pretrained(out)
+    return peft_model

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import ENGINE_KWARGS
-from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
+from tests.helpers import build_adapter, engine_config, hf_greedy, random_prompt, run_engine
 
 MAX_TOKENS = 8
 MAX_RANK = 16
@@ -36,20 +36,6 @@ ENGINE = {
     # (a chunk beside a decode batch of up to 4).
     "additional_config": {"prefill_buckets": [64], "decode_batch_buckets": [4, 8], "context_buckets": [256]},
 }
-
-
-def build_adapter(base_dir: Path, out: Path, rank: int, alpha: int, targets: list[str], seed: int):
-    """A peft adapter with random A and B (init_lora_weights=False: the default B = 0 is a no-op), saved to
-    `out`; returns the HF model with it applied."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
-    peft_model = get_peft_model(model, config).eval()
-    peft_model.save_pretrained(out)
-    return peft_model
 
 
 @pytest.fixture(scope="module")

@@ -301,6 +301,7 @@ def test_neuron_info_endpoint(server):
     assert "top_p" in sampling["on_device"] and "logit_bias" in sampling["on_host"]
     # Async scheduling on, the calls in the engine's thread (CPU mode's default).
     assert info["async_scheduling"] is True and info["device_thread"] is False
+    assert info["lora"] is None  # --enable-lora: tests/test_lora_server.py
 
 
 # ---- /metrics -------------------------------------------------------------------------------------------

@@ -714,6 +714,23 @@ def test_vllm_checks_admission_before_a_response_starts():
     assert "self.check_admission(request_id=request.request_id)" in inspect.getsource(AsyncLLM._add_request)
 
 
+def test_vllm_answers_a_failed_add_lora_with_its_message():
+    """vllm_server.answer_refused_adapters_with_400 recognises the engine core's failure message, which
+    /v1/load_lora_adapter passes on (as a 500) from OpenAIServingModels.load_lora_adapter."""
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.serve.lora import api_router
+    from vllm.v1.engine.core import EngineCoreProc
+
+    core = inspect.getsource(EngineCoreProc)
+    assert 'f"Call to {name} method failed: {str(e)}"' in core, moved(
+        "the utility failure message", "vllm_server"
+    )
+    assert parameters(OpenAIServingModels.load_lora_adapter) == ["self", "request", "base_model_name"]
+    load = inspect.getsource(OpenAIServingModels.load_lora_adapter)
+    assert "await self.engine_client.add_lora(lora_request)" in load and "message=str(e)" in load
+    assert "handler.load_lora_adapter(request)" in inspect.getsource(api_router)
+
+
 def test_engine_client_methods_are_replaced_on_the_instance():
     calls = []
 

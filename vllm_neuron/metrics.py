@@ -94,6 +94,11 @@ KV_BLOCKS_USED = Gauge(
     "KV cache blocks held by the requests of the latest step.",
     multiprocess_mode="livemax",
 )
+LORA_ADAPTERS_LOADED = Gauge(
+    "vllm_neuron:lora_adapters_loaded",
+    "LoRA adapters in device slots (at most --max-loras; vllm:lora_requests_info names those running).",
+    multiprocess_mode="livemax",
+)
 DEVICE_MEMORY_USED = Gauge(
     "vllm_neuron:device_memory_used_bytes",
     "Device memory held by the worker's allocator (Neuron mode); in CPU mode, the worker's resident memory.",

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_neuron import metrics
 from vllm_neuron.upstream.vllm_lora import CheckedLoRAManager, LoRAMapping, LoRAModel, supports_lora
 from worker.async_steps import DeviceThread
 
@@ -67,8 +68,11 @@ class LoRASlots:
         # Slot writes go after the calls already submitted to the device thread: they may read a slot that
         # is about to be taken.
         if self.device_thread is not None and self.device_thread.threaded:
-            return self.device_thread.submit(writes).result()
-        return writes()
+            result = self.device_thread.submit(writes).result()
+        else:
+            result = writes()
+        metrics.LORA_ADAPTERS_LOADED.set(sum(lora_id is not None for lora_id in self.manager.slot_ids()))
+        return result
 
     def slot_bytes(self) -> int:
         """Device bytes of the stacked adapter weights: plain attributes of the LoRA layers, neither

@@ -46,6 +46,31 @@ def call_before_shutdown(engine_client: "EngineClient", before: Callable[[], Non
     engine_client.shutdown = shutdown_after
 
 
+# vLLM's message for an exception its engine core's add_lora raised (the engine itself is fine).
+ADD_LORA_FAILED = "Call to add_lora method failed: "
+
+
+def answer_refused_adapters_with_400(serving_models: Any) -> None:
+    """An adapter the engine refused at load (its rank, its target modules: a bad request) answers 400 with
+    the engine's message. vLLM 0.32: `OpenAIServingModels.load_lora_adapter` (app.state's
+    openai_serving_models, which /v1/load_lora_adapter calls) answers any exception add_lora raised with a
+    500; replaced on the instance."""
+    from http import HTTPStatus
+
+    from vllm.entrypoints.serve import create_error_response
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    load = serving_models.load_lora_adapter
+
+    async def load_lora_adapter(request: Any, base_model_name: str | None = None) -> Any:
+        response = await load(request, base_model_name)
+        if isinstance(response, ErrorResponse) and response.error.message.startswith(ADD_LORA_FAILED):
+            return create_error_response(response.error.message, "BadRequestError", HTTPStatus.BAD_REQUEST)
+        return response
+
+    serving_models.load_lora_adapter = load_lora_adapter
+
+
 # ---- launching one API server -----------------------------------------------------------------------------
 
 
