@@ -15,7 +15,7 @@ from server.check_report import Verdict
 from vllm_neuron.buckets import ceil_div
 from vllm_neuron.compiler.compile import NeuronCompileError
 from vllm_neuron.compiler.stablehlo import LoweringError
-from vllm_neuron.planning.capacity import ModelFigures
+from vllm_neuron.planning.capacity import AdapterSlots, ModelFigures
 from vllm_neuron.upstream import torch_compile
 
 if TYPE_CHECKING:
@@ -36,6 +36,11 @@ class BuiltModel:
     kv_heads: int
     head_size: int
     kv_dtype_bytes: int
+    # --enable-lora: the slots' count and rank, and (bytes held whole, bytes split by TP) of each layer's
+    # adapter slots and of the others' (embedding, logits).
+    adapter_slots: tuple[int, int] | None = None
+    adapter_layer_bytes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    adapter_other_bytes: tuple[int, int] = (0, 0)
 
     def figures(self, name: str, layers: int, heads: int) -> ModelFigures:
         """The whole model of `layers` layers: the built layers' mean size for each (exact where every layer
@@ -50,7 +55,18 @@ class BuiltModel:
             kv_heads=self.kv_heads,
             head_dim=self.head_size,
             kv_dtype_bytes=self.kv_dtype_bytes,
+            adapters=self._adapters(layers),
         )
+
+    def _adapters(self, layers: int) -> AdapterSlots | None:
+        if self.adapter_slots is None:
+            return None
+        built = len(self.layer_bytes)
+        whole, split = (
+            other + sum(layer[part] for layer in self.adapter_layer_bytes) * layers // built
+            for part, other in enumerate(self.adapter_other_bytes)
+        )
+        return AdapterSlots(*self.adapter_slots, whole_bytes=whole, split_bytes=split)
 
 
 @dataclass(frozen=True)
@@ -145,6 +161,7 @@ def measure_model(worker: "WorkerBase") -> BuiltModel:
     if len(shapes) != 1:
         raise RuntimeError(f"layers with different KV cache shapes {sorted(shapes)} are not modelled")
     ((kv_heads, head_size, dtype_bytes),) = shapes
+    adapters = _adapter_bytes(runner.lora, prefix, layers, worker.vllm_config) if runner.lora else {}
     return BuiltModel(
         layer_bytes=layer_bytes,
         layer_parameters=layer_parameters,
@@ -154,7 +171,24 @@ def measure_model(worker: "WorkerBase") -> BuiltModel:
         kv_heads=kv_heads,
         head_size=head_size,
         kv_dtype_bytes=dtype_bytes,
+        **adapters,
     )
+
+
+def _adapter_bytes(slots, prefix: str, layers: int, vllm_config: "VllmConfig") -> dict[str, Any]:
+    """BuiltModel's adapter fields: the LoRA slots' bytes (worker/lora_slots.py) by decoder layer."""
+    per_layer, other = [[0, 0] for _ in range(layers)], [0, 0]
+    for name, sizes in slots.bytes_by_module().items():
+        found = re.match(rf"{re.escape(prefix)}\.(\d+)\.", name)
+        owner = per_layer[int(found.group(1))] if found else other
+        owner[0] += sizes[0]
+        owner[1] += sizes[1]
+    lora = vllm_config.lora_config
+    return {
+        "adapter_slots": (lora.max_loras, lora.max_lora_rank),
+        "adapter_layer_bytes": [tuple(sizes) for sizes in per_layer],
+        "adapter_other_bytes": tuple(other),
+    }
 
 
 def _decoder_layers(model: torch.nn.Module, layers: int) -> tuple[str, int]:

@@ -146,6 +146,16 @@ def _capacity(report: Report) -> list[str]:
         f"buffers, KV {_kib(figures.kv_bytes_per_token())} per token ({figures.layers} layers x "
         f"{figures.kv_heads} KV heads x {figures.head_dim} x {figures.kv_dtype_bytes} bytes x K and V)",
     ]
+    adapters = figures.adapters
+    if adapters is not None:
+        whole, split = (
+            _bytes(part / adapters.slots) for part in (adapters.whole_bytes, adapters.split_bytes)
+        )
+        lines.append(
+            f"  LoRA adapter slots: {adapters.slots} of rank {adapters.rank}, "
+            f"{_bytes(adapters.bytes_per_slot())} per slot (whole model; at TP t a rank holds {whole} + "
+            f"{split} / t of it), counted in weights / rank"
+        )
     lowering = report.lowering
     if lowering.layers_checked < lowering.layers:
         lines.append(

@@ -7,9 +7,12 @@ shared engine still uses; so the LoRA engine lives here, as tests/generate_in_su
 
 Keys: "mixed" (a list of [prompt, adapter name or null], generated in one batch), "cycle" (adapter names,
 each generated alone with "prompt", twice round: eviction and reload), "refused" (adapter names whose
-add_lora must fail: their error messages), "max_tokens". Adapter ids follow the order of "adapters".
+add_lora must fail: their error messages), "max_tokens", "metrics" (counters of llm.get_metrics() to sum).
+The result also carries `vllm-neuron check`'s measure of the built model ("built"). Adapter ids follow the
+order of "adapters".
 """
 
+import dataclasses
 import json
 import sys
 from collections import Counter
@@ -42,7 +45,7 @@ def main() -> None:
         name: LoRARequest(name, lora_id, path)
         for lora_id, (name, path) in enumerate(request["adapters"].items(), start=1)
     }
-    [before] = llm.collective_rpc("compile_stats")
+    before = llm.collective_rpc("compile_stats")
     calls_before = calls_by_phase()
 
     def generate(cases: list[tuple[list[int], str | None]]) -> list[list[int]]:
@@ -56,7 +59,7 @@ def main() -> None:
 
     mixed = generate(request["mixed"])
     mixed_phases = sorted(calls_by_phase() - calls_before)
-    [info] = llm.collective_rpc("lora_info")
+    info = llm.collective_rpc("lora_info")
     # Each alone, twice round: with more adapters than slots, each evicts the least recently used.
     cycle = [generate([(request["prompt"], name)])[0] for name in request["cycle"] * 2]
     loaded = sorted(llm.llm_engine.list_loras())
@@ -67,16 +70,25 @@ def main() -> None:
             refused[name] = None
         except Exception as error:  # noqa: BLE001 (the message is the result)
             refused[name] = str(error)
-    [after] = llm.collective_rpc("compile_stats")
+    after = llm.collective_rpc("compile_stats")
+    from server.check_engine import measure_model
+
+    built = llm.collective_rpc(measure_model)[0]  # what `vllm-neuron check` measures of the slots
+    metrics = dict.fromkeys(request.get("metrics", []), 0)
+    for metric in llm.get_metrics() if metrics else []:
+        if metric.name in metrics:
+            metrics[metric.name] += metric.value
     result = {
+        "metrics": metrics,
+        "built": dataclasses.asdict(built),
         "device_thread": llm.collective_rpc("device_thread")[0],
         "mixed": mixed,
         "mixed_phases": mixed_phases,
-        "info": info,
+        "info": info,  # each rank's
         "cycle": cycle,
         "loaded": loaded,
         "refused": refused,
-        "compile_stats": [before, after],
+        "compile_stats": [before, after],  # each rank's
     }
     print("RESULT " + json.dumps(result), flush=True)
 

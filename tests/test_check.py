@@ -2,6 +2,7 @@
 model (exit 0, every figure present and equal to what the capacity model gives for its config), a refused
 architecture (MLA) and a model whose graph cannot lower (both exit 1 and say why); the table for people."""
 
+import dataclasses
 import json
 import math
 import os
@@ -222,3 +223,16 @@ def test_the_table_shows_verdict_graphs_capacity_and_cost(monkeypatch):
     rate = capacity.decode_tokens_per_s(model, 8, 32, 32, 8192)
     assert f"| 8192 | 32 | {step_ms:.2f} | {rate:,.0f} |" in text
     assert not math.isnan(report.contexts[-1].dollars_per_million)
+
+
+def test_adapter_slots_count_with_the_weights_of_each_rank():
+    """--enable-lora: the slots' bytes each rank holds whole, and those tensor parallelism splits."""
+    from benchmarks.capacity import LLAMA_8B
+    from vllm_neuron.planning.capacity import AdapterSlots
+
+    plain = LLAMA_8B.figures()
+    slots = AdapterSlots(slots=4, rank=16, whole_bytes=100 * 2**20, split_bytes=300 * 2**20)
+    figures = dataclasses.replace(plain, adapters=slots)
+    assert slots.bytes_per_slot(4) == (100 + 75) * 2**20 / 4
+    for tp in (1, 4):
+        assert figures.weight_bytes_per_rank(tp) == plain.weight_bytes_per_rank(tp) + slots.bytes_per_rank(tp)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import ENGINE_KWARGS
+from tests.environment import TENSOR_PARALLEL_ENVIRONMENT
 from tests.helpers import build_adapter, engine_config, hf_greedy, random_prompt, run_engine
 
 MAX_TOKENS = 8
@@ -24,6 +25,7 @@ REFUSED_MESSAGES = {
     "wide": "LoRA rank 32 is greater than max_lora_rank 16",
 }
 SHORT, LONG = random_prompt(5, seed=305), random_prompt(100, seed=400)
+REPEATED = random_prompt(7, seed=306) * 4
 ENGINE = {
     **ENGINE_KWARGS,
     "max_num_seqs": 8,
@@ -92,7 +94,7 @@ def test_two_adapters_and_the_base_in_one_batch_give_hf_peft_tokens(lora_run, ad
 @pytest.mark.slow
 def test_no_graph_is_compiled_for_adapters(lora_run):
     """Every generate of the run (two adapters mixed, a third by eviction, reloads, refusals): 0 graphs."""
-    before, after = lora_run["compile_stats"]
+    [before], [after] = lora_run["compile_stats"]
     assert (after["graphs"], after["unexpected_recompiles"]) == (before["graphs"], 0)
 
 
@@ -100,9 +102,22 @@ def test_no_graph_is_compiled_for_adapters(lora_run):
 def test_the_slots_bytes_are_counted_beside_the_weights(lora_run):
     # Per layer and slot, in units of the rank: qkv A 3 x 128 + B (128 + 64 + 64), o 128 + 128, gate_up
     # A 2 x 128 + B 2 x 256, down 256 + 128 = 2048; 2 layers, 2 slots, rank 16, float32.
-    info = lora_run["info"]
+    [info] = lora_run["info"]
     assert (info["max_loras"], info["max_lora_rank"], sorted(info["slots"])) == (2, MAX_RANK, [1, 2])
     assert info["slot_bytes"] == 2048 * 2 * 2 * MAX_RANK * 4
+
+
+@pytest.mark.slow
+def test_the_check_measures_the_slots_of_each_layer_and_how_tp_splits_them(lora_run):
+    """`vllm-neuron check`'s measure (server/check_engine.py), per layer in units of slots x rank x 4 bytes:
+    held whole on each rank, A of the column-parallel qkv (3 x 128) and gate_up (2 x 128), B of the
+    row-parallel o and down (128 each); split by tensor parallelism, their other halves (256 + 512 + 128 +
+    256). Nothing else is wrapped (lora_target_modules)."""
+    built = lora_run["built"]
+    unit = 2 * MAX_RANK * 4
+    assert built["adapter_slots"] == [2, MAX_RANK]
+    assert built["adapter_layer_bytes"] == [[896 * unit, 1152 * unit]] * 2
+    assert built["adapter_other_bytes"] == [0, 0]
 
 
 @pytest.mark.slow
@@ -139,3 +154,47 @@ def test_lora_configurations_the_slots_do_not_serve_are_refused(tiny_model_dir, 
         option["speculative_config"]["model"] = str(tiny_model_dir)
     with pytest.raises(ValueError, match=refused):
         engine_config(tiny_model_dir, enable_lora=True, **option)
+
+
+@pytest.mark.slow
+def test_two_ranks_and_ngram_verify_calls_give_the_same_tokens(tiny_model_dir, adapters, hf_model):
+    """TP=2 (gloo, each rank's graphs lowered by the stablehlo backend): B of the column-parallel layers and A
+    of the row-parallel ones split across the ranks, the adapters' share of the row-parallel output summed
+    by the layer's all-reduce. With n-gram speculation, so that verify calls carry each row's slot for every
+    query too. The mixed batch and a repeated phrase (whose n-grams propose drafts) give HF+peft's tokens."""
+    mixed = [(SHORT, name) for name in (*ADAPTERS, None)] + [(LONG, "all"), (REPEATED, "qv")]
+    extra = {
+        "adapters": {name: str(adapters[name][0]) for name in ADAPTERS},
+        "mixed": mixed,
+        "prompt": SHORT,
+        "cycle": [],
+        "refused": [],
+        "metrics": ["vllm:spec_decode_num_draft_tokens"],
+    }
+    speculative = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 2,
+    }
+    engine = ENGINE | {
+        "tensor_parallel_size": 2,
+        "speculative_config": speculative,
+        "disable_log_stats": False,
+    }
+    result = run_engine(
+        tiny_model_dir,
+        engine,
+        TENSOR_PARALLEL_ENVIRONMENT,
+        max_tokens=MAX_TOKENS,
+        extra=extra,
+        script="lora_in_subprocess.py",
+    )
+    models = references(adapters, hf_model)
+    assert result["mixed"] == [hf_greedy(models[name], prompt, MAX_TOKENS) for prompt, name in mixed]
+    assert result["metrics"]["vllm:spec_decode_num_draft_tokens"] > 0
+    # Each rank's slot bytes: the check's AdapterSlots at TP=2 (per layer 896 held whole, 1152 split: above).
+    unit = 2 * MAX_RANK * 4
+    assert [rank["slot_bytes"] for rank in result["info"]] == [2 * (896 + 1152 // 2) * unit] * 2  # 2 layers
+    for before, after in zip(*result["compile_stats"], strict=True):
+        assert (after["graphs"], after["unexpected_recompiles"]) == (before["graphs"], 0)

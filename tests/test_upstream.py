@@ -541,6 +541,13 @@ def test_the_adapter_manager_seam_the_lora_slots_use():
     init = inspect.getsource(LoRAModelManager.__init__)
     for attribute in ("self.modules:", "self.packed_modules:", "self.lora_index_to_id:"):
         assert attribute in init, moved(f"LoRAModelManager's {attribute[:-1]}", "vllm_lora")
+    # split_stack: under tensor parallelism a column-parallel layer keeps A whole and slices B, a row-parallel
+    # one slices A and keeps B whole.
+    from vllm.lora.layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
+
+    for layer, whole in ((ColumnParallelLinearWithLoRA, "a"), (RowParallelLinearWithLoRA, "b")):
+        kept = inspect.getsource(getattr(layer, f"slice_lora_{whole}")).splitlines()[-1].strip()
+        assert kept == f"return lora_{whole}", moved(f"{layer.__name__}.slice_lora_{whole}", "vllm_lora")
     # vLLM calls update_metadata only when the mapping or the slot layout changes: one fixed mapping suffices.
     assert "self._last_slot_layout != slot_layout" in inspect.getsource(
         LoRAModelManager.set_adapter_mapping

@@ -268,9 +268,6 @@ def _lora_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
     model_config = vllm_config.model_config
     return {
         "LoRA on MoE models is not supported: the experts take no adapter slots": model_config.is_moe,
-        "LoRA with --tensor-parallel-size > 1 is not supported yet: serve adapters with one rank": (
-            vllm_config.parallel_config.tensor_parallel_size > 1
-        ),
         "--fully-sharded-loras is not supported: remove it": lora.fully_sharded_loras,
         "VLLM_LORA_ENABLE_DUAL_STREAM is CUDA only: unset it": (vllm_envs.VLLM_LORA_ENABLE_DUAL_STREAM),
         "LoRA with a draft model is not supported (the draft would run unadapted): use the ngram method": (

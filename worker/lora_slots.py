@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_neuron import metrics
-from vllm_neuron.upstream.vllm_lora import CheckedLoRAManager, LoRAMapping, LoRAModel, supports_lora
+from vllm_neuron.upstream.vllm_lora import (
+    CheckedLoRAManager,
+    LoRAMapping,
+    LoRAModel,
+    split_stack,
+    supports_lora,
+)
 from worker.async_steps import DeviceThread
 
 if TYPE_CHECKING:
@@ -77,13 +83,26 @@ class LoRASlots:
     def slot_bytes(self) -> int:
         """Device bytes of the stacked adapter weights: plain attributes of the LoRA layers, neither
         parameters nor buffers, so the weights' count misses them."""
-        total = 0
-        for layer in self.manager.wrapped_layers():
-            for name in ("lora_a_stacked", "lora_b_stacked"):
-                stacked = getattr(layer, name)
-                for tensor in stacked if isinstance(stacked, tuple) else (stacked,):
-                    total += tensor.numel() * tensor.element_size()
-        return total
+        return sum(whole + split for whole, split in self.bytes_by_module().values())
+
+    def bytes_by_module(self) -> dict[str, tuple[int, int]]:
+        """Each wrapped module's slot bytes on this rank: those every rank holds whole, and those tensor
+        parallelism splits across the ranks (split_stack)."""
+        found = {}
+        for name, layer in self.manager.wrapped_modules().items():
+            whole = split = 0
+            for stack in ("lora_a_stacked", "lora_b_stacked"):
+                stacked = getattr(layer, stack)
+                size = sum(
+                    t.numel() * t.element_size()
+                    for t in (stacked if isinstance(stacked, tuple) else (stacked,))
+                )
+                if stack == split_stack(layer):
+                    split += size
+                else:
+                    whole += size
+            found[name] = (whole, split)
+        return found
 
     def info(self) -> dict[str, object]:
         """The slots' configuration, the adapter id in each (None: free) and their bytes."""

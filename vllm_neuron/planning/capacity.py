@@ -45,6 +45,24 @@ COMPILE_BASIS = (
 
 
 @dataclass(frozen=True)
+class AdapterSlots:
+    """LoRA adapter slots in device memory (--enable-lora), whole model and every slot: the bytes each rank
+    holds whole, and those tensor parallelism splits across the ranks (B of column-parallel layers, A of
+    row-parallel ones)."""
+
+    slots: int  # --max-loras
+    rank: int  # --max-lora-rank: every slot is padded to it
+    whole_bytes: int
+    split_bytes: int
+
+    def bytes_per_rank(self, tp: int) -> float:
+        return self.whole_bytes + self.split_bytes / tp
+
+    def bytes_per_slot(self, tp: int = 1) -> float:
+        return self.bytes_per_rank(tp) / self.slots
+
+
+@dataclass(frozen=True)
 class ModelFigures:
     """What the capacity model needs of a model: its size and the shape of its KV cache (whole model)."""
 
@@ -56,6 +74,7 @@ class ModelFigures:
     kv_heads: int
     head_dim: int
     kv_dtype_bytes: int
+    adapters: AdapterSlots | None = None  # counted with the weights: fixed device memory beside them
 
     def kv_bytes_per_token(self, tp: int = 1) -> int:
         """K and V of every layer for one token, on one rank. With more ranks than KV heads, vLLM replicates
@@ -64,9 +83,10 @@ class ModelFigures:
         return 2 * self.layers * heads_per_rank * self.head_dim * self.kv_dtype_bytes
 
     def weight_bytes_per_rank(self, tp: int) -> float:
-        """An even split: the norms each rank repeats, and K/V projections replicated beyond TP = KV heads,
-        are left out."""
-        return self.weight_bytes / tp
+        """The weights in an even split (the norms each rank repeats, and K/V projections replicated beyond
+        TP = KV heads, are left out), and the adapter slots."""
+        adapters = self.adapters.bytes_per_rank(tp) if self.adapters is not None else 0
+        return self.weight_bytes / tp + adapters
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 from vllm.forward_context import get_forward_context
-from vllm.lora.layers import LoRAMapping
+from vllm.lora.layers import ColumnParallelLinearWithLoRA, LoRAMapping, RowParallelLinearWithLoRA
 from vllm.lora.lora_model import LoRAModel
 from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 from vllm.lora.request import LoRARequest
@@ -40,9 +40,20 @@ class CheckedLoRAManager(LRUCacheWorkerLoRAManager):
         """The adapter id in each of vLLM's slots (None: free)."""
         return self._adapter_manager.lora_index_to_id
 
-    def wrapped_layers(self) -> list[torch.nn.Module]:
-        """The model's layers vLLM replaced by LoRA layers (BaseLayerWithLoRA)."""
-        return list(self._adapter_manager.modules.values())
+    def wrapped_modules(self) -> dict[str, torch.nn.Module]:
+        """The model's layers vLLM replaced by LoRA layers (BaseLayerWithLoRA), by module name."""
+        return dict(self._adapter_manager.modules)
+
+
+def split_stack(layer: torch.nn.Module) -> str | None:
+    """Which of a LoRA layer's stacked weights tensor parallelism splits across the ranks: B of a
+    column-parallel layer (its output is split), A of a row-parallel one (its input is); None where each rank
+    holds both whole (the embedding and logits layers, counted so)."""
+    if isinstance(layer, ColumnParallelLinearWithLoRA):
+        return "lora_b_stacked"
+    if isinstance(layer, RowParallelLinearWithLoRA):
+        return "lora_a_stacked"
+    return None
 
 
 __all__ = [
@@ -52,5 +63,6 @@ __all__ = [
     "LoRARequest",
     "PunicaWrapperBase",
     "get_forward_context",
+    "split_stack",
     "supports_lora",
 ]
