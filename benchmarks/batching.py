@@ -34,8 +34,9 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[index]
 
 
-def stream_one(client, prompt: list[int], max_tokens: int, on_first_token=None) -> dict:
-    """One streamed completion: time to first token and the gaps between chunks that carry tokens.
+def stream_one(client, prompt: list[int], max_tokens: int, on_first_token=None, model: str = "m") -> dict:
+    """One streamed completion of `model` (the served base name, or a LoRA adapter's): time to first token
+    and the gaps between chunks that carry tokens.
 
     A chunk is counted by its token ids, not its text: a token that ends inside a multi-byte character has
     no text of its own (its chunk comes with empty text), and counting text alone made one gap of two steps.
@@ -44,7 +45,7 @@ def stream_one(client, prompt: list[int], max_tokens: int, on_first_token=None) 
     arrivals = []
     tokens = 0
     stream = client.completions.create(
-        model="m",
+        model=model,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
@@ -73,7 +74,9 @@ def cpu_ticks() -> tuple[int, int]:
     return fields[7], sum(fields)
 
 
-def run_clients(base: str, jobs: list[tuple[list[int], int]], concurrency: int, on_first_token=None) -> dict:
+def run_clients(base: str, jobs: list[tuple], concurrency: int, on_first_token=None) -> dict:
+    """`concurrency` clients in a closed loop; each job is (prompt, max_tokens) or (prompt, max_tokens,
+    model)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=1800)
@@ -84,8 +87,8 @@ def run_clients(base: str, jobs: list[tuple[list[int], int]], concurrency: int, 
             with lock:
                 if not pending:
                     return
-                prompt, max_tokens = pending.pop(0)
-            result = stream_one(client, prompt, max_tokens, on_first_token)
+                prompt, max_tokens, *model = pending.pop(0)
+            result = stream_one(client, prompt, max_tokens, on_first_token, *model)
             with lock:
                 results.append(result)
 
