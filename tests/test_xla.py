@@ -109,6 +109,26 @@ def test_the_lowered_graph_runs_through_xla_with_the_cache_in_place():
     assert "arith." not in graph.stablehlo and "tensor.empty" not in graph.stablehlo
 
 
+class TransposedWeight(torch.nn.Module):
+    """A weight kept as a transposed view, as vLLM's FP8 linear methods keep theirs (weight.t())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 16).t(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def test_a_strided_input_reaches_xla_as_its_values_not_its_memory():
+    module, backend = TransposedWeight(), StableHLOBackend(execute="xla")
+    x = torch.randn(4, 16)
+    assert not module.weight.is_contiguous()
+    torch.testing.assert_close(torch.compile(module, backend=backend, fullgraph=True)(x), module(x))
+    (graph,) = backend.graphs
+    assert module.weight.data_ptr() in graph.program.copied_inputs.values()
+
+
 @pytest.mark.slow
 def test_every_warm_up_graph_of_the_engine_runs_through_xla_with_its_caches_in_place(llm):
     """The shared engine runs the xla backend (tests/environment.py): for every warm-up graph, XLA aliases

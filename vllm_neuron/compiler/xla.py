@@ -185,11 +185,14 @@ class Program:
         kept = self._views.get(position)
         if kept is not None and kept[0] == key:
             return kept[1]
-        array = jax.dlpack.from_dlpack(tensor.detach())
+        # XLA's arrays are row-major: a strided view (a transposed weight) reaches it as its memory is laid
+        # out, which reads other elements, so it goes as a row-major copy, recorded as copied.
+        contiguous = tensor.detach().contiguous()
+        array = jax.dlpack.from_dlpack(contiguous)
         # Only a view (the same memory) stays valid when the tensor's contents change.
         if not tensor.numel():
             return array
-        if array.unsafe_buffer_pointer() == tensor.data_ptr():
+        if contiguous.data_ptr() == tensor.data_ptr() and array.unsafe_buffer_pointer() == tensor.data_ptr():
             self._views[position] = (key, array)
         else:
             self.copied_inputs[position] = tensor.data_ptr()
