@@ -134,6 +134,11 @@ NEURON_PANELS = [
         [("max(vllm_neuron:kv_blocks_used)", "used"), ("max(vllm_neuron:kv_blocks_total)", "total")],
     ),
     (
+        "LoRA adapters in device slots",
+        "short",
+        [("max(vllm_neuron:lora_adapters_loaded)", "loaded")],
+    ),
+    (
         "Device memory used",
         "bytes",
         [("max(vllm_neuron:device_memory_used_bytes)", "used")],
