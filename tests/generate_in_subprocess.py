@@ -9,7 +9,8 @@ Optional keys: "sampling" (a list of {"prompt", "params": SamplingParams keyword
 after the greedy prompts: "sampled_tokens"), "churn_bursts" (then run tests/test_churn.py's workload and
 report it), "sleep_level" (then sleep at that level, wake up, reload the weights after level 2, and generate
 again), "wait_background" (then wait until staged readiness's background compiles are done), "metrics" (the
-values of these counters of llm.get_metrics(), summed over labels: "metrics" in the result), and with the
+values of these counters of llm.get_metrics(), summed over labels: "metrics" in the result),
+"save_dequantized" (a path: the driver rank's FP8 linear weights dequantized, torch.save'd), and with the
 plugin active the result carries each rank's compile_stats (graphs, recompiles after warm-up, KV cache
 shape) and the driver's compile_progress.
 """
@@ -17,6 +18,8 @@ shape) and the driver's compile_progress.
 import json
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` importable, as under pytest
 
@@ -81,6 +84,10 @@ def main() -> None:
         for metric in llm.get_metrics():
             if metric.name in metrics:
                 metrics[metric.name] += metric.value
+    if request.get("save_dequantized"):  # FP8 weights as the model computes with them, for the HF reference
+        from tests.fp8_reference import dequantized_weights
+
+        torch.save(llm.collective_rpc(dequantized_weights)[0], request["save_dequantized"])
     result = {
         "metrics": metrics,
         "platform": type(current_platform).__name__,

@@ -103,8 +103,8 @@ def architecture(name: str):
     "settings, message",
     [
         (
-            dict(quantization="experts_int8", dtype="bfloat16"),
-            "quantized MoE models are not supported \\(experts_int8",
+            dict(quantization="fp8", dtype="bfloat16"),
+            "quantized MoE models are not supported \\(fp8",
         ),
         (dict(enable_return_routed_experts=True), "returning routed experts is not supported"),
     ],

@@ -554,6 +554,30 @@ def test_the_adapter_manager_seam_the_lora_slots_use():
     ), moved("LoRAModelManager.set_adapter_mapping", "vllm_lora")
 
 
+def test_the_fp8_linear_seam_the_neuron_kernel_fills():
+    """vllm_neuron/upstream/vllm_fp8.py: the kernel registry for out-of-tree platforms, the kernel base
+    class's abstract methods, and the weight quantization op vLLM's FP8 methods call by attribute."""
+    from vllm import _custom_ops
+    from vllm.model_executor.kernels.linear import register_linear_kernel
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+
+    from vllm_neuron.quantization.fp8 import scaled_fp8_quant
+    from vllm_neuron.upstream.vllm_fp8 import FP8ScaledMMLinearKernel
+
+    assert parameters(register_linear_kernel) == ["kernel_class", "platform", "kernel_type"], moved(
+        "register_linear_kernel", "vllm_fp8"
+    )
+    assert FP8ScaledMMLinearKernel.__abstractmethods__ == {
+        "is_supported",
+        "can_implement",
+        "apply_scaled_mm",
+    }, moved("FP8ScaledMMLinearKernel's abstract methods", "vllm_fp8")
+    assert parameters(_custom_ops.scaled_fp8_quant) == parameters(scaled_fp8_quant)
+    # Online FP8 quantizes through the module attribute, and leaves the weight as a transposed view.
+    source = inspect.getsource(online.Fp8PerTensorOnlineLinearMethod.process_weights_after_loading)
+    assert "ops.scaled_fp8_quant(weight, scale=weight_scale)" in source and "qweight.t()" in source
+
+
 # ---- vLLM's model runner: vllm_neuron/upstream/vllm_runner.py ---------------------------------------------
 
 

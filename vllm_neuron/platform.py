@@ -62,7 +62,8 @@ class NeuronPlatform(Platform):
     device_control_env_var: str = "NEURON_RT_VISIBLE_CORES"
     # vLLM compiles small helpers with dynamic=True; the static-only neuron backend must never see them.
     simple_compile_backend: str = "eager"
-    supported_quantization: list[str] = []
+    # FP8 weights (vllm_neuron/quantization/fp8.py): vLLM refuses any other --quantization by name.
+    supported_quantization: list[str] = ["fp8", "fp8_per_tensor", "fp8_per_channel"]
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -276,6 +277,20 @@ def _lora_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
     }
 
 
+def _quantization_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
+    """What the FP8 kernel (vllm_neuron/quantization/fp8.py) does not serve, named before the weights load."""
+    model_config = vllm_config.model_config
+    checkpoint = getattr(model_config.hf_config, "quantization_config", None) or {}
+    if not isinstance(checkpoint, dict):
+        checkpoint = checkpoint.to_dict()
+    return {
+        "block-scaled FP8 (weight_block_size) is not supported: serve a per-tensor or per-channel FP8 "
+        "checkpoint, or the unquantized model with --quantization fp8": (
+            checkpoint.get("weight_block_size") is not None
+        ),
+    }
+
+
 def _draft_model_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
     """What the plugin's draft model runner (worker/draft_model.py) does not do."""
     speculative = vllm_config.speculative_config
@@ -326,6 +341,7 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
         not in (None, *SPECULATIVE_METHODS),
         **_draft_model_refusals(vllm_config),
         **_lora_refusals(vllm_config),
+        **_quantization_refusals(vllm_config),
         f"quantized MoE models are not supported ({model_config.quantization} quantization): the plugin's "
         "experts are unquantized (vllm_neuron/moe.py); serve an unquantized checkpoint": (
             model_config.is_moe and model_config.quantization is not None

@@ -11,6 +11,7 @@ from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, trn2
 from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig
+from vllm_neuron.quantization import fp8
 from vllm_neuron.upstream import vllm_engine
 from worker.model_runner import NeuronModelRunner
 
@@ -61,6 +62,8 @@ class NeuronWorker(WorkerBase):
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
             self.load_config.load_format = "dummy"
+        if self.model_config.quantization is not None:
+            fp8.install()  # before the model is built: its linear methods choose their kernel then
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.load_model()
 

@@ -1,0 +1,130 @@
+"""FP8 weights (issue 40): vLLM's FP8 linear methods on the plugin's kernel (vllm_neuron/quantization/fp8.py).
+The weight quantization equals its definition; the kernel computes x times the dequantized weight; the graph
+takes the weight as float8_e4m3fn into its matmul (StableHLO), and XLA runs it with eager's numbers; a tiny
+model served with --quantization fp8 gives the greedy tokens of HF on the same dequantized weights; what the
+kernel does not serve is refused by name."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from tests.conftest import ENGINE_KWARGS
+from tests.fp8_reference import hf_with_weights
+from tests.helpers import PROMPTS, engine_config, hf_greedy, run_engine
+from vllm_neuron.compiler.stablehlo import StableHLOBackend
+from vllm_neuron.quantization.fp8 import FP8, FP8_MAX, NeuronFp8Linear, scaled_fp8_quant
+
+MAX_TOKENS = 12
+
+
+def test_static_and_dynamic_quantization_equal_their_definition():
+    torch.manual_seed(0)
+    x = torch.randn(6, 32) * 3
+    scale = torch.tensor([0.02])
+    q, s = scaled_fp8_quant(x, scale)
+    assert q.dtype == FP8 and s is scale
+    assert torch.equal(q.float(), (x / 0.02).clamp(-FP8_MAX, FP8_MAX).to(FP8).float())
+    q, s = scaled_fp8_quant(x)  # dynamic per tensor: the absolute maximum maps to FP8's largest value
+    assert s.shape == (1,) and q.float().abs().max() == FP8_MAX
+    q, s = scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    assert s.shape == (6, 1) and torch.equal(q.float().abs().amax(1), torch.full((6,), FP8_MAX))
+    columns = torch.rand(32) + 0.01
+    q, _ = scaled_fp8_quant(x, columns, group_shape=(-1, 1))
+    assert torch.equal(q.float(), (x / columns).clamp(-FP8_MAX, FP8_MAX).to(FP8).float())
+    q, _ = scaled_fp8_quant(x, scale, num_token_padding=8)
+    assert q.shape == (8, 32) and not q[6:].float().any()
+
+
+class Fp8Layer(torch.nn.Module):
+    """A linear layer as vLLM leaves it for the kernel: W8 [in, out] as a transposed view, its scale."""
+
+    def __init__(self, weight: torch.Tensor, per_channel: bool, bias: bool) -> None:
+        super().__init__()
+        amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax().reshape(1)
+        scale = amax / FP8_MAX
+        quantized, _ = scaled_fp8_quant(weight, scale)
+        self.weight = torch.nn.Parameter(quantized.t(), requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.randn(weight.shape[0]), requires_grad=False) if bias else None
+        NeuronFp8Linear.process_weights_after_loading(None, self)
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.weight.double() * self.weight_scale.double()).t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NeuronFp8Linear.apply_weights(None, self, x, self.bias)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per tensor", "per channel"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_kernel_computes_x_times_the_dequantized_weight(per_channel, dtype, tol):
+    torch.manual_seed(1)
+    layer = Fp8Layer(torch.randn(48, 32), per_channel, bias=True)
+    layer.bias.data = layer.bias.data.to(dtype)  # in the model's dtype, as vLLM creates it
+    assert layer.weight.is_contiguous() and layer.weight.dtype == FP8
+    x = torch.randn(2, 5, 32).to(dtype)
+    expected = x.double() @ layer.dequantized().t() + layer.bias.double()
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (2, 5, 48)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per tensor", "per channel"])
+def test_the_fp8_weight_enters_the_graph_and_its_matmul_as_fp8(per_channel):
+    """TorchNeuron's route: the weight is an f8E4M3FN argument of the program, converted where the dot reads
+    it (no bf16 copy of it kept); XLA compiles and runs that program with eager's numbers."""
+    torch.manual_seed(2)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    for execute in ("fx", "xla"):
+        layer = Fp8Layer(torch.randn(48, 32), per_channel, bias=False)
+        backend = StableHLOBackend(execute=execute)
+        out = torch.compile(layer, backend=backend, fullgraph=True, dynamic=False)(x)
+        torch.testing.assert_close(out, layer(x))
+        (graph,) = backend.graphs
+        text = graph.stablehlo
+        signature = next(line for line in text.splitlines() if "func.func @main" in line)
+        assert "tensor<32x48xf8E4M3FN>" in signature.split("->")[0]  # a parameter of the program
+        # converted where the dot reads it: the only bf16 tensor of the weight's shape is the dot's operand
+        convert = re.search(r"(%\d+) = stablehlo.convert %arg\d+ : \(tensor<32x48xf8E4M3FN>\)", text)
+        assert convert and re.search(rf"dot_general %\d+, {convert.group(1)},", text)
+
+
+def with_quantization_config(source, target, quantization_config: dict):
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config | {"quantization_config": quantization_config}))
+    return target
+
+
+def test_fp8_the_kernel_does_not_serve_is_refused_by_name(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="fp8_per_block quantization is currently not supported"):
+        engine_config(tiny_model_dir, quantization="fp8_per_block")
+    block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    model_dir = with_quantization_config(tiny_model_dir, tmp_path / "block", block)
+    with pytest.raises(ValueError, match="block-scaled FP8 \\(weight_block_size\\) is not supported"):
+        engine_config(model_dir, dtype="bfloat16")
+    with pytest.raises(ValueError, match="awq quantization is currently not supported"):
+        engine_config(tiny_model_dir, quantization="awq")
+
+
+@pytest.mark.slow
+def test_online_fp8_gives_hf_tokens_on_the_same_dequantized_weights(tiny_model_dir, tmp_path):
+    """vLLM serves online FP8 with half-precision activations only: float16, HF in float16 too."""
+    weights_path = tmp_path / "dequantized.pt"
+    result = run_engine(
+        tiny_model_dir,
+        ENGINE_KWARGS | {"quantization": "fp8", "dtype": "float16"},
+        {"VLLM_NEURON_DEVICE": "cpu"},
+        max_tokens=MAX_TOKENS,
+        extra={"save_dequantized": str(weights_path)},
+    )
+    weights = torch.load(weights_path)
+    # Every projection of both layers: q, k and v in one tensor, gate and up in one (vLLM's fused layers).
+    assert len(weights) == 2 * 4
+    reference = hf_with_weights(tiny_model_dir, weights, torch.float16)
+    assert result["tokens"] == [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
+    [stats] = result["compile_stats"]
+    assert stats["unexpected_recompiles"] == 0

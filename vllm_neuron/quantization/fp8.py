@@ -1,0 +1,122 @@
+"""FP8 weights on Neuron (issue 40): the kernel vLLM's FP8 linear methods choose on this platform (online
+`--quantization fp8`, FP8 checkpoints), and the plain-torch weight quantization they call at load.
+
+The weight stays float8_e4m3fn in device memory and enters each graph as an FP8 input, converted next to its
+matmul; the output is scaled per tensor or per output channel in float32. Activations stay in the model's
+dtype: weight-only FP8, as vLLM serves FP8 on GPUs without FP8 compute (its Marlin FP8 kernel), so the exact
+reference is the model with the dequantized weights. docs/research/issue-40-fp8.md.
+"""
+
+import torch
+
+from vllm_neuron.upstream.vllm_fp8 import (
+    FP8ScaledMMLinearKernel,
+    FP8ScaledMMLinearLayerConfig,
+    GroupShape,
+    register_fp8_kernel,
+    replace_parameter,
+    replace_scaled_fp8_quant,
+)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# vLLM's floor on a dynamic scale (its quantization kernels'): an all-zero tensor still divides.
+MIN_SCALE = 1.0 / (FP8_MAX * 512)
+
+
+def scaled_fp8_quant(
+    input: torch.Tensor,  # noqa: A002 (vLLM's argument names: callers pass them by keyword)
+    scale: torch.Tensor | None = None,
+    num_token_padding: int | None = None,
+    scale_ub: torch.Tensor | None = None,
+    use_per_token_if_dynamic: bool = False,
+    output: torch.Tensor | None = None,
+    group_shape: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`vllm._custom_ops.scaled_fp8_quant` in plain torch, with its arguments and results: `input` [M, N]
+    quantized with `scale` (per tensor, or by `group_shape`), or with a scale from its absolute maximum (per
+    tensor, or per row). Runs at weight load on the host, never in a graph."""
+    values = input.to(torch.float32)
+    if scale is None:
+        if use_per_token_if_dynamic:
+            amax = values.abs().amax(dim=1, keepdim=True)
+            amax = amax if scale_ub is None else amax.clamp(max=scale_ub)
+        else:
+            amax = values.abs().amax().reshape(1)
+        scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    quantized = (values / _spread(scale.to(torch.float32), values.shape, group_shape)).clamp(
+        -FP8_MAX, FP8_MAX
+    )
+    quantized = quantized.to(FP8)
+    if num_token_padding and num_token_padding > quantized.shape[0]:
+        padding = torch.zeros(num_token_padding - quantized.shape[0], quantized.shape[1], dtype=FP8)
+        quantized = torch.cat([quantized, padding.to(quantized.device)])
+    if output is not None:
+        output.copy_(quantized)
+        quantized = output
+    return quantized, scale
+
+
+def _spread(scale: torch.Tensor, shape: torch.Size, group_shape: tuple[int, int] | None) -> torch.Tensor:
+    """`scale` broadcast over a [M, N] tensor: one value; a 1-D scale laid out by `group_shape` ((-1, 1): per
+    column, (1, -1): per row); or a 2-D one, a value per group of [M / its rows, N / its columns]."""
+    if scale.numel() == 1:
+        return scale.reshape(())
+    if scale.dim() == 1:
+        if group_shape is None:
+            raise ValueError("a 1-D FP8 scale needs group_shape: (-1, 1) per column or (1, -1) per row")
+        return scale.reshape(1, -1) if tuple(group_shape) == (-1, 1) else scale.reshape(-1, 1)
+    rows, cols = shape[0] // scale.shape[0], shape[1] // scale.shape[1]
+    return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
+
+
+class NeuronFp8Linear(FP8ScaledMMLinearKernel):
+    """x @ dequantize(W) in the graph: W float8_e4m3fn [in, out], row-major, converted to x's dtype next to
+    the matmul; the float32 scale (one, or one per output channel) applied to the product."""
+
+    @classmethod
+    def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+        return True, None
+
+    @classmethod
+    def can_implement(cls, c: FP8ScaledMMLinearLayerConfig) -> tuple[bool, str | None]:
+        weight, activation = c.weight_quant_key.scale, c.activation_quant_key.scale
+        if not weight.static or weight.group_shape not in (GroupShape.PER_TENSOR, GroupShape.PER_CHANNEL):
+            return False, f"Neuron FP8 takes static per-tensor or per-channel weight scales, not {weight}"
+        if activation.static:
+            return False, (
+                "Neuron FP8 does not apply static activation scales yet (input_scale): serve a checkpoint "
+                "with dynamic activations (e.g. compressed-tensors FP8_DYNAMIC) or --quantization fp8"
+            )
+        return True, None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        # vLLM leaves the weight as a transposed view ([in, out] over [out, in] memory); XLA and neuronx-cc
+        # take inputs row-major, so it is laid out once here, not copied at every call.
+        replace_parameter(layer, "weight", layer.weight.data.contiguous())
+        scale = layer.weight_scale.data.to(torch.float32)
+        # Per tensor: [1]; per output channel ([out, 1] from vLLM): one row across the output's columns.
+        replace_parameter(
+            layer, "weight_scale", scale.reshape(1, -1) if scale.numel() > 1 else scale.reshape(1)
+        )
+
+    def apply_weights(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        weight = layer.weight
+        product = x.reshape(-1, x.shape[-1]) @ weight.to(x.dtype)
+        out = (product.to(torch.float32) * layer.weight_scale).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], weight.shape[1])
+
+    def apply_scaled_mm(self, **kwargs: object) -> torch.Tensor:
+        # Abstract in vLLM's base; apply_weights above does the whole product, so nothing calls it.
+        raise NotImplementedError("NeuronFp8Linear computes in apply_weights")
+
+
+def install() -> None:
+    """Make vLLM's FP8 linear methods use this kernel and this weight quantization (in the worker, before
+    the model is built)."""
+    register_fp8_kernel(NeuronFp8Linear)
+    replace_scaled_fp8_quant(scaled_fp8_quant)
