@@ -36,3 +36,36 @@ def hf_with_weights(
             for part, piece in zip(parts, weight.split(sizes), strict=True):
                 parameters[f"{prefix}.{part}.weight"].copy_(piece)
     return model
+
+
+def write_compressed_tensors_checkpoint(model_dir: Path, out: Path, preset: str = "FP8_DYNAMIC") -> Path:
+    """`model_dir`'s model quantized offline with the compressed-tensors library (`preset`'s scheme on every
+    Linear but lm_head, weight scales from each output channel's absolute maximum) and saved to `out` as
+    vLLM reads it, tokenizer included."""
+    import shutil
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    scheme = {"group_0": preset_name_to_scheme(preset, ["Linear"])}
+    config = QuantizationConfig(config_groups=scheme, format="float-quantized", ignore=["lm_head"])
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "quantization_scheme") and hasattr(module, "weight_scale"):
+                amax = module.weight.abs().amax(dim=1, keepdim=True).expand_as(module.weight_scale)
+                module.weight_scale.copy_(amax / torch.finfo(torch.float8_e4m3fn).max)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    for path in model_dir.iterdir():
+        if "token" in path.name:
+            shutil.copy(path, out / path.name)
+    return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import ENGINE_KWARGS
-from tests.fp8_reference import hf_with_weights
+from tests.fp8_reference import hf_with_weights, write_compressed_tensors_checkpoint
 from tests.helpers import PROMPTS, engine_config, hf_greedy, run_engine
 from vllm_neuron.compiler.stablehlo import StableHLOBackend
 from vllm_neuron.quantization.fp8 import FP8, FP8_MAX, NeuronFp8Linear, scaled_fp8_quant
@@ -128,3 +128,63 @@ def test_online_fp8_gives_hf_tokens_on_the_same_dequantized_weights(tiny_model_d
     assert result["tokens"] == [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
     [stats] = result["compile_stats"]
     assert stats["unexpected_recompiles"] == 0
+
+
+@pytest.fixture(scope="module")
+def fp8_dynamic_checkpoint(tiny_model_dir, tmp_path_factory):
+    return write_compressed_tensors_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("ct") / "fp8-dynamic")
+
+
+@pytest.mark.slow
+def test_a_compressed_tensors_checkpoint_gives_hf_tokens_on_its_dequantized_weights(
+    fp8_dynamic_checkpoint, tiny_model_dir, tmp_path
+):
+    """FP8_DYNAMIC written offline with the compressed-tensors library (per-channel weight scales, dynamic
+    activations: served weight-only), in float32 as compressed-tensors allows: HF in float32 on the weights
+    the engine computes with (vLLM's fused layers keep each projection's channel scales)."""
+    weights_path = tmp_path / "dequantized.pt"
+    result = run_engine(
+        fp8_dynamic_checkpoint,
+        ENGINE_KWARGS,
+        {"VLLM_NEURON_DEVICE": "cpu"},
+        max_tokens=MAX_TOKENS,
+        extra={"save_dequantized": str(weights_path)},
+    )
+    weights = torch.load(weights_path)
+    assert len(weights) == 2 * 4
+    reference = hf_with_weights(tiny_model_dir, weights)
+    assert result["tokens"] == [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
+    [stats] = result["compile_stats"]
+    assert stats["unexpected_recompiles"] == 0
+
+
+@pytest.mark.parametrize(
+    "group, refused",
+    [
+        (
+            {
+                "format": "int-quantized",
+                "weights": {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True},
+            },
+            "group 'group_0' is not FP8 with per-tensor or per-channel weight scales \\(weights int 8-bit",
+        ),
+        (
+            {
+                "weights": {"type": "float", "num_bits": 8, "strategy": "tensor", "symmetric": True},
+                "input_activations": {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False},
+            },
+            "quantizes activations with static scales \\(float 8-bit, tensor\\)",
+        ),
+    ],
+    ids=["int8 weights", "static activation scales"],
+)
+def test_compressed_tensors_schemes_the_kernel_does_not_serve_are_refused(
+    fp8_dynamic_checkpoint, tmp_path, group, refused
+):
+    config = json.loads((fp8_dynamic_checkpoint / "config.json").read_text())["quantization_config"]
+    config["config_groups"] = {
+        "group_0": {**config["config_groups"]["group_0"], **group} | {"targets": ["Linear"]}
+    }
+    model_dir = with_quantization_config(fp8_dynamic_checkpoint, tmp_path / "refused", config)
+    with pytest.raises(ValueError, match=refused):
+        engine_config(model_dir)

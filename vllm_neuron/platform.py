@@ -63,7 +63,7 @@ class NeuronPlatform(Platform):
     # vLLM compiles small helpers with dynamic=True; the static-only neuron backend must never see them.
     simple_compile_backend: str = "eager"
     # FP8 weights (vllm_neuron/quantization/fp8.py): vLLM refuses any other --quantization by name.
-    supported_quantization: list[str] = ["fp8", "fp8_per_tensor", "fp8_per_channel"]
+    supported_quantization: list[str] = ["fp8", "fp8_per_tensor", "fp8_per_channel", "compressed-tensors"]
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -279,16 +279,32 @@ def _lora_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
 
 def _quantization_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
     """What the FP8 kernel (vllm_neuron/quantization/fp8.py) does not serve, named before the weights load."""
-    model_config = vllm_config.model_config
-    checkpoint = getattr(model_config.hf_config, "quantization_config", None) or {}
+    checkpoint = getattr(vllm_config.model_config.hf_config, "quantization_config", None) or {}
     if not isinstance(checkpoint, dict):
         checkpoint = checkpoint.to_dict()
-    return {
+    refusals = {
         "block-scaled FP8 (weight_block_size) is not supported: serve a per-tensor or per-channel FP8 "
         "checkpoint, or the unquantized model with --quantization fp8": (
             checkpoint.get("weight_block_size") is not None
         ),
     }
+    for name, group in checkpoint.get("config_groups", {}).items():  # compressed-tensors
+        weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
+        fp8 = weights.get("type") == "float" and weights.get("num_bits") == 8 and weights.get("symmetric")
+        refusals[
+            f"compressed-tensors group {name!r} is not FP8 with per-tensor or per-channel weight scales "
+            f"(weights {_scheme(weights)}): the plugin serves FP8 weights only"
+        ] = not fp8 or weights.get("strategy") not in ("tensor", "channel") or weights.get("dynamic")
+        refusals[
+            f"compressed-tensors group {name!r} quantizes activations with static scales "
+            f"({_scheme(inputs)}), which the plugin does not apply yet: serve a checkpoint with dynamic "
+            "activations (FP8_DYNAMIC)"
+        ] = bool(inputs) and not inputs.get("dynamic")
+    return refusals
+
+
+def _scheme(args: dict) -> str:
+    return f"{args.get('type')} {args.get('num_bits')}-bit, {args.get('strategy')}" if args else "none"
 
 
 def _draft_model_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
