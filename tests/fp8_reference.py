@@ -8,28 +8,41 @@ import torch
 
 def dequantized_weights(worker) -> dict[str, torch.Tensor]:
     """Run in the worker: each FP8 linear layer's weight as the kernel computes with it (W8 x scale), float32
-    [out, in], by vLLM module name."""
+    [out, in], by vLLM module name, and its static activation scale where it has one (NAME.input_scale)."""
     weights = {}
     for name, module in worker.model_runner.model.named_modules():
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn:
             # [in, out] x ([1] or [1, out]): the kernel's layout (vllm_neuron/quantization/fp8.py)
             weights[name] = (weight.float() * module.weight_scale.float()).t().contiguous()
+            if getattr(module, "input_scale", None) is not None:
+                weights[f"{name}.input_scale"] = module.input_scale.detach().float().clone()
     return weights
 
 
 def hf_with_weights(
     model_dir: Path, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
-    """The HF model of `model_dir` in `dtype` with vLLM's dequantized linear weights in place of its own:
-    vLLM's fused qkv_proj and gate_up_proj split back into HF's projections."""
+    """The HF model of `model_dir` in `dtype` with vLLM's dequantized linear weights in place of its own
+    (vLLM's fused qkv_proj and gate_up_proj split back into HF's projections), each projection's input
+    quantized to FP8 and back where vLLM's layer has a static activation scale."""
     from transformers import AutoModelForCausalLM
+
+    from vllm_neuron.quantization.fp8 import quantize_dequantize
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     parameters = dict(model.named_parameters())
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    modules = dict(model.named_modules())
     with torch.no_grad():
         for name, weight in weights.items():
+            if name.endswith(".input_scale"):
+                prefix, _, module = name.removesuffix(".input_scale").rpartition(".")
+                for part in fused.get(module, (module,)):
+                    modules[f"{prefix}.{part}"].register_forward_pre_hook(
+                        lambda _, args, scale=weight: (quantize_dequantize(args[0], scale),)
+                    )
+                continue
             prefix, _, module = name.rpartition(".")
             parts = fused.get(module, (module,))
             sizes = [parameters[f"{prefix}.{part}.weight"].shape[0] for part in parts]
@@ -40,8 +53,9 @@ def hf_with_weights(
 
 def write_compressed_tensors_checkpoint(model_dir: Path, out: Path, preset: str = "FP8_DYNAMIC") -> Path:
     """`model_dir`'s model quantized offline with the compressed-tensors library (`preset`'s scheme on every
-    Linear but lm_head, weight scales from each output channel's absolute maximum) and saved to `out` as
-    vLLM reads it, tokenizer included."""
+    Linear but lm_head; weight scales from the absolute maximum of each output channel or of the tensor;
+    static input scales, where the scheme has them, of 4 / 448, with different values per layer) and saved
+    to `out` as vLLM reads it, tokenizer included."""
     import shutil
 
     from compressed_tensors.compressors import ModelCompressor
@@ -56,11 +70,19 @@ def write_compressed_tensors_checkpoint(model_dir: Path, out: Path, preset: str 
     scheme = {"group_0": preset_name_to_scheme(preset, ["Linear"])}
     config = QuantizationConfig(config_groups=scheme, format="float-quantized", ignore=["lm_head"])
     apply_quantization_config(model, config)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
     with torch.no_grad():
-        for module in model.modules():
+        for index, module in enumerate(model.modules()):
             if hasattr(module, "quantization_scheme") and hasattr(module, "weight_scale"):
-                amax = module.weight.abs().amax(dim=1, keepdim=True).expand_as(module.weight_scale)
-                module.weight_scale.copy_(amax / torch.finfo(torch.float8_e4m3fn).max)
+                per_channel = module.weight_scale.numel() > 1
+                amax = (
+                    module.weight.abs().amax(dim=1, keepdim=True)
+                    if per_channel
+                    else module.weight.abs().amax()
+                )
+                module.weight_scale.copy_(amax.expand_as(module.weight_scale) / fp8_max)
+            if hasattr(module, "quantization_scheme") and hasattr(module, "input_scale"):
+                module.input_scale.fill_((4.0 + index % 3) / fp8_max)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
     compressor.compress_model(model)
     model.save_pretrained(out)

@@ -59,14 +59,21 @@ class Fp8Layer(torch.nn.Module):
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per tensor", "per channel"])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_the_kernel_computes_x_times_the_dequantized_weight(per_channel, dtype, tol):
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-1)])
+@pytest.mark.parametrize("input_scale", [None, 0.01], ids=["weight only", "static input scale"])
+def test_the_kernel_computes_x_times_the_dequantized_weight(per_channel, dtype, tol, input_scale):
+    """Times x as FP8 holds it, where a static input scale is given (0.01: x saturates at 4.48)."""
     torch.manual_seed(1)
     layer = Fp8Layer(torch.randn(48, 32), per_channel, bias=True)
     layer.bias.data = layer.bias.data.to(dtype)  # in the model's dtype, as vLLM creates it
+    layer.input_scale = None if input_scale is None else torch.tensor(input_scale)
     assert layer.weight.is_contiguous() and layer.weight.dtype == FP8
-    x = torch.randn(2, 5, 32).to(dtype)
-    expected = x.double() @ layer.dequantized().t() + layer.bias.double()
+    x = torch.randn(2, 5, 32).to(dtype) * 3
+    seen = x.double()
+    if input_scale is not None:
+        seen = (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).double() * input_scale
+        assert seen.abs().max() == FP8_MAX * input_scale  # some inputs saturate
+    expected = seen @ layer.dequantized().t() + layer.bias.double()
     out = layer(x)
     assert out.dtype == dtype and out.shape == (2, 5, 48)
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
@@ -104,7 +111,8 @@ def test_fp8_the_kernel_does_not_serve_is_refused_by_name(tiny_model_dir, tmp_pa
         engine_config(tiny_model_dir, quantization="fp8_per_block")
     block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     model_dir = with_quantization_config(tiny_model_dir, tmp_path / "block", block)
-    with pytest.raises(ValueError, match="block-scaled FP8 \\(weight_block_size\\) is not supported"):
+    refused = "block-scaled FP8 \\(weight_block_size, ModelOpt FP8_PB_WO\\) is not supported"
+    with pytest.raises(ValueError, match=refused):
         engine_config(model_dir, dtype="bfloat16")
     with pytest.raises(ValueError, match="awq quantization is currently not supported"):
         engine_config(tiny_model_dir, quantization="awq")
@@ -136,24 +144,37 @@ def fp8_dynamic_checkpoint(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "FP8"])
 def test_a_compressed_tensors_checkpoint_gives_hf_tokens_on_its_dequantized_weights(
-    fp8_dynamic_checkpoint, tiny_model_dir, tmp_path
+    fp8_dynamic_checkpoint, tiny_model_dir, tmp_path, preset
 ):
-    """FP8_DYNAMIC written offline with the compressed-tensors library (per-channel weight scales, dynamic
-    activations: served weight-only), in float32 as compressed-tensors allows: HF in float32 on the weights
-    the engine computes with (vLLM's fused layers keep each projection's channel scales)."""
+    """Written offline with the compressed-tensors library, served in float32 (compressed-tensors allows it),
+    HF in float32 on the weights the engine computes with. FP8_DYNAMIC: per-channel weight scales, dynamic
+    activations (served weight-only). FP8: per-tensor weight scales (vLLM requantizes a fused layer's shards
+    to their largest), static per-tensor input scales (the largest of a fused layer's), applied in the graph
+    and by hooks on HF's projections."""
+    checkpoint = fp8_dynamic_checkpoint
+    if preset != "FP8_DYNAMIC":
+        checkpoint = write_compressed_tensors_checkpoint(tiny_model_dir, tmp_path / preset, preset)
     weights_path = tmp_path / "dequantized.pt"
     result = run_engine(
-        fp8_dynamic_checkpoint,
+        checkpoint,
         ENGINE_KWARGS,
         {"VLLM_NEURON_DEVICE": "cpu"},
         max_tokens=MAX_TOKENS,
         extra={"save_dequantized": str(weights_path)},
     )
     weights = torch.load(weights_path)
-    assert len(weights) == 2 * 4
+    assert len(weights) == 2 * 4 * (2 if preset == "FP8" else 1)  # and an input scale each
     reference = hf_with_weights(tiny_model_dir, weights)
-    assert result["tokens"] == [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
+    expected = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
+    if preset == "FP8_DYNAMIC":
+        assert result["tokens"] == expected
+    else:
+        # Rounding an activation to FP8 (3 mantissa bits) turns the last-bit differences of two
+        # implementations (RMSNorm, the order of a sum) into a whole FP8 step now and then, so greedy tokens
+        # may part after a while (the kernel itself equals the definition: the op tests above).
+        assert [tokens[:4] for tokens in result["tokens"]] == [tokens[:4] for tokens in expected]
     [stats] = result["compile_stats"]
     assert stats["unexpected_recompiles"] == 0
 
@@ -170,13 +191,18 @@ def test_a_compressed_tensors_checkpoint_gives_hf_tokens_on_its_dequantized_weig
         ),
         (
             {
-                "weights": {"type": "float", "num_bits": 8, "strategy": "tensor", "symmetric": True},
-                "input_activations": {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False},
+                "weights": {
+                    "type": "float",
+                    "num_bits": 8,
+                    "strategy": "block",
+                    "block_structure": [64, 64],
+                    "symmetric": True,
+                },
             },
-            "quantizes activations with static scales \\(float 8-bit, tensor\\)",
+            "is not FP8 with per-tensor or per-channel weight scales \\(weights float 8-bit, block\\)",
         ),
     ],
-    ids=["int8 weights", "static activation scales"],
+    ids=["int8 weights", "block-scaled weights"],
 )
 def test_compressed_tensors_schemes_the_kernel_does_not_serve_are_refused(
     fp8_dynamic_checkpoint, tmp_path, group, refused

@@ -63,7 +63,13 @@ class NeuronPlatform(Platform):
     # vLLM compiles small helpers with dynamic=True; the static-only neuron backend must never see them.
     simple_compile_backend: str = "eager"
     # FP8 weights (vllm_neuron/quantization/fp8.py): vLLM refuses any other --quantization by name.
-    supported_quantization: list[str] = ["fp8", "fp8_per_tensor", "fp8_per_channel", "compressed-tensors"]
+    supported_quantization: list[str] = [
+        "fp8",
+        "fp8_per_tensor",
+        "fp8_per_channel",
+        "compressed-tensors",
+        "modelopt",
+    ]
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -283,9 +289,9 @@ def _quantization_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
     if not isinstance(checkpoint, dict):
         checkpoint = checkpoint.to_dict()
     refusals = {
-        "block-scaled FP8 (weight_block_size) is not supported: serve a per-tensor or per-channel FP8 "
-        "checkpoint, or the unquantized model with --quantization fp8": (
-            checkpoint.get("weight_block_size") is not None
+        "block-scaled FP8 (weight_block_size, ModelOpt FP8_PB_WO) is not supported: serve a per-tensor or "
+        "per-channel FP8 checkpoint, or the unquantized model with --quantization fp8": (
+            checkpoint.get("weight_block_size") is not None or checkpoint.get("quant_algo") == "FP8_PB_WO"
         ),
     }
     for name, group in checkpoint.get("config_groups", {}).items():  # compressed-tensors
@@ -296,10 +302,9 @@ def _quantization_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
             f"(weights {_scheme(weights)}): the plugin serves FP8 weights only"
         ] = not fp8 or weights.get("strategy") not in ("tensor", "channel") or weights.get("dynamic")
         refusals[
-            f"compressed-tensors group {name!r} quantizes activations with static scales "
-            f"({_scheme(inputs)}), which the plugin does not apply yet: serve a checkpoint with dynamic "
-            "activations (FP8_DYNAMIC)"
-        ] = bool(inputs) and not inputs.get("dynamic")
+            f"compressed-tensors group {name!r} quantizes activations with static scales other than per "
+            f"tensor ({_scheme(inputs)}): the plugin applies one static FP8 scale per layer input"
+        ] = bool(inputs) and not inputs.get("dynamic") and inputs.get("strategy") != "tensor"
     return refusals
 
 

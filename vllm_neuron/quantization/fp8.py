@@ -3,8 +3,10 @@
 
 The weight stays float8_e4m3fn in device memory and enters each graph as an FP8 input, converted next to its
 matmul; the output is scaled per tensor or per output channel in float32. Activations stay in the model's
-dtype: weight-only FP8, as vLLM serves FP8 on GPUs without FP8 compute (its Marlin FP8 kernel), so the exact
-reference is the model with the dequantized weights. docs/research/issue-40-fp8.md.
+dtype, except where a checkpoint gives a static activation scale: then each input is quantized to FP8 with
+it and dequantized before the matmul (W8A8's numbers). Dynamic activation quantization is not applied:
+weight-only FP8, as vLLM serves FP8 on GPUs without FP8 compute (its Marlin FP8 kernel). The exact reference
+is the model with the dequantized weights (and quantized inputs). docs/research/issue-40-fp8.md.
 """
 
 import torch
@@ -70,6 +72,13 @@ def _spread(scale: torch.Tensor, shape: torch.Size, group_shape: tuple[int, int]
     return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
 
 
+def quantize_dequantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x as FP8 with a static scale holds it (saturated at +-448 x scale), back in x's dtype: the activation a
+    W8A8 checkpoint's matmul reads, so the product equals FP8 x FP8 with float32 accumulation."""
+    quantized = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return (quantized.to(torch.float32) * scale).to(x.dtype)
+
+
 class NeuronFp8Linear(FP8ScaledMMLinearKernel):
     """x @ dequantize(W) in the graph: W float8_e4m3fn [in, out], row-major, converted to x's dtype next to
     the matmul; the float32 scale (one, or one per output channel) applied to the product."""
@@ -83,11 +92,8 @@ class NeuronFp8Linear(FP8ScaledMMLinearKernel):
         weight, activation = c.weight_quant_key.scale, c.activation_quant_key.scale
         if not weight.static or weight.group_shape not in (GroupShape.PER_TENSOR, GroupShape.PER_CHANNEL):
             return False, f"Neuron FP8 takes static per-tensor or per-channel weight scales, not {weight}"
-        if activation.static:
-            return False, (
-                "Neuron FP8 does not apply static activation scales yet (input_scale): serve a checkpoint "
-                "with dynamic activations (e.g. compressed-tensors FP8_DYNAMIC) or --quantization fp8"
-            )
+        if activation.static and activation.group_shape != GroupShape.PER_TENSOR:
+            return False, f"Neuron FP8 takes a static activation scale per tensor only, not {activation}"
         return True, None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -104,6 +110,8 @@ class NeuronFp8Linear(FP8ScaledMMLinearKernel):
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         weight = layer.weight
+        if getattr(layer, "input_scale", None) is not None:  # a static activation scale (W8A8 checkpoints)
+            x = quantize_dequantize(x, layer.input_scale)
         product = x.reshape(-1, x.shape[-1]) @ weight.to(x.dtype)
         out = (product.to(torch.float32) * layer.weight_scale).to(x.dtype)
         if bias is not None:
