@@ -91,3 +91,37 @@ def write_compressed_tensors_checkpoint(model_dir: Path, out: Path, preset: str 
         if "token" in path.name:
             shutil.copy(path, out / path.name)
     return out
+
+
+def write_modelopt_checkpoint(model_dir: Path, out: Path) -> Path:
+    """`model_dir`'s model as a ModelOpt FP8 checkpoint (quant_algo FP8, written by hand: ModelOpt is not
+    installed): each projection's weight in FP8 with a per-tensor weight_scale and a static input_scale, the
+    other tensors as they were; lm_head excluded."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    tensors = load_file(model_dir / "model.safetensors")
+    for index, name in enumerate(sorted(tensors)):
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            weight = tensors[name].float()
+            scale = weight.abs().amax() / fp8_max
+            tensors[name] = (weight / scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+            prefix = name.removesuffix(".weight")
+            tensors[f"{prefix}.weight_scale"] = scale.reshape(())
+            tensors[f"{prefix}.input_scale"] = torch.tensor((4.0 + index % 3) / fp8_max)
+    out.mkdir(parents=True)
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": "FP8",
+        "ignore": ["lm_head"],
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    for path in model_dir.iterdir():
+        if "token" in path.name or path.name == "generation_config.json":
+            shutil.copy(path, out / path.name)
+    return out
