@@ -8,7 +8,8 @@ section 3). Same-width views (`bitcast_convert` in StableHLO) move the bits betw
 
 import torch
 
-# vLLM's names that mean an e4m3 cache (`fp8` is e4m3); e5m2 has no checkpoint scales and is refused.
+# vLLM's names for an e4m3 cache (`fp8` means e4m3). fp8_e5m2 is refused: vLLM refuses it with checkpoint
+# scales, and nothing here checked it lowers.
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8).max  # 448

@@ -12,7 +12,7 @@ from kv_cache.layout import allocate
 from kv_cache.ops import gather_blocks, page_attention, table_attention, write_kv
 from server.info_endpoint import describe
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS
-from tests.helpers import PROMPTS, engine_config, hf_greedy, run_engine
+from tests.helpers import PROMPTS, engine_config, hf_greedy, random_prompt, run_engine
 from tests.test_lowering import BLOCK_SIZE, BLOCKS, KV_HEADS, write_inputs
 from tests.test_paged_attention import (
     HEAD_SIZE,
@@ -26,6 +26,7 @@ from tests.test_paged_attention import (
     randn,
     write_sequence,
 )
+from tests.test_speculative import SPEC_COUNTERS, SPECULATIVE, copy_friendly_prompt
 from vllm_neuron.compiler import hlo_text, xla
 from vllm_neuron.compiler.stablehlo import StableHLOBackend
 from vllm_neuron.upstream.vllm_runner import kv_cache_scales
@@ -296,3 +297,36 @@ def test_the_tiny_model_serves_with_an_fp8_cache(tiny_model_dir, hf_model):
     ]
     print(f"fp8 KV: greedy tokens equal to float32's up to positions {agree} of 12")
     assert [tokens[0] for tokens in result["tokens"]] == [tokens[0] for tokens in reference]
+
+
+@pytest.mark.slow
+def test_speculation_and_preemption_over_fp8_give_the_tokens_of_plain_fp8_decoding(tiny_model_dir):
+    """n-gram verify rows (several queries a row over the quantized pages) and preempted requests recomputed
+    into a small FP8 cache give the greedy tokens of the same prompts decoded plainly over FP8."""
+    prompts = [copy_friendly_prompt(8 + (29 * i) % 150, seed=700 + i) for i in range(8)]
+    prompts += [random_prompt(5 + (41 * i) % 120, seed=800 + i) for i in range(4)]
+    engine = {
+        **ENGINE_KWARGS,
+        "kv_cache_dtype": "fp8",
+        "max_num_seqs": 8,
+        "additional_config": {
+            "prefill_buckets": [64],
+            "decode_batch_buckets": [2, 8],
+            "context_buckets": [256],
+        },
+    }
+    env = {"VLLM_NEURON_DEVICE": "cpu"}
+    plain = run_engine(tiny_model_dir, engine, env, prompts=prompts, max_tokens=16)
+    pressed = {
+        **engine,
+        "kv_cache_memory_bytes": 4 * F32_BLOCK_BYTES,  # 16 FP8 blocks: 8 requests want up to 48
+        "disable_log_stats": False,
+        "speculative_config": SPECULATIVE,
+    }
+    speculating = run_engine(
+        tiny_model_dir, pressed, env, prompts=prompts, max_tokens=16, extra={"metrics": SPEC_COUNTERS}
+    )
+    assert speculating["tokens"] == plain["tokens"]
+    assert speculating["compile_stats"][0]["kv_cache_shape"][1] == 16
+    assert speculating["preemptions"] > 0
+    assert speculating["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
