@@ -13,8 +13,9 @@ from vllm.v1.attention.backend import (
     AttentionType,
 )
 
-from kv_cache import kernels, ops
+from kv_cache import fp8, kernels, ops
 from vllm_neuron import envs
+from vllm_neuron.upstream.vllm_runner import kv_cache_scales
 
 
 @dataclass
@@ -98,6 +99,7 @@ class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMet
 
 class NeuronAttentionBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *fp8.FP8_KV_CACHE_DTYPES]
     forward_includes_kv_cache_update: bool = True
 
     @staticmethod
@@ -132,7 +134,8 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
             "ALiBi": alibi_slopes is not None,
             "attention sinks": sinks is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
-            f"kv_cache_dtype {kv_cache_dtype}": kv_cache_dtype != "auto",
+            f"kv_cache_dtype {kv_cache_dtype} (use auto, or fp8 / fp8_e4m3 for an FP8 cache)": kv_cache_dtype
+            not in NeuronAttentionBackend.supported_kv_cache_dtypes,
             "cross-layer KV sharing": kv_sharing_target_layer_name is not None,
         }
         refused = [name for name, present in unsupported.items() if present]
@@ -143,6 +146,8 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        # Chosen per engine: an FP8 cache's quantize/dequantize ops are traced only where it is one.
+        self.fp8 = kv_cache_dtype in fp8.FP8_KV_CACHE_DTYPES
         self.sliding_window = sliding_window
         self.soft_cap = logits_soft_cap or None
         self.kernels = kernels.select(envs.VLLM_NEURON_ATTENTION_KERNELS)
@@ -159,14 +164,26 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self.kernels.write_kv(kv_cache, key, value, attn_metadata.slot_mapping)
         query = query.view(-1, self.num_heads, self.head_size)
+        key = key.view(-1, self.num_kv_heads, self.head_size)
+        value = value.view(-1, self.num_kv_heads, self.head_size)
+        k_scale = v_scale = None
+        if self.fp8:
+            # The layer's scales are graph inputs (buffers), so a checkpoint's values change no graph.
+            k_scale, v_scale = kv_cache_scales(layer)
+            key_bits, value_bits = fp8.quantize(key, k_scale), fp8.quantize(value, v_scale)
+            self.kernels.write_kv(kv_cache, key_bits, value_bits, attn_metadata.slot_mapping)
+            # A fresh chunk attends over what the cache holds, as it would read it back on any other path.
+            key = fp8.dequantize(key_bits, k_scale, query.dtype)
+            value = fp8.dequantize(value_bits, v_scale, query.dtype)
+        else:
+            self.kernels.write_kv(kv_cache, key, value, attn_metadata.slot_mapping)
         if attn_metadata.causal:
             # Not a kernel-seam op: TorchNeuron binds this attention to its flash kernel itself.
             out = ops.causal_attention(
                 query,
-                key.view(-1, self.num_kv_heads, self.head_size),
-                value.view(-1, self.num_kv_heads, self.head_size),
+                key,
+                value,
                 self.scale,
                 self.sliding_window,
                 self.soft_cap,
@@ -193,6 +210,8 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                 self.scale,
                 table.masks[window],
                 self.soft_cap,
+                k_scale,
+                v_scale,
             )
             parts.append(out.view(first_paged, self.num_heads, self.head_size))
         if (paged := attn_metadata.paged) is not None:
@@ -216,6 +235,8 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
                     masks.owner,
                     masks.ownership,
                     self.soft_cap,
+                    k_scale,
+                    v_scale,
                 )
             )
         # vLLM hands an uninitialised buffer (torch.empty). The table and paged rows are all its rows, written

@@ -33,11 +33,23 @@ def _page_attention(
     owner: torch.Tensor,
     ownership: torch.Tensor,
     soft_cap: float | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ops.page_attention with its PageMasks as tensors: a custom op's arguments are tensors and scalars."""
     masks = ops.PageMasks(hidden, owner, ownership)
     return ops.page_attention(
-        query, kv_cache, page_blocks, page_rows, page_starts, positions, scale, masks, soft_cap
+        query,
+        kv_cache,
+        page_blocks,
+        page_rows,
+        page_starts,
+        positions,
+        scale,
+        masks,
+        soft_cap,
+        k_scale,
+        v_scale,
     )
 
 
@@ -49,10 +61,14 @@ def _table_attention(
     scale: float,
     mask: torch.Tensor | None,
     soft_cap: float | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ops.table_attention as the op runs it: a dense result, the strides its fake promises (its own is a
     permuted view, which inductor's stride check of the op's output refuses)."""
-    out = ops.table_attention(query, kv_cache, block_table, query_positions, scale, mask, soft_cap)
+    out = ops.table_attention(
+        query, kv_cache, block_table, query_positions, scale, mask, soft_cap, k_scale, v_scale
+    )
     return out.contiguous()
 
 

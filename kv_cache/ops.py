@@ -17,6 +17,9 @@ context needs), so a decode step reads about the rows' real contexts instead of 
 
 causal_attention: a fresh prefill chunk over its own keys, no cache read (the flash-kernel form).
 
+An FP8 cache (kv_cache/fp8.py) is uint8: the attentions take the layer's k_scale/v_scale and dequantize
+right after the gather; the write takes rows its caller quantized.
+
 All take a layer's sliding window (a query sees the `window` latest positions, its own included, as HF and
 flash-attention count it) in their masks, and its logit soft-cap (scores -> cap * tanh(scores / cap) before
 the mask, Gemma 2's rule).
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kv_cache import fp8
 
 # Score of a masked key: finite, so a page with no visible key gives weights of 0 after rescaling, not NaN.
 _MASKED = -1e30
@@ -111,14 +116,17 @@ def table_attention(
     scale: float,
     mask: torch.Tensor | None = None,
     soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [rows, q, heads, head_size] over the paged context of each row.
 
     block_table: [rows, blocks] block ids; query_positions: [rows, q] absolute positions; mask: their
-    context_mask, when the caller shares one across layers (built here otherwise, without a window).
+    context_mask, when the caller shares one across layers (built here otherwise, without a window);
+    k_scale/v_scale: an FP8 cache's scales (None: the cache holds the query's dtype).
     Returns [rows, q, heads, head_size] in the query's dtype.
     """
-    keys, values = gather_blocks(kv_cache, block_table)
+    keys, values = fp8.dequantized(*gather_blocks(kv_cache, block_table), k_scale, v_scale, query.dtype)
     if mask is None:
         group = query.shape[2] // keys.shape[0]
         mask = context_mask(query_positions, keys.shape[2], group, query.dtype)
@@ -235,6 +243,8 @@ def page_attention(
     scale: float,
     masks: PageMasks | None = None,
     soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows of consecutive queries over KV pages shared by the rows: one query per row (decode, positions
     [rows]) or several (a verify row of speculative decoding, positions [rows, queries]: the row's last token
@@ -242,16 +252,17 @@ def page_attention(
 
     page_blocks [pages, blocks_per_page]: the blocks of each page; page_rows [pages]: the row it belongs to;
     page_starts [pages]: the position of its first key; masks: their page_masks, when the caller shares one
-    across layers (built here otherwise). A row's pages cover its context, so the work follows the rows'
-    real contexts rather than padding every row to the longest. Padding pages start past every position
-    (nothing visible) and belong to row 0; a row without pages (batch padding) returns zeros. Each query sees
-    its row's keys up to its own position: a verify row's queries share its pages, read once.
+    across layers (built here otherwise); k_scale/v_scale: an FP8 cache's scales. A row's pages cover its
+    context, so the work follows the rows' real contexts rather than padding every row to the longest.
+    Padding pages start past every position (nothing visible) and belong to row 0; a row without pages
+    (batch padding) returns zeros. Each query sees its row's keys up to its own position: a verify row's
+    queries share its pages, read once.
 
     Each page gives a partial softmax (its max, its sum, its weighted values); the rows combine their pages
     by rescaling to the row's max, as split-K ("flash decoding") kernels do. The keys and the values are
-    each gathered once and each read once, as gathered, by one matmul: scores are keys @ queries, [tokens,
-    queries], so no page-sized transpose or slice is copied (docs/lowering.md). Returns [rows * queries,
-    heads, head_size].
+    each gathered once (and dequantized, from an FP8 cache) and each read once by one matmul: scores are
+    keys @ queries, [tokens, queries], so no page-sized transpose or slice is copied (docs/lowering.md).
+    Returns [rows * queries, heads, head_size].
     """
     rows = positions.shape[0]
     queries = positions.numel() // rows
@@ -259,8 +270,13 @@ def page_attention(
     # Keys and values each a gather of its own, so that each matmul reads its operand as gathered (one
     # gather of both is sliced by a copy): [kv_heads, pages, page_tokens, d].
     kv_heads = kv_cache.shape[0] // 2
-    keys = _gather(kv_cache, page_blocks, 0, kv_heads)
-    values = _gather(kv_cache, page_blocks, kv_heads, kv_heads)
+    keys, values = fp8.dequantized(
+        _gather(kv_cache, page_blocks, 0, kv_heads),
+        _gather(kv_cache, page_blocks, kv_heads, kv_heads),
+        k_scale,
+        v_scale,
+        query.dtype,
+    )
     pages, page_tokens = keys.shape[1], keys.shape[2]
     group = num_heads // kv_heads
     heads = queries * group

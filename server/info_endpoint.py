@@ -115,6 +115,14 @@ def _registry_totals(names: tuple[str, ...]) -> list[float]:
     return [totals[name] for name in names]
 
 
+def _kv_cache_dtype(vllm_config) -> str:
+    """The cache's element type as --kv-cache-dtype names it, "auto" resolved to the model's dtype."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype == "auto":
+        return str(vllm_config.model_config.dtype).removeprefix("torch.")
+    return cache_dtype
+
+
 def describe(vllm_config) -> dict[str, Any]:
     """What this server runs, from the engine's resolved configuration."""
     neuron_config = NeuronConfig.of(vllm_config)
@@ -148,6 +156,11 @@ def describe(vllm_config) -> dict[str, Any]:
         "sampling": sampling_rows.summary(sampling_rows.host_only(vllm_config.model_config)),
         "speculative": _speculative(vllm_config, buckets),
         "lora": _lora(vllm_config),
-        "kv_cache": {"block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks},
+        "kv_cache": {
+            "block_size": cache.block_size,
+            "num_blocks": cache.num_gpu_blocks,
+            # --kv-cache-dtype: "auto" stores the model's dtype; fp8 / fp8_e4m3 store e4m3 bits in uint8.
+            "dtype": _kv_cache_dtype(vllm_config),
+        },
         "versions": device.versions(),
     }

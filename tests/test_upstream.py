@@ -596,6 +596,20 @@ def test_the_runner_helpers():
     assert parameters(vllm_runner.Sampler.forward)[:3] == ["self", "logits", "sampling_metadata"]
 
 
+def test_an_attention_layers_kv_cache_scales_are_buffers():
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+
+    layer = torch.nn.Module()
+    set_default_quant_scales(layer, register_buffer=True)
+    k_scale, v_scale = vllm_runner.kv_cache_scales(layer)
+    buffers = [id(b) for b in layer.buffers()]
+    pin = moved("Attention._k_scale/_v_scale", "vllm_runner")
+    assert id(k_scale) in buffers and id(v_scale) in buffers, pin
+    assert (k_scale.shape, k_scale.dtype, float(k_scale), float(v_scale)) == ((), torch.float32, 1.0, 1.0), (
+        pin
+    )
+
+
 def test_the_persistent_batch():
     from vllm.v1.sample.logits_processor import build_logitsprocs
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch

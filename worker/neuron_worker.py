@@ -136,6 +136,7 @@ class NeuronWorker(WorkerBase):
             "graphs": recorder.num_graphs,
             "unexpected_recompiles": len(recorder.unexpected),
             "kv_cache_shape": list(caches[0].shape) if caches else [],
+            "kv_cache_dtype": str(caches[0].dtype).removeprefix("torch.") if caches else None,
             "lowered_graphs": len(self.model_runner.lowered_graphs()),
             "collectives_per_graph": [graph["collectives"] for graph in self.model_runner.lowered_graphs()],
         }

@@ -33,6 +33,7 @@ __all__ = [
     "bind_kv_cache",
     "create_forward_context",
     "host_input_batch",
+    "kv_cache_scales",
     "load_draft_model",
     "new_request_state",
     "ngram_proposer",
@@ -94,6 +95,13 @@ def new_request_state(**fields: Any) -> "CachedRequestState":
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
     return CachedRequestState(**fields)
+
+
+def kv_cache_scales(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention layer's FP8 KV cache scales, 0-d float32 buffers (1.0, or a checkpoint's after loading):
+    the key's and the value's. vLLM 0.32: `Attention._k_scale` / `_v_scale`, registered by
+    `vllm.model_executor.layers.attention.attention.set_default_quant_scales`."""
+    return layer._k_scale, layer._v_scale
 
 
 def ngram_proposer(vllm_config: "VllmConfig") -> Any:

@@ -1,0 +1,332 @@
+"""`--kv-cache-dtype fp8`: a uint8 cache of e4m3 bits scaled per layer (kv_cache/fp8.py). The ops against
+naive attention over the same dequantized K/V, the write and read lowered (`stablehlo`) and run (`xla`) with
+the cache in place, the attention backend's paths, and one engine serving the tiny model."""
+
+import pytest
+import torch
+from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+
+from kv_cache import fp8
+from kv_cache.backend import NeuronAttentionImpl, NeuronAttentionMetadata, TableQueries
+from kv_cache.layout import allocate
+from kv_cache.ops import gather_blocks, page_attention, table_attention, write_kv
+from server.info_endpoint import describe
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS
+from tests.helpers import PROMPTS, engine_config, hf_greedy, random_prompt, run_engine
+from tests.test_lowering import BLOCK_SIZE, BLOCKS, KV_HEADS, write_inputs
+from tests.test_paged_attention import (
+    HEAD_SIZE,
+    SCALE,
+    Sequence,
+    assert_close,
+    decode_pages,
+    expected_attention,
+    make_sequences,
+    padded_table,
+    randn,
+    write_sequence,
+)
+from tests.test_speculative import SPEC_COUNTERS, SPECULATIVE, copy_friendly_prompt
+from vllm_neuron.compiler import hlo_text, xla
+from vllm_neuron.compiler.stablehlo import StableHLOBackend
+from vllm_neuron.upstream.vllm_runner import kv_cache_scales
+
+K_SCALE, V_SCALE = 0.05, 0.02  # randn / scale stays well inside e4m3's +-448, and is not 1.0
+
+
+def scales() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(K_SCALE), torch.tensor(V_SCALE)
+
+
+# ---- quantize / dequantize -------------------------------------------------------------------------
+
+
+def test_quantize_stores_e4m3_bits_and_dequantize_inverts_it():
+    scale = torch.tensor(0.5)
+    exact = torch.tensor([0.0, 1.0, -1.5, 3.25, 448.0, -0.015625]) * scale  # e4m3 values, times the scale
+    bits = fp8.quantize(exact, scale)
+    assert bits.dtype == torch.uint8 and bits.shape == exact.shape
+    assert torch.equal(fp8.dequantize(bits, scale, torch.float32), exact)
+    assert int(bits[1]) == 0x38  # 1.0 in e4m3: exponent 7 (bias 7), mantissa 0
+    # Out of range saturates to +-448 * scale (not NaN: e4m3fn has no inf).
+    saturated = fp8.dequantize(fp8.quantize(torch.tensor([1e4, -1e4]), scale), scale, torch.float32)
+    assert torch.equal(saturated, torch.tensor([224.0, -224.0]))
+    # Anything else rounds to the nearest of 3 mantissa bits: relative error at most 2**-4.
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    back = fp8.dequantize(fp8.quantize(x, scale), scale, torch.bfloat16)
+    assert back.dtype == torch.bfloat16
+    assert ((back.float() - x).abs() <= x.abs() * 2**-4 + 2**-10).all()
+    assert not torch.equal(back.float(), x)
+
+
+def quantized(seq: Sequence) -> tuple[Sequence, Sequence]:
+    """The sequence as the cache stores it (bits) and as attention reads it back (dequantized)."""
+    k_scale, v_scale = scales()
+    bits = Sequence(fp8.quantize(seq.keys, k_scale), fp8.quantize(seq.values, v_scale), seq.blocks)
+    back = Sequence(
+        fp8.dequantize(bits.keys, k_scale, seq.keys.dtype),
+        fp8.dequantize(bits.values, v_scale, seq.values.dtype),
+        seq.blocks,
+    )
+    return bits, back
+
+
+def fp8_cache(gen, lengths, kv_heads, block_size, dtype):
+    """A uint8 cache holding the quantized sequences; returns it and each sequence as attention reads it."""
+    num_blocks = 1 + sum(-(-n // block_size) for n in lengths) + 2
+    kv_cache = allocate(num_blocks, block_size, kv_heads, HEAD_SIZE, torch.uint8, torch.device("cpu"))
+    read_back = []
+    for seq in make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype):
+        bits, back = quantized(seq)
+        write_sequence(kv_cache, bits, block_size)
+        read_back.append(back)
+    return kv_cache, read_back
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 2)])
+def test_page_attention_over_an_fp8_cache_equals_naive_attention_over_the_dequantized_kv(
+    heads, kv_heads, dtype
+):
+    gen = torch.Generator().manual_seed(11)
+    block_size = 4
+    kv_cache, sequences = fp8_cache(gen, [1, 12, 17, 9], kv_heads, block_size, dtype)
+    rows = len(sequences)
+    query = randn(gen, rows, heads, HEAD_SIZE, dtype=dtype)
+    positions = torch.tensor([seq.length - 1 for seq in sequences])
+    pages = decode_pages(sequences, block_size, num_padding_pages=2, gen=gen)
+
+    out = page_attention(query, kv_cache, *pages, positions, SCALE, None, None, *scales())
+
+    assert out.dtype == dtype
+    for row, seq in enumerate(sequences):
+        expected = expected_attention(query[row : row + 1], seq, positions[row : row + 1], dtype)
+        assert_close(out[row], expected[0], dtype)
+    # The scales are applied: attention over the raw e4m3 values (scale 1) differs.
+    ones = torch.tensor(1.0)
+    assert not torch.allclose(
+        page_attention(query, kv_cache, *pages, positions, SCALE, None, None, ones, ones), out
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_table_attention_over_an_fp8_cache_equals_naive_attention_over_the_dequantized_kv(dtype):
+    gen = torch.Generator().manual_seed(12)
+    block_size, heads, kv_heads, start = 4, 4, 2, 6
+    kv_cache, (seq, *_) = fp8_cache(gen, [19, 7, 10], kv_heads, block_size, dtype)
+    count = seq.length - start
+    query = randn(gen, 1, count, heads, HEAD_SIZE, dtype=dtype)
+    positions = torch.arange(start, seq.length).view(1, -1)
+    table = padded_table(seq.blocks, seq.blocks.numel() + 2).view(1, -1)
+
+    out = table_attention(query, kv_cache, table, positions, SCALE, None, None, *scales())
+
+    assert_close(out[0], expected_attention(query[0], seq, positions[0], dtype), dtype)
+
+
+# ---- the attention backend: the write quantizes, every path reads the same values ------------------
+
+
+def fp8_layer() -> torch.nn.Module:
+    """An attention layer's scale buffers as vLLM registers them, set as a checkpoint's would be."""
+    layer = torch.nn.Module()
+    set_default_quant_scales(layer, register_buffer=True)
+    for buffer, value in zip(kv_cache_scales(layer), (K_SCALE, V_SCALE), strict=True):
+        buffer.fill_(value)
+    return layer
+
+
+def test_the_backend_accepts_fp8_and_refuses_e5m2_by_name():
+    assert NeuronAttentionImpl(4, HEAD_SIZE, SCALE, 2, kv_cache_dtype="fp8_e4m3").fp8
+    assert not NeuronAttentionImpl(4, HEAD_SIZE, SCALE, 2).fp8
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype fp8_e5m2 .*use auto, or fp8"):
+        NeuronAttentionImpl(4, HEAD_SIZE, SCALE, 2, kv_cache_dtype="fp8_e5m2")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_only_an_fp8_cache_adds_ops_to_the_traced_layer(kv_cache_dtype):
+    """The choice is made per engine in Python: an "auto" layer traces exactly as before, no FP8 op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tokens, heads, kv_heads, block_size = 4, 4, 2, 4
+    impl = NeuronAttentionImpl(heads, HEAD_SIZE, SCALE, kv_heads, kv_cache_dtype=kv_cache_dtype)
+    cache_dtype = torch.uint8 if impl.fp8 else torch.float32
+    kv_cache = allocate(4, block_size, kv_heads, HEAD_SIZE, cache_dtype, torch.device("cpu"))
+    layer = fp8_layer()
+    positions = torch.arange(tokens).view(1, -1)
+
+    def step(query, key, value, slots):
+        table = TableQueries(positions, torch.zeros_like(positions), torch.tensor([[1]]))
+        metadata = NeuronAttentionMetadata(slots, table=table)
+        return impl.forward(layer, query, key, value, kv_cache, metadata, torch.empty_like(query))
+
+    graph = make_fx(step)(
+        torch.randn(tokens, heads * HEAD_SIZE),
+        torch.randn(tokens, kv_heads * HEAD_SIZE),
+        torch.randn(tokens, kv_heads * HEAD_SIZE),
+        torch.arange(tokens) + block_size,
+    )
+    assert ("float8_e4m3fn" in graph.code) == impl.fp8
+
+
+def test_a_fresh_chunk_and_the_table_path_give_the_same_rows_over_fp8():
+    """The fresh-prefill form attends over the chunk's own K/V, quantized and dequantized as the cache holds
+    them: a token's result does not depend on which path its chunk took."""
+    gen = torch.Generator().manual_seed(13)
+    tokens, heads, kv_heads, block_size = 12, 4, 2, 4
+    impl = NeuronAttentionImpl(heads, HEAD_SIZE, SCALE, kv_heads, kv_cache_dtype="fp8")
+    layer = fp8_layer()
+    query = randn(gen, tokens, heads * HEAD_SIZE, dtype=torch.float32)
+    key = randn(gen, tokens, kv_heads * HEAD_SIZE, dtype=torch.float32)
+    value = randn(gen, tokens, kv_heads * HEAD_SIZE, dtype=torch.float32)
+    blocks = torch.tensor([5, 2, 7])
+    slots = (blocks.repeat_interleave(block_size) * block_size) + torch.arange(tokens) % block_size
+    outputs, caches = [], []
+    for causal in (True, False):
+        kv_cache = allocate(9, block_size, kv_heads, HEAD_SIZE, torch.uint8, torch.device("cpu"))
+        positions = torch.arange(tokens).view(1, -1)
+        table = TableQueries(positions, torch.zeros_like(positions), blocks.view(1, -1))
+        metadata = NeuronAttentionMetadata(slots, table=None if causal else table, causal=causal)
+        output = torch.empty(tokens, heads * HEAD_SIZE)
+        outputs.append(impl.forward(layer, query, key, value, kv_cache, metadata, output))
+        caches.append(kv_cache)
+    assert torch.equal(caches[0], caches[1]) and caches[0].any()
+    torch.testing.assert_close(outputs[0], outputs[1])
+    # And both are attention over the dequantized K/V.
+    bits, back = quantized(Sequence(key.view(tokens, kv_heads, -1), value.view(tokens, kv_heads, -1), blocks))
+    expected = expected_attention(query.view(tokens, heads, -1), back, torch.arange(tokens), torch.float32)
+    assert_close(outputs[0].view(tokens, heads, -1), expected, torch.float32)
+    keys, _ = gather_blocks(caches[0], blocks.view(1, -1))
+    assert torch.equal(keys[:, 0], bits.keys.transpose(0, 1))
+
+
+# ---- lowering: stablehlo, and xla with the cache in place --------------------------------------------
+
+
+class Fp8WriteThenRead(torch.nn.Module):
+    """tests/test_lowering.py's WriteThenRead over a uint8 cache: quantize and write the step's rows, then
+    attend over blocks that hold them. The scales are buffers, as on vLLM's Attention layer."""
+
+    def __init__(self, zeros=None) -> None:
+        super().__init__()
+        self.register_buffer(
+            "kv_cache", allocate(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, torch.uint8, "cpu", zeros)
+        )
+        self.register_buffer("k_scale", torch.tensor(K_SCALE))
+        self.register_buffer("v_scale", torch.tensor(V_SCALE))
+
+    def forward(self, key, value, slots, blocks):
+        write_kv(self.kv_cache, fp8.quantize(key, self.k_scale), fp8.quantize(value, self.v_scale), slots)
+        query = key.new_ones(blocks.shape[0], 2, 2 * KV_HEADS, HEAD_SIZE)
+        positions = torch.full((blocks.shape[0], 2), blocks.shape[1] * BLOCK_SIZE - 1)
+        return table_attention(
+            query, self.kv_cache, blocks, positions, SCALE, None, None, self.k_scale, self.v_scale
+        )
+
+
+def _xla_zeros(shape, dtype, device):
+    return xla.allocate_zeros(shape, dtype)
+
+
+@pytest.mark.parametrize("execute", [None, "xla"])
+def test_the_fp8_write_and_read_lower_and_run_with_the_cache_in_place(execute):
+    """StableHLO: convert to f8E4M3FN and a bitcast to ui8 before the one aliased scatter, a bitcast back
+    and a convert after the gather. Under `xla` the uint8 cache is updated where it lies (an f8-typed cache is
+    not: docs/research/issue-40-fp8.md, section 3)."""
+    backend = StableHLOBackend() if execute is None else StableHLOBackend(execute="xla")
+    module = Fp8WriteThenRead(_xla_zeros if execute else None)
+    address = module.kv_cache.data_ptr()
+    out = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(*write_inputs())
+    eager = Fp8WriteThenRead()
+    expected = eager(*write_inputs())
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(module.kv_cache, eager.kv_cache) and eager.kv_cache.any()
+    assert module.kv_cache.data_ptr() == address
+    (graph,) = backend.graphs
+    text = graph.stablehlo
+    assert "f8E4M3FN" in text and text.count("stablehlo.bitcast_convert") >= 2
+    (write,) = hlo_text.cache_writes(text)
+    assert write.problems == [] and write.scatters == [(2 * KV_HEADS * 6, HEAD_SIZE)]
+    # The scales enter as arguments (f32 scalars), not constants: a checkpoint's values change no graph.
+    main = next(line for line in text.splitlines() if "func.func @main" in line)
+    assert main.count(": tensor<f32>") == 2 and "e-02" not in text
+    if execute == "xla":
+        assert graph.compiled is not None and graph.compiled.problems == []
+        assert graph.summary()["caches_in_place"] is True
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+
+
+def test_the_info_endpoint_names_the_cache_dtype(tiny_model_dir):
+    assert describe(engine_config(tiny_model_dir))["kv_cache"]["dtype"] == "float32"
+    assert describe(engine_config(tiny_model_dir, kv_cache_dtype="fp8"))["kv_cache"]["dtype"] == "fp8"
+
+
+# A float32 block of the tiny model: K and V, 32 tokens, 2 KV heads of 32, 4 bytes, 2 layers.
+F32_BLOCK_BYTES = 2 * 32 * 2 * 32 * 4 * 2
+
+
+@pytest.mark.slow
+def test_the_tiny_model_serves_with_an_fp8_cache(tiny_model_dir, hf_model):
+    """One engine with `kv_cache_dtype="fp8"`: uint8 caches, a byte per element (four times the float32
+    cache's blocks in the same memory), no recompile after warm-up, and greedy tokens close to the float32
+    run's (which equal HF's: tests/test_engine.py). A prefix-cache hit gives the tokens of the same prompt
+    without one, since every path reads the same quantized K/V."""
+    engine = {
+        **ENGINE_KWARGS,
+        "kv_cache_dtype": "fp8",
+        "kv_cache_memory_bytes": 40 * F32_BLOCK_BYTES,
+        "disable_log_stats": False,  # the prefix-cache hit counter
+    }
+    again = {"prompt": PROMPTS[2], "params": {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+    extra = {"sampling": [again], "metrics": ["vllm:prefix_cache_hits"]}
+    result = run_engine(tiny_model_dir, engine, {"VLLM_NEURON_DEVICE": "cpu"}, extra=extra)
+    [stats] = result["compile_stats"]
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (EXPECTED_GRAPHS, 0)
+    assert stats["kv_cache_dtype"] == "uint8"
+    assert stats["kv_cache_shape"] == [2 * 2, 4 * 40, 32, 32]
+    # The prefix-cache hit: the whole blocks of the 120-token prompt, then the same tokens.
+    assert result["metrics"]["vllm:prefix_cache_hits"] >= 96
+    assert result["sampled_tokens"] == [result["tokens"][2]]
+    reference = [hf_greedy(hf_model, prompt, 12) for prompt in PROMPTS]
+    # Greedy decoding diverges for good at its first differing token: count the positions before it.
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(*pair, strict=True)) if a != b), 12)
+        for pair in zip(result["tokens"], reference, strict=True)
+    ]
+    print(f"fp8 KV: greedy tokens equal to float32's up to positions {agree} of 12")
+    assert [tokens[0] for tokens in result["tokens"]] == [tokens[0] for tokens in reference]
+
+
+@pytest.mark.slow
+def test_speculation_and_preemption_over_fp8_give_the_tokens_of_plain_fp8_decoding(tiny_model_dir):
+    """n-gram verify rows (several queries a row over the quantized pages) and preempted requests recomputed
+    into a small FP8 cache give the greedy tokens of the same prompts decoded plainly over FP8."""
+    prompts = [copy_friendly_prompt(8 + (29 * i) % 150, seed=700 + i) for i in range(8)]
+    prompts += [random_prompt(5 + (41 * i) % 120, seed=800 + i) for i in range(4)]
+    engine = {
+        **ENGINE_KWARGS,
+        "kv_cache_dtype": "fp8",
+        "max_num_seqs": 8,
+        "additional_config": {
+            "prefill_buckets": [64],
+            "decode_batch_buckets": [2, 8],
+            "context_buckets": [256],
+        },
+    }
+    env = {"VLLM_NEURON_DEVICE": "cpu"}
+    plain = run_engine(tiny_model_dir, engine, env, prompts=prompts, max_tokens=16)
+    pressed = {
+        **engine,
+        "kv_cache_memory_bytes": 4 * F32_BLOCK_BYTES,  # 16 FP8 blocks: 8 requests want up to 48
+        "disable_log_stats": False,
+        "speculative_config": SPECULATIVE,
+    }
+    speculating = run_engine(
+        tiny_model_dir, pressed, env, prompts=prompts, max_tokens=16, extra={"metrics": SPEC_COUNTERS}
+    )
+    assert speculating["tokens"] == plain["tokens"]
+    assert speculating["compile_stats"][0]["kv_cache_shape"][1] == 16
+    assert speculating["preemptions"] > 0
+    assert speculating["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
