@@ -36,6 +36,10 @@ def test_key_is_stable_and_changes_with_what_the_graphs_depend_on(tiny_model_dir
     assert key_of(tiny_model_dir, additional_config=separate[0]) == key_of(
         tiny_model_dir, additional_config=separate[1]
     )
+    # FP8 weights quantized at load and an FP8 KV cache: the same files, other graphs.
+    half = key_of(tiny_model_dir, dtype="float16")
+    assert len({half, key_of(tiny_model_dir, dtype="float16", quantization="fp8")}) == 2
+    assert key_of(tiny_model_dir, kv_cache_dtype="fp8") != base
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
     assert key_of(tiny_model_dir) != base
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")

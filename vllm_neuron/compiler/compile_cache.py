@@ -90,6 +90,14 @@ def key_fields(
         "versions": device.versions(),
         # The LoRA slots' shapes are in every graph; absent without --enable-lora: other keys are unchanged.
         **({"lora": _lora_fields(vllm_config.lora_config)} if vllm_config.lora_config else {}),
+        # FP8 weights (online: the checkpoint's config says nothing) and an FP8 KV cache change every graph's
+        # dtypes; absent when off, so other keys are unchanged.
+        **({"quantization": model_config.quantization} if model_config.quantization else {}),
+        **(
+            {"kv_cache_dtype": vllm_config.cache_config.cache_dtype}
+            if vllm_config.cache_config.cache_dtype != "auto"
+            else {}
+        ),
     }
 
 
