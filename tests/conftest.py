@@ -38,6 +38,11 @@ ENGINE_KWARGS = dict(
 # prefill (32,128) (32,256) (64,128) (64,256) + fresh prefill (64) + decode 3 batch x 2 context + mixed: the
 # decode shapes of batch 1 and 2 (at most max_num_seqs // 2 rows), each with a 64-token chunk
 EXPECTED_GRAPHS = 15
+# One bucket of each kind for the engines a test builds beside the shared one: a prefill, a decode and a mixed
+# graph (a fifth of the shared plan's warm-up), every phase still taken.
+FEW_BUCKETS = {"prefill_buckets": [64], "decode_batch_buckets": [2], "context_buckets": [256]}
+FEW_BUCKETS_ENGINE = ENGINE_KWARGS | {"additional_config": FEW_BUCKETS}
+FEW_BUCKETS_GRAPHS = 3
 
 
 @pytest.fixture(scope="session", autouse=True)

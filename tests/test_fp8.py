@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import ENGINE_KWARGS
+from tests.conftest import FEW_BUCKETS_ENGINE
 from tests.fp8_reference import (
     hf_with_weights,
     write_compressed_tensors_checkpoint,
@@ -128,7 +128,7 @@ def test_online_fp8_gives_hf_tokens_on_the_same_dequantized_weights(tiny_model_d
     weights_path = tmp_path / "dequantized.pt"
     result = run_engine(
         tiny_model_dir,
-        ENGINE_KWARGS | {"quantization": "fp8", "dtype": "float16"},
+        FEW_BUCKETS_ENGINE | {"quantization": "fp8", "dtype": "float16"},
         {"VLLM_NEURON_DEVICE": "cpu"},
         max_tokens=MAX_TOKENS,
         extra={"save_dequantized": str(weights_path)},
@@ -183,7 +183,7 @@ def test_a_compressed_tensors_checkpoint_gives_hf_tokens_on_its_dequantized_weig
     weights_path = tmp_path / "dequantized.pt"
     result = run_engine(
         checkpoint,
-        ENGINE_KWARGS,
+        FEW_BUCKETS_ENGINE,
         {"VLLM_NEURON_DEVICE": "cpu"},
         max_tokens=MAX_TOKENS,
         extra={"save_dequantized": str(weights_path)},
@@ -207,7 +207,7 @@ def test_a_modelopt_fp8_checkpoint_serves_with_its_weight_and_input_scales(tiny_
     weights_path = tmp_path / "dequantized.pt"
     result = run_engine(
         checkpoint,
-        ENGINE_KWARGS | {"dtype": "float16"},
+        FEW_BUCKETS_ENGINE | {"dtype": "float16"},
         {"VLLM_NEURON_DEVICE": "cpu"},
         max_tokens=MAX_TOKENS,
         extra={"save_dequantized": str(weights_path)},

@@ -11,7 +11,7 @@ from kv_cache.backend import NeuronAttentionImpl, NeuronAttentionMetadata, Table
 from kv_cache.layout import allocate
 from kv_cache.ops import gather_blocks, page_attention, table_attention, write_kv
 from server.info_endpoint import describe
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS
+from tests.conftest import ENGINE_KWARGS, FEW_BUCKETS_ENGINE, FEW_BUCKETS_GRAPHS
 from tests.helpers import PROMPTS, engine_config, hf_greedy, random_prompt, run_engine
 from tests.test_lowering import BLOCK_SIZE, BLOCKS, KV_HEADS, write_inputs
 from tests.test_paged_attention import (
@@ -274,7 +274,7 @@ def test_the_tiny_model_serves_with_an_fp8_cache(tiny_model_dir, hf_model):
     run's (which equal HF's: tests/test_engine.py). A prefix-cache hit gives the tokens of the same prompt
     without one, since every path reads the same quantized K/V."""
     engine = {
-        **ENGINE_KWARGS,
+        **FEW_BUCKETS_ENGINE,
         "kv_cache_dtype": "fp8",
         "kv_cache_memory_bytes": 40 * F32_BLOCK_BYTES,
         "disable_log_stats": False,  # the prefix-cache hit counter
@@ -283,7 +283,7 @@ def test_the_tiny_model_serves_with_an_fp8_cache(tiny_model_dir, hf_model):
     extra = {"sampling": [again], "metrics": ["vllm:prefix_cache_hits"]}
     result = run_engine(tiny_model_dir, engine, {"VLLM_NEURON_DEVICE": "cpu"}, extra=extra)
     [stats] = result["compile_stats"]
-    assert (stats["graphs"], stats["unexpected_recompiles"]) == (EXPECTED_GRAPHS, 0)
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (FEW_BUCKETS_GRAPHS, 0)
     assert stats["kv_cache_dtype"] == "uint8"
     assert stats["kv_cache_shape"] == [2 * 2, 4 * 40, 32, 32]
     # The prefix-cache hit: the whole blocks of the 120-token prompt, then the same tokens.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import FEW_BUCKETS
 from tests.helpers import build_adapter, hf_greedy, random_prompt
 from tests.serving import MODEL_NAME, ServerProcess, http
 
@@ -31,7 +32,8 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[Path, object]]
 
 @pytest.fixture(scope="module")
 def lora_server(tiny_model_dir, adapters, tmp_path_factory):
-    """One server with two adapter slots of rank up to 8, one adapter named on the command line."""
+    """One server with two adapter slots of rank up to 8, one adapter named on the command line, and one
+    bucket of each kind (the last --additional-config wins)."""
     folder = tmp_path_factory.mktemp("lora-server")
     modules = [f"{name}={adapters[name][0]}" for name in STATIC]
     server = ServerProcess(
@@ -46,6 +48,8 @@ def lora_server(tiny_model_dir, adapters, tmp_path_factory):
         "8",
         "--lora-modules",
         *modules,
+        "--additional-config",
+        json.dumps(FEW_BUCKETS),
         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
     )
     try:

@@ -3,7 +3,7 @@ process because a process picks its vLLM platform once."""
 
 import pytest
 
-from tests.conftest import ENGINE_KWARGS
+from tests.conftest import FEW_BUCKETS_ENGINE, FEW_BUCKETS_GRAPHS
 from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, hf_greedy, run_engine
 from vllm_neuron.compiler import hlo_text
 
@@ -22,22 +22,17 @@ def test_same_tokens_as_vllm_own_cpu_platform(llm, hf_model, tiny_model_dir):
     assert ours == [hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
 
 
-# One bucket of each kind (prefill, decode, mixed): the phases' graphs in half precision, in a third of the
-# shared engine's warm-up.
-HALF_PRECISION_BUCKETS = {"prefill_buckets": [64], "decode_batch_buckets": [2], "context_buckets": [256]}
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_and_tracks_float32(llm, tiny_model_dir, dtype, tmp_path):
     env = {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_DUMP_GRAPHS": str(tmp_path)}
-    kwargs = {**ENGINE_KWARGS, "dtype": dtype, "additional_config": HALF_PRECISION_BUCKETS}
+    kwargs = FEW_BUCKETS_ENGINE | {"dtype": dtype}
     result = run_engine(tiny_model_dir, kwargs, env)
     assert result["platform"] == "NeuronPlatform"
     # Every warm-up graph lowered in this dtype too (the suite's engines use the xla backend), each KV cache
     # written with one aliased scatter; --dump-graphs wrote them, named by call.
     dumped = sorted(tmp_path.glob("*.stablehlo.mlir"))
     (stats,) = result["compile_stats"]
-    assert len(dumped) == len(list(tmp_path.glob("*.fx.txt"))) == stats["graphs"] == 3
+    assert len(dumped) == len(list(tmp_path.glob("*.fx.txt"))) == stats["graphs"] == FEW_BUCKETS_GRAPHS
     assert [path.name.split("-")[1] for path in dumped] == ["prefill", "decode", "decode"]  # the last mixed
     assert dumped[0].name.startswith("000-prefill-of-")
     for path in dumped:
