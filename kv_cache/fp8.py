@@ -8,16 +8,16 @@ section 3). Same-width views (`bitcast_convert` in StableHLO) move the bits betw
 
 import torch
 
+from vllm_neuron.quantization.fp8_format import FP8, to_fp8
+
 # vLLM's names for an e4m3 cache (`fp8` means e4m3). fp8_e5m2 is refused: vLLM refuses it with checkpoint
 # scales, and nothing here checked it lowers.
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-FP8 = torch.float8_e4m3fn
-_FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale rounded to e4m3 (saturating, not inf), as the uint8 bits the cache stores."""
-    return (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(FP8).view(torch.uint8)
+    return to_fp8(x, scale).view(torch.uint8)
 
 
 def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

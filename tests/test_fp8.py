@@ -19,7 +19,8 @@ from tests.fp8_reference import (
 )
 from tests.helpers import PROMPTS, engine_config, hf_greedy, run_engine
 from vllm_neuron.compiler.stablehlo import StableHLOBackend
-from vllm_neuron.quantization.fp8 import FP8, FP8_MAX, NeuronFp8Linear, scaled_fp8_quant
+from vllm_neuron.quantization.fp8 import NeuronFp8Linear, scaled_fp8_quant
+from vllm_neuron.quantization.fp8_format import FP8, FP8_MAX
 
 MAX_TOKENS = 12
 

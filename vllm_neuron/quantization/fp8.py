@@ -11,6 +11,7 @@ is the model with the dequantized weights (and quantized inputs). docs/research/
 
 import torch
 
+from vllm_neuron.quantization.fp8_format import FP8, FP8_MAX, to_fp8
 from vllm_neuron.upstream.vllm_fp8 import (
     FP8ScaledMMLinearKernel,
     FP8ScaledMMLinearLayerConfig,
@@ -20,8 +21,6 @@ from vllm_neuron.upstream.vllm_fp8 import (
     replace_scaled_fp8_quant,
 )
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
 # vLLM's floor on a dynamic scale (its quantization kernels'): an all-zero tensor still divides.
 MIN_SCALE = 1.0 / (FP8_MAX * 512)
 
@@ -46,10 +45,7 @@ def scaled_fp8_quant(
         else:
             amax = values.abs().amax().reshape(1)
         scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
-    quantized = (values / _spread(scale.to(torch.float32), values.shape, group_shape)).clamp(
-        -FP8_MAX, FP8_MAX
-    )
-    quantized = quantized.to(FP8)
+    quantized = to_fp8(values, _spread(scale.to(torch.float32), values.shape, group_shape))
     if num_token_padding and num_token_padding > quantized.shape[0]:
         padding = torch.zeros(num_token_padding - quantized.shape[0], quantized.shape[1], dtype=FP8)
         quantized = torch.cat([quantized, padding.to(quantized.device)])
@@ -75,8 +71,7 @@ def _spread(scale: torch.Tensor, shape: torch.Size, group_shape: tuple[int, int]
 def quantize_dequantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x as FP8 with a static scale holds it (saturated at +-448 x scale), back in x's dtype: the activation a
     W8A8 checkpoint's matmul reads, so the product equals FP8 x FP8 with float32 accumulation."""
-    quantized = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return (quantized.to(torch.float32) * scale).to(x.dtype)
+    return (to_fp8(x, scale).to(torch.float32) * scale).to(x.dtype)
 
 
 class NeuronFp8Linear(FP8ScaledMMLinearKernel):
