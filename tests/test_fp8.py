@@ -10,10 +10,12 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.conftest import FEW_BUCKETS_ENGINE
 from tests.fp8_reference import (
     hf_with_weights,
+    kv_scales_by_layer,
     write_compressed_tensors_checkpoint,
     write_modelopt_checkpoint,
 )
@@ -201,9 +203,11 @@ def test_a_compressed_tensors_checkpoint_gives_hf_tokens_on_its_dequantized_weig
 
 
 @pytest.mark.slow
-def test_a_modelopt_fp8_checkpoint_serves_with_its_weight_and_input_scales(tiny_model_dir, tmp_path):
-    """ModelOpt FP8 (per-tensor weight scales, static input scales), in float16 as vLLM requires for it:
-    HF in float16 on the engine's weights and input scales (first 4 tokens, as the FP8 preset above)."""
+def test_a_modelopt_fp8_checkpoint_serves_with_its_weight_input_and_kv_cache_scales(tiny_model_dir, tmp_path):
+    """ModelOpt FP8 with an FP8 KV cache (kv_cache_quant_algo), in float16 as vLLM requires for it, with
+    --kv-cache-dtype left at auto: the cache is FP8 by the checkpoint's word, its scales are the
+    checkpoint's, and the tokens are HF's in float16 on the engine's weights, input scales and KV scales
+    (as far as HF is stable, as for the FP8 preset above)."""
     checkpoint = write_modelopt_checkpoint(tiny_model_dir, tmp_path / "modelopt")
     weights_path = tmp_path / "dequantized.pt"
     result = run_engine(
@@ -214,7 +218,13 @@ def test_a_modelopt_fp8_checkpoint_serves_with_its_weight_and_input_scales(tiny_
         extra={"save_dequantized": str(weights_path)},
     )
     weights = torch.load(weights_path)
-    print(sorted(weights))
+    calibrated = kv_scales_by_layer(load_file(checkpoint / "model.safetensors"))
+    assert len(calibrated) == 2 * 2 and 1.0 not in calibrated.values()
+    # vLLM creates the scale parameters in the model's dtype: the checkpoint's scales rounded to float16
+    assert kv_scales_by_layer(weights) == {
+        key: torch.tensor(v).half().item() for key, v in calibrated.items()
+    }
+    assert result["compile_stats"][0]["kv_cache_dtype"] == "uint8"
     assert_equal_where_the_reference_is_stable(result["tokens"], tiny_model_dir, weights, torch.float16)
 
 
@@ -253,3 +263,12 @@ def test_compressed_tensors_schemes_the_kernel_does_not_serve_are_refused(
     model_dir = with_quantization_config(fp8_dynamic_checkpoint, tmp_path / "refused", config)
     with pytest.raises(ValueError, match=refused):
         engine_config(model_dir)
+
+
+def test_per_head_kv_cache_scales_are_refused_with_an_fp8_cache(fp8_dynamic_checkpoint, tmp_path):
+    config = json.loads((fp8_dynamic_checkpoint / "config.json").read_text())["quantization_config"]
+    config["kv_cache_scheme"] = {"type": "float", "num_bits": 8, "strategy": "attn_head", "symmetric": True}
+    model_dir = with_quantization_config(fp8_dynamic_checkpoint, tmp_path / "per-head", config)
+    with pytest.raises(ValueError, match="per-head FP8 KV cache scales .* are not supported"):
+        engine_config(model_dir, kv_cache_dtype="fp8")
+    engine_config(model_dir)  # an unquantized cache reads no scale

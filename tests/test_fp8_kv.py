@@ -4,6 +4,7 @@ the cache in place, the attention backend's paths, and one engine serving the ti
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from vllm.model_executor.layers.attention.attention import set_default_quant_scales
 
 from kv_cache import fp8
@@ -12,7 +13,8 @@ from kv_cache.layout import allocate
 from kv_cache.ops import gather_blocks, page_attention, table_attention, write_kv
 from server.info_endpoint import describe
 from tests.conftest import ENGINE_KWARGS, FEW_BUCKETS_ENGINE, FEW_BUCKETS_GRAPHS
-from tests.helpers import PROMPTS, engine_config, hf_greedy, random_prompt, run_engine
+from tests.fp8_reference import hf_with_weights, kv_scales_by_layer, write_compressed_tensors_checkpoint
+from tests.helpers import MAX_TOKENS, PROMPTS, engine_config, hf_greedy, random_prompt, run_engine
 from tests.test_lowering import BLOCK_SIZE, BLOCKS, KV_HEADS, write_inputs
 from tests.test_paged_attention import (
     HEAD_SIZE,
@@ -297,6 +299,34 @@ def test_the_tiny_model_serves_with_an_fp8_cache(tiny_model_dir, hf_model):
     ]
     print(f"fp8 KV: greedy tokens equal to float32's up to positions {agree} of 12")
     assert [tokens[0] for tokens in result["tokens"]] == [tokens[0] for tokens in reference]
+
+
+@pytest.mark.slow
+def test_a_checkpoints_kv_scales_are_served_and_give_hf_tokens_over_the_same_fp8_keys(
+    tiny_model_dir, tmp_path
+):
+    """A compressed-tensors checkpoint with FP8 weights and an FP8 KV cache scheme (static per-tensor scales,
+    calibrated per layer), written offline with the library and served in float32 with --kv-cache-dtype fp8:
+    each layer's scales are the checkpoint's (not vLLM's default 1.0), and the greedy tokens equal HF's on
+    the engine's dequantized weights with each layer's keys and values rounded through FP8 by those scales
+    (the exact reference: the cache stores those values, attention reads them back)."""
+    checkpoint = write_compressed_tensors_checkpoint(tiny_model_dir, tmp_path / "fp8-kv", kv_cache=True)
+    weights_path = tmp_path / "dequantized.pt"
+    result = run_engine(
+        checkpoint,
+        FEW_BUCKETS_ENGINE | {"kv_cache_dtype": "fp8"},
+        {"VLLM_NEURON_DEVICE": "cpu"},
+        max_tokens=MAX_TOKENS,
+        extra={"save_dequantized": str(weights_path)},
+    )
+    weights = torch.load(weights_path)
+    calibrated = kv_scales_by_layer(load_file(checkpoint / "model.safetensors"))
+    assert len(calibrated) == 2 * 2 and 1.0 not in calibrated.values()
+    assert kv_scales_by_layer(weights) == calibrated
+    [stats] = result["compile_stats"]
+    assert (stats["kv_cache_dtype"], stats["unexpected_recompiles"]) == ("uint8", 0)
+    reference = hf_with_weights(tiny_model_dir, weights)
+    assert result["tokens"] == [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
 
 
 @pytest.mark.slow

@@ -294,6 +294,16 @@ def _quantization_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
             checkpoint.get("weight_block_size") is not None or checkpoint.get("quant_algo") == "FP8_PB_WO"
         ),
     }
+    kv_scheme = checkpoint.get("kv_cache_scheme") or {}
+    refusals[
+        "per-head FP8 KV cache scales (kv_cache_scheme strategy attn_head) are not supported: the plugin's "
+        "FP8 cache has one key and one value scale per layer; serve a per-tensor kv_cache_scheme, or "
+        "--kv-cache-dtype auto"
+    ] = (
+        isinstance(kv_scheme, dict)
+        and kv_scheme.get("strategy") == "attn_head"
+        and (vllm_config.cache_config.cache_dtype != "auto")
+    )
     for name, group in checkpoint.get("config_groups", {}).items():  # compressed-tensors
         weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
         fp8 = weights.get("type") == "float" and weights.get("num_bits") == 8 and weights.get("symmetric")
