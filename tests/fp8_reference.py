@@ -47,10 +47,7 @@ def hf_with_weights(
     modules = dict(model.named_modules())
     with torch.no_grad():
         for name, weight in weights.items():
-            if name.endswith((".attn.k_scale", ".attn.v_scale")):  # vLLM's SELF_ATTN.attn: HF's SELF_ATTN
-                prefix, _, scale = name.rpartition(".")
-                setattr(modules[prefix.removesuffix(".attn")], f"fp8_{scale}", weight)
-                _use_fp8_kv_attention(model)
+            if name.endswith((".k_scale", ".v_scale")):  # taken below
                 continue
             if name.endswith(".input_scale"):
                 prefix, _, module = name.removesuffix(".input_scale").rpartition(".")
@@ -64,6 +61,24 @@ def hf_with_weights(
             sizes = [parameters[f"{prefix}.{part}.weight"].shape[0] for part in parts]
             for part, piece in zip(parts, weight.split(sizes), strict=True):
                 parameters[f"{prefix}.{part}.weight"].copy_(piece)
+    by_layer = kv_scales_by_layer(weights)
+    if by_layer:
+        layers = {layer for layer, _ in by_layer}
+        round_kv_through_fp8(model, {i: (by_layer[i, "k_scale"], by_layer[i, "v_scale"]) for i in layers})
+    return model
+
+
+def round_kv_through_fp8(model: torch.nn.Module, scales: dict[int, tuple[float, float]]) -> torch.nn.Module:
+    """`model` (HF, or peft around it) with each attention layer's keys and values (after the rotary
+    embedding, as the cache holds them) rounded through FP8 by its layer's (key, value) scales: what an FP8
+    KV cache with those scales stores and attention reads back."""
+    from transformers import AttentionInterface
+
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and module.layer_idx in scales:
+            module.fp8_kv_scales = tuple(torch.tensor(scale) for scale in scales[module.layer_idx])
+    AttentionInterface.register("fp8_kv_cache", _fp8_kv_attention)
+    model.set_attn_implementation("fp8_kv_cache")
     return model
 
 
@@ -86,18 +101,11 @@ def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
 
     from kv_cache.fp8 import dequantize, quantize
 
-    k_scale, v_scale = getattr(module, "fp8_k_scale", None), getattr(module, "fp8_v_scale", None)
-    if k_scale is not None and v_scale is not None:
+    if hasattr(module, "fp8_kv_scales"):
+        k_scale, v_scale = module.fp8_kv_scales
         key = dequantize(quantize(key, k_scale), k_scale, key.dtype)
         value = dequantize(quantize(value, v_scale), v_scale, value.dtype)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def _use_fp8_kv_attention(model: torch.nn.Module) -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("fp8_kv_cache", _fp8_kv_attention)
-    model.set_attn_implementation("fp8_kv_cache")
 
 
 def write_compressed_tensors_checkpoint(

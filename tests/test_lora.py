@@ -3,6 +3,7 @@
 tokens with that adapter applied (peft), with no graph compiled after warm-up; adapters the slots cannot
 hold, and configurations the slots do not serve, are refused by name."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from tests.conftest import ENGINE_KWARGS
 from tests.environment import TENSOR_PARALLEL_ENVIRONMENT
+from tests.fp8_reference import round_kv_through_fp8
 from tests.helpers import build_adapter, engine_config, hf_greedy, random_prompt, run_engine
 
 MAX_TOKENS = 8
@@ -157,11 +159,15 @@ def test_lora_configurations_the_slots_do_not_serve_are_refused(tiny_model_dir, 
 
 
 @pytest.mark.slow
-def test_two_ranks_and_ngram_verify_calls_give_the_same_tokens(tiny_model_dir, adapters, hf_model):
+def test_two_ranks_and_ngram_verify_calls_over_an_fp8_cache_give_the_same_tokens(
+    tiny_model_dir, adapters, hf_model
+):
     """TP=2 (gloo, each rank's graphs lowered by the stablehlo backend): B of the column-parallel layers and A
     of the row-parallel ones split across the ranks, the adapters' share of the row-parallel output summed
     by the layer's all-reduce. With n-gram speculation, so that verify calls carry each row's slot for every
-    query too. The mixed batch and a repeated phrase (whose n-grams propose drafts) give HF+peft's tokens."""
+    query too, and an FP8 KV cache (scales 1.0), so that adapters' keys and values go through FP8. The mixed
+    batch and a repeated phrase (whose n-grams propose drafts) give the tokens of HF+peft with its keys and
+    values rounded through FP8 the same way."""
     mixed = [(SHORT, name) for name in (*ADAPTERS, None)] + [(LONG, "all"), (REPEATED, "qv")]
     extra = {
         "adapters": {name: str(adapters[name][0]) for name in ADAPTERS},
@@ -178,6 +184,7 @@ def test_two_ranks_and_ngram_verify_calls_give_the_same_tokens(tiny_model_dir, a
         "prompt_lookup_min": 2,
     }
     engine = ENGINE | {
+        "kv_cache_dtype": "fp8",
         "tensor_parallel_size": 2,
         "speculative_config": speculative,
         "disable_log_stats": False,
@@ -190,9 +197,14 @@ def test_two_ranks_and_ngram_verify_calls_give_the_same_tokens(tiny_model_dir, a
         extra=extra,
         script="lora_in_subprocess.py",
     )
-    models = references(adapters, hf_model)
+    unit_scales = {0: (1.0, 1.0), 1: (1.0, 1.0)}
+    models = {
+        name: round_kv_through_fp8(copy.deepcopy(model), unit_scales)
+        for name, model in references(adapters, hf_model).items()
+    }
     assert result["mixed"] == [hf_greedy(models[name], prompt, MAX_TOKENS) for prompt, name in mixed]
     assert result["metrics"]["vllm:spec_decode_num_draft_tokens"] > 0
+    assert [stats["kv_cache_dtype"] for stats in result["compile_stats"][1]] == ["uint8"] * 2
     # Each rank's slot bytes: the check's AdapterSlots at TP=2 (per layer 896 held whole, 1152 split: above).
     unit = 2 * MAX_RANK * 4
     assert [rank["slot_bytes"] for rank in result["info"]] == [2 * (896 + 1152 // 2) * unit] * 2  # 2 layers

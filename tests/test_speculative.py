@@ -12,6 +12,7 @@ from openai import OpenAI
 from server.check import plan_of
 from server.info_endpoint import describe
 from tests.conftest import ENGINE_KWARGS
+from tests.fp8_reference import hf_with_weights, round_kv_through_fp8
 from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
 from tests.serving import MODEL_NAME, ServerProcess, http
 from tests.test_preemption import BLOCK_BYTES
@@ -83,8 +84,10 @@ def test_ngram_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_model_
         extra={"sampling": sampling, "metrics": SPEC_COUNTERS, "churn_bursts": 2},
     )
     assert result["async_scheduling"] is False  # vLLM runs n-gram proposals without it
-    assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in prompts]
+    reference = round_kv_through_fp8(hf_with_weights(tiny_model_dir, {}), {0: (1.0, 1.0), 1: (1.0, 1.0)})
+    assert result["tokens"] == [hf_greedy(reference, p, 24) for p in prompts]
     assert result["preemptions"] > 0
+    assert result["compile_stats"][0]["kv_cache_dtype"] == "uint8"
     # prefill 1, decode 2, mixed (batch 2) 1, verify 2: all at warm-up, none after, through the churn of
     # cancelled and finished requests too
     [stats] = result["compile_stats"]
@@ -198,12 +201,17 @@ def test_a_draft_model_runs_without_async_scheduling_and_its_graphs_are_in_the_i
     assert graphs["draft"] == sum(graphs.values()) - graphs["draft"] == info["graphs"]
 
 
-def draft_model_engine(draft_dir, kv_blocks: int, draft_layers: int, decode_batches: list[int]) -> dict:
+def draft_model_engine(
+    draft_dir, kv_blocks: int, draft_layers: int, decode_batches: list[int], fp8_cache: bool = False
+) -> dict:
+    # The draft's layers share the target's blocks: a block holds both models' keys and values, in float32
+    # (4 bytes an element) or FP8 (1).
+    block_bytes = BLOCK_BYTES * (2 + draft_layers) // 2 // (4 if fp8_cache else 1)
     return {
         **ENGINE_KWARGS,
         "max_num_seqs": 8,
-        # The draft's layers share the target's blocks: a block holds both models' keys and values.
-        "kv_cache_memory_bytes": kv_blocks * BLOCK_BYTES * (2 + draft_layers) // 2,
+        "kv_cache_memory_bytes": kv_blocks * block_bytes,
+        "kv_cache_dtype": "fp8" if fp8_cache else "auto",
         "disable_log_stats": False,
         "speculative_config": {
             "method": "draft_model",
@@ -219,22 +227,29 @@ def draft_model_engine(draft_dir, kv_blocks: int, draft_layers: int, decode_batc
 
 
 @pytest.mark.slow
-def test_the_target_as_its_own_draft_model_has_every_draft_accepted(tiny_model_dir, hf_model):
+def test_the_target_as_its_own_draft_model_has_every_draft_accepted(tiny_model_dir):
     """The draft model's cache follows the target's through chunked prefill, requests joining mid-stream and
     preemption (its entries recomputed with the target's), and its passes start from each row's newest
-    token: with the target's own weights as the draft, the drafts are the target's greedy tokens."""
+    token: with the target's own weights as the draft, the drafts are the target's greedy tokens. Over an
+    FP8 cache (both models' layers quantized in the shared blocks, scales 1.0): the tokens are HF's with its
+    keys and values rounded through FP8 the same way (tests/fp8_reference.py)."""
     # 8 requests at once want up to 48 KV blocks of 24; prompts past 64 tokens are chunked
     prompts = [random_prompt(5 + (37 * i) % 150, seed=950 + i) for i in range(10)]
+    engine = draft_model_engine(
+        tiny_model_dir, kv_blocks=24, draft_layers=2, decode_batches=[2, 8], fp8_cache=True
+    )
     result = run_engine(
         tiny_model_dir,
-        draft_model_engine(tiny_model_dir, kv_blocks=24, draft_layers=2, decode_batches=[2, 8]),
+        engine,
         {"VLLM_NEURON_DEVICE": "cpu"},
         prompts=prompts,
         max_tokens=24,
         extra={"metrics": SPEC_COUNTERS},
     )
-    assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in prompts]
+    reference = round_kv_through_fp8(hf_with_weights(tiny_model_dir, {}), {0: (1.0, 1.0), 1: (1.0, 1.0)})
+    assert result["tokens"] == [hf_greedy(reference, p, 24) for p in prompts]
     assert result["preemptions"] > 0
+    assert result["compile_stats"][0]["kv_cache_dtype"] == "uint8"
     # prefill 1, decode 2, mixed 1, verify 2: each a graph of the target and one of the draft, at warm-up
     [stats] = result["compile_stats"]
     assert (stats["graphs"], stats["unexpected_recompiles"]) == (2 * 6, 0)
