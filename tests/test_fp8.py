@@ -128,11 +128,11 @@ def test_fp8_the_kernel_does_not_serve_is_refused_by_name(tiny_model_dir, tmp_pa
 @pytest.mark.slow
 def test_online_fp8_gives_hf_tokens_on_the_same_dequantized_weights(tiny_model_dir, tmp_path):
     """vLLM serves online FP8 with half-precision activations only: float16, HF in float16 too."""
-    weights_path = tmp_path / "dequantized.pt"
+    weights_path, dumped = tmp_path / "dequantized.pt", tmp_path / "graphs"
     result = run_engine(
         tiny_model_dir,
         FEW_BUCKETS_ENGINE | {"quantization": "fp8", "dtype": "float16"},
-        {"VLLM_NEURON_DEVICE": "cpu"},
+        {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_DUMP_GRAPHS": str(dumped)},
         max_tokens=MAX_TOKENS,
         extra={"save_dequantized": str(weights_path)},
     )
@@ -143,6 +143,23 @@ def test_online_fp8_gives_hf_tokens_on_the_same_dequantized_weights(tiny_model_d
     assert result["tokens"] == [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in PROMPTS]
     [stats] = result["compile_stats"]
     assert stats["unexpected_recompiles"] == 0
+    # Every served graph (prefill, decode, mixed) takes each projection's weight as an f8 argument straight
+    # into its dot: no graph reads a half-precision copy of a quantized weight.
+    graphs = sorted(dumped.glob("*.stablehlo.mlir"))
+    assert len(graphs) == stats["graphs"]
+    for path in graphs:
+        assert fp8_weights_into_dots(path.read_text()) == (len(weights), len(weights)), path.name
+
+
+def fp8_weights_into_dots(text: str) -> tuple[int, int]:
+    """A lowered program's f8E4M3FN arguments, and how many of them are converted where a dot reads them."""
+    signature = next(line for line in text.splitlines() if "func.func @main" in line).split("->")[0]
+    arguments = re.findall(r"(%arg\d+): tensor<[0-9x]+xf8E4M3FN>", signature)
+    into_dots = 0
+    for argument in arguments:
+        convert = re.search(rf"(%\d+) = stablehlo.convert {argument} : ", text)
+        into_dots += bool(convert and re.search(rf"dot_general [^\n]*{convert.group(1)}\b", text))
+    return len(arguments), into_dots
 
 
 def assert_equal_where_the_reference_is_stable(tokens, model_dir, weights, dtype) -> None:
