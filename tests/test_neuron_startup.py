@@ -71,9 +71,18 @@ def test_one_rank_is_pinned_to_one_core_too(neuron_mode, monkeypatch):
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4-5")  # the pod's cores
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    device.pin_rank(0, 1)
+    device.pin_rank(0, 1, assigned=None, host_workers=1)
     assert os.environ["NEURON_RT_VISIBLE_CORES"] == "4"
     assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("0", "1")
+
+
+def test_data_parallel_engines_take_their_cores_from_the_visible_ranges(neuron_mode, monkeypatch):
+    """vLLM gives DP engine r of a host the devices [r * TP, (r + 1) * TP) through the platform: ranges such
+    as the device plugin writes them are read, and each engine's rank is pinned to the core it was given."""
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "8-9,12-13")
+    assert [NeuronPlatform.device_id_to_physical_device_id(i) for i in range(4)] == [8, 9, 12, 13]
+    device.pin_rank(0, 1, assigned=12, host_workers=4)
+    assert os.environ["NEURON_RT_VISIBLE_CORES"] == "12"
 
 
 def test_engine_config_does_not_start_the_runtime(neuron_mode):

@@ -4,6 +4,7 @@ that names the constraint."""
 import os
 
 import pytest
+import torch
 
 from tests.helpers import engine_config
 from vllm_neuron import device
@@ -11,6 +12,7 @@ from vllm_neuron.parallel import (
     TensorParallelError,
     check_fits_cores,
     check_heads,
+    cpu_share,
     parse_cores,
     rank_core,
 )
@@ -33,9 +35,22 @@ def test_each_rank_gets_its_own_core_of_those_given():
         rank_core("8-9", 0, 4)
 
 
-def test_cpu_mode_pins_nothing(monkeypatch):
+def test_cpu_mode_gives_each_worker_on_the_host_its_share_of_the_cpus(monkeypatch):
+    """Data-parallel engines (and their TP ranks) on one host: each its own contiguous CPUs, as each has its
+    own NeuronCore on Trainium; one worker alone keeps them all."""
+    cpus = list(range(8))
+    assert [cpu_share(cpus, slot, 2) for slot in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [cpu_share(cpus, slot, 3) for slot in range(3)] == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    with pytest.raises(TensorParallelError, match="4 workers on this host need a CPU each, but this process"):
+        cpu_share([0, 1], 3, 4)
+    pinned: list[set[int]] = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda _, cpus: pinned.append(set(cpus)))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: pinned.append(n))
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
-    device.pin_rank(1, 2)
+    device.pin_rank(0, 1, assigned=1, host_workers=2)  # the second DP engine's one rank
+    device.pin_rank(0, 1, assigned=None, host_workers=1)  # one engine: its process keeps every CPU
+    assert pinned == [{2, 3}, 2]
     assert "NEURON_RT_VISIBLE_CORES" not in os.environ
 
 

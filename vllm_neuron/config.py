@@ -71,6 +71,9 @@ class NeuronConfig:
     block_size: int
     prefill_tokens_while_decoding: int  # the prefill share (vllm_neuron/prefill_share.py); 0: off
     compile_backend: str  # the torch.compile backend of the model step (device.compile_backend)
+    # The workers this host runs: its data-parallel engines times their local ranks, taken before vLLM makes
+    # each (non-MoE) DP engine an independent DP=1 engine; each worker pins to its share (device.pin_rank).
+    host_workers: int = 1
 
     @classmethod
     def of(cls, vllm_config: "VllmConfig") -> "NeuronConfig":
@@ -89,9 +92,11 @@ class NeuronConfig:
         everything else reads the result back with `of`."""
         speculative = vllm_config.speculative_config
         verify_tokens = 1 + speculative.num_speculative_tokens if speculative is not None else 0
-        return cls.resolve(
+        resolved = cls.resolve(
             dict(vllm_config.additional_config or {}), engine_limits(vllm_config), verify_tokens
         )
+        parallel = vllm_config.parallel_config
+        return replace(resolved, host_workers=parallel.data_parallel_size_local * parallel.local_world_size)
 
     @classmethod
     def resolve(

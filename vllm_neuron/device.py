@@ -6,6 +6,7 @@ backend names, so CPU mode runs the same code paths with only these answers chan
 
 import ctypes
 import importlib.util
+import logging
 import os
 from functools import cache
 from typing import Literal
@@ -15,6 +16,8 @@ import torch
 
 from vllm_neuron import envs
 from vllm_neuron.upstream import torch_compile
+
+logger = logging.getLogger("vllm.vllm_neuron")
 
 DeviceMode = Literal["neuron", "cpu"]
 
@@ -120,18 +123,30 @@ def visible_core_count() -> int:
     return len(parse_cores(visible)) if visible else device_count()
 
 
-def pin_rank(local_rank: int, local_world_size: int) -> None:
-    """Neuron mode: give this rank's process only its own NeuronCore, before anything starts the runtime
-    (the runtime reserves every visible core for the first process that starts it). TorchNeuron's process
-    group reads LOCAL_RANK / LOCAL_WORLD_SIZE, keeps a NEURON_RT_VISIBLE_CORES already set, and refuses more
-    than one visible core per process, with one rank too (a pod may be given more cores than it uses). CPU
-    mode: nothing to pin."""
-    if mode() != "neuron":
-        return
-    from vllm_neuron.parallel import rank_core
+def pin_rank(local_rank: int, local_world_size: int, assigned: int | None, host_workers: int) -> None:
+    """Give this worker only its own device, before anything starts the runtime. `assigned` is the device
+    vLLM assigned it where it runs several data-parallel engines on the host (its NeuronCore, from
+    NEURON_RT_VISIBLE_CORES: NeuronPlatform.device_id_to_physical_device_id), else None; `host_workers`
+    counts the workers on this host (DP engines times TP ranks).
 
-    core = rank_core(os.environ.get("NEURON_RT_VISIBLE_CORES"), local_rank, local_world_size)
-    os.environ["NEURON_RT_VISIBLE_CORES"] = str(core)
+    Neuron mode: the runtime reserves every visible core for the first process that starts it. TorchNeuron's
+    process group reads LOCAL_RANK / LOCAL_WORLD_SIZE, keeps a NEURON_RT_VISIBLE_CORES already set, and
+    refuses more than one visible core per process, with one rank too (a pod may be given more cores than it
+    uses). CPU mode: the worker's share of the host's CPUs where several workers share it, so that their
+    thread pools do not contend for the same cores."""
+    from vllm_neuron.parallel import cpu_share, rank_core
+
+    if mode() != "neuron":
+        if host_workers > 1:
+            slot = assigned if assigned is not None else local_rank
+            share = cpu_share(sorted(os.sched_getaffinity(0)), slot, host_workers)
+            os.sched_setaffinity(0, share)
+            torch.set_num_threads(len(share))
+            logger.info("CPU mode: worker %d of %d on this host runs on CPUs %s", slot, host_workers, share)
+        return
+    if assigned is None:
+        assigned = rank_core(os.environ.get("NEURON_RT_VISIBLE_CORES"), local_rank, local_world_size)
+    os.environ["NEURON_RT_VISIBLE_CORES"] = str(assigned)
     os.environ["LOCAL_RANK"] = str(local_rank)
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
 

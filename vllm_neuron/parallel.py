@@ -50,6 +50,19 @@ def rank_core(visible: str | None, local_rank: int, local_world_size: int) -> in
     return cores[local_rank]
 
 
+def cpu_share(cpus: list[int], slot: int, slots: int) -> list[int]:
+    """CPU mode: worker `slot`'s share of `cpus` when `slots` workers (data-parallel engines times their
+    tensor-parallel ranks) share this host, as a NeuronCore is a worker's own on Trainium: an equal,
+    contiguous share (neighbouring CPUs share caches), the first shares one smaller where they do not
+    divide evenly."""
+    if not 0 <= slot < slots <= len(cpus):
+        raise TensorParallelError(
+            f"{slots} workers on this host need a CPU each, but this process may use {len(cpus)}: lower "
+            "--data-parallel-size or --tensor-parallel-size"
+        )
+    return cpus[slot * len(cpus) // slots : (slot + 1) * len(cpus) // slots]
+
+
 def check_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
     """TP must split the query heads evenly; KV heads are either split evenly or, when there are fewer
     KV heads than ranks, replicated so that each rank holds one (vLLM's QKVParallelLinear does that)."""

@@ -80,6 +80,13 @@ class NeuronPlatform(Platform):
         return neuron_device.device_name(device_id)
 
     @classmethod
+    def device_id_to_physical_device_id(cls, device_id: int) -> int:
+        # vLLM gives each data-parallel engine on a host its devices through this. NEURON_RT_VISIBLE_CORES
+        # takes ranges ("8-11", as the Kubernetes device plugin writes it), which vLLM's parser does not.
+        visible = os.environ.get(cls.device_control_env_var) if neuron_device.mode() == "neuron" else None
+        return parallel.rank_core(visible, device_id, device_id + 1)
+
+    @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
         # vLLM asks this while building the engine config, to choose batch defaults, in a process that is
         # not (yet) a worker. On Neuron the answer would start the runtime there: before the worker's process

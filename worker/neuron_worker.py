@@ -36,7 +36,16 @@ class NeuronWorker(WorkerBase):
         # Order matters on Trainium: pin this rank to its core and point the compilers at the compile cache
         # (the runtime reads both once, when it starts), then create the process groups (TorchNeuron's
         # `neuron` group starts the runtime and refuses a runtime started before it), then bind the device.
-        neuron_device.pin_rank(self.local_rank, self.parallel_config.local_world_size)
+        parallel = self.parallel_config
+        assigned = (
+            parallel.assigned_physical_gpu_ids
+        )  # set per engine when data-parallel engines share a host
+        neuron_device.pin_rank(
+            self.local_rank,
+            parallel.local_world_size,
+            assigned[self.local_rank] if assigned else None,
+            NeuronConfig.of(self.vllm_config).host_workers,
+        )
         # vLLM numbers ranks with tensor parallelism innermost.
         tp_rank = self.rank % self.parallel_config.tensor_parallel_size
         neuron_device.set_compiler_defaults()  # before the cache key, which holds them
