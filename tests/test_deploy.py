@@ -888,12 +888,14 @@ def test_prefill_and_decode_pools(render):
         if name != f"{FULLNAME}-epp"
     }
     assert labels == {FULLNAME: "decode", f"{FULLNAME}-prefill": "prefill"}
-    # Each Deployment owns only its own pool's pods; the Service and the PDB reach the decode pool.
+    # Each Deployment owns only its own pool's pods; the Service reaches the decode pool; one PDB per pool.
     assert decode["spec"]["selector"]["matchLabels"]["llm-d.ai/role"] == "decode"
     assert prefill["spec"]["selector"]["matchLabels"]["llm-d.ai/role"] == "prefill"
     service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == FULLNAME)
     assert service["spec"]["selector"] == decode["spec"]["selector"]["matchLabels"]
-    assert only(docs, "PodDisruptionBudget")["spec"]["selector"] == decode["spec"]["selector"]
+    budgets = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "PodDisruptionBudget"}
+    assert budgets[FULLNAME]["spec"]["selector"] == decode["spec"]["selector"]
+    assert budgets[f"{FULLNAME}-prefill"]["spec"]["selector"] == prefill["spec"]["selector"]
     assert (decode["spec"]["replicas"], prefill["spec"]["replicas"]) == (2, 1)
     for deployment in (decode, prefill):
         server_container = container(deployment)
