@@ -325,8 +325,7 @@ initContainers:
 {{- end }}
 {{- end -}}
 
-{{/* Pod-level settings shared by the Deployment and the prewarm Job. */}}
-{{/* Takes (dict "root" . "role" role). */}}
+{{/* Pod-level settings shared by the Deployments and the prewarm Job; takes (dict "root" . "role" role). */}}
 {{- define "vllm-neuron.podCommon" -}}
 {{- $role := .role -}}
 {{- with .root -}}
