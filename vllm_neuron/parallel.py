@@ -16,6 +16,17 @@ class TensorParallelError(ValueError):
     """A tensor-parallel configuration the plugin cannot serve; the message names the constraint."""
 
 
+# Why Ray is refused rather than placed (docs/tensor-parallel.md).
+RAY_REFUSAL = (
+    "Ray is not supported (--distributed-executor-backend ray, --data-parallel-backend ray, or a Ray "
+    "placement group around the engine): on one instance vLLM's multiprocessing executor already gives "
+    "each rank its own NeuronCore, and across instances TorchNeuron's communicator needs MASTER_ADDR, "
+    "which vLLM's Ray executor does not set (as with --nnodes); the image has no Ray. Use "
+    "--distributed-executor-backend mp (the default) and --data-parallel-backend mp, and scale out with "
+    "replicas behind a router (llm-d)"
+)
+
+
 def parse_cores(spec: str) -> list[int]:
     """NeuronCore indices of a NEURON_RT_VISIBLE_CORES value: "3", "0-7" or "0-3,8-11"."""
     cores: list[int] = []
@@ -102,6 +113,8 @@ def check(vllm_config: "VllmConfig", visible_cores: int | None) -> None:
             "not set (each node would point at itself), and the image has no EFA; serve on one instance "
             "(a trn2.48xlarge has 64 ranks) and add replicas for throughput"
         )
+    if parallel.use_ray or parallel.data_parallel_backend == "ray":
+        raise TensorParallelError(RAY_REFUSAL)
     tp_size = parallel.tensor_parallel_size
     if tp_size > 1:
         model_config = vllm_config.model_config

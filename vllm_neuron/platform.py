@@ -58,7 +58,11 @@ class NeuronPlatform(Platform):
     device_type = _ByDeviceMode(neuron_device.device_type)
     dispatch_key = _ByDeviceMode(neuron_device.dispatch_key)
     dist_backend = _ByDeviceMode(neuron_device.dist_backend)
-    ray_device_key: str = "neuron_cores"
+    # vLLM's mark of a platform without Ray (Ray's own name for NeuronCores is "neuron_cores"): parallel.check
+    # refuses Ray at start-up with the reason, before vLLM would start a Ray cluster.
+    ray_device_key: str = ""
+    # The variable that limits a process's NeuronCores (the runtime's, set by the Kubernetes device plugin);
+    # vLLM's data-parallel launcher reads it to give each engine its own cores.
     device_control_env_var: str = "NEURON_RT_VISIBLE_CORES"
     # vLLM compiles small helpers with dynamic=True; the static-only neuron backend must never see them.
     simple_compile_backend: str = "eager"

@@ -72,15 +72,18 @@ ranks rounded up to devices: a Trainium2 chip has 8 physical cores, i.e. 8 / LNC
 {{- if $config }}{{ toJson $config }}{{ end -}}
 {{- end -}}
 
-{{/* Arguments of `vllm-neuron serve` (the image's ENTRYPOINT), one per line as a YAML list. */}}
+{{/* Arguments of `vllm-neuron serve` (the image's ENTRYPOINT), one per line as a YAML list; takes (dict "root" .
+"role" role), role "" outside llm-d. */}}
 {{- define "vllm-neuron.serveArgs" -}}
+{{- $role := .role -}}
+{{- with .root -}}
 {{- with .Values.model.name }}
 - {{ . | quote }}
 {{- end }}
 - "--host"
 - "0.0.0.0"
 - "--port"
-- {{ .Values.server.port | quote }}
+- {{ include "vllm-neuron.enginePort" (dict "root" . "role" $role) | quote }}
 - "--tensor-parallel-size"
 - {{ .Values.tensorParallelSize | quote }}
 - "--max-num-seqs"
@@ -123,8 +126,19 @@ ranks rounded up to devices: a Trainium2 chip has 8 physical cores, i.e. 8 / LNC
 - "--additional-config"
 - {{ . | quote }}
 {{- end }}
+{{- if .Values.llmd.enabled }}
+- "--block-size"
+- {{ .Values.llmd.blockSize | quote }}
+- "--kv-events-config"
+- {{ include "vllm-neuron.llmd.kvEventsConfig" . | quote }}
+{{- if .Values.llmd.prefill.enabled }}
+- "--kv-transfer-config"
+- {{ include "vllm-neuron.llmd.kvTransferConfig" . | quote }}
+{{- end }}
+{{- end }}
 {{- range .Values.extraArgs }}
 - {{ . | quote }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -257,9 +271,16 @@ priorityClassName: {{ . }}
 {{- end }}
 {{- end -}}
 
+{{/* Init containers: the volume-permissions one, and llm-d's routing sidecar in a disaggregated decode pod (a
+native sidecar: an init container that keeps running). Takes (dict "root" . "role" role). */}}
 {{- define "vllm-neuron.initContainers" -}}
-{{- if .Values.volumePermissions.enabled }}
+{{- $role := .role -}}
+{{- with .root -}}
+{{- $sidecar := and (eq $role "decode") .Values.llmd.prefill.enabled -}}
+{{- if or .Values.volumePermissions.enabled $sidecar }}
 initContainers:
+{{- end }}
+{{- if .Values.volumePermissions.enabled }}
   - name: volume-permissions
     image: {{ include "vllm-neuron.image" . }}
     imagePullPolicy: {{ .Values.image.pullPolicy }}
@@ -282,10 +303,32 @@ initContainers:
       - name: compile-cache
         mountPath: {{ .Values.persistence.compileCache.mountPath }}
 {{- end }}
+{{- if $sidecar }}
+  # Takes the pod's port: a request the picker sent with a prefill pod in its headers is prefilled there
+  # first (vLLM's kv_transfer_params handshake over NIXL), then decoded by the local server.
+  - name: routing-sidecar
+    image: {{ .Values.llmd.prefill.routingSidecar.image }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    restartPolicy: Always
+    args:
+      - {{ printf "--port=%d" (int .Values.server.port) | quote }}
+      - {{ printf "--vllm-port=%d" (int .Values.llmd.prefill.routingSidecar.enginePort) | quote }}
+      - "--connector=nixlv2"
+      - "--secure-proxy=false"
+    ports:
+      - name: http
+        containerPort: {{ .Values.server.port }}
+        protocol: TCP
+    securityContext:
+      {{- toYaml .Values.securityContext | nindent 6 }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
-{{/* Pod-level settings shared by the Deployment and the prewarm Job. */}}
+{{/* Pod-level settings shared by the Deployments and the prewarm Job; takes (dict "root" . "role" role). */}}
 {{- define "vllm-neuron.podCommon" -}}
+{{- $role := .role -}}
+{{- with .root -}}
 serviceAccountName: {{ include "vllm-neuron.serviceAccountName" . }}
 # The server never calls the Kubernetes API.
 automountServiceAccountToken: false
@@ -296,9 +339,10 @@ imagePullSecrets:
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- include "vllm-neuron.scheduling" . }}
-{{- include "vllm-neuron.initContainers" . }}
+{{- include "vllm-neuron.initContainers" (dict "root" . "role" $role) }}
 volumes:
   {{- include "vllm-neuron.volumes" . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -313,4 +357,53 @@ waiting requests must lie below what may wait, or the autoscaler never sees it w
 {{- fail (printf "autoscaling.targetWaitingRequests=%d is not below the %d requests that may wait (server.maxRequestsInFlight %d minus maxNumSeqs %d): lower the target or raise server.maxRequestsInFlight" (int .Values.autoscaling.targetWaitingRequests) (int $waiting) (int $bound) (int .Values.maxNumSeqs)) -}}
 {{- end -}}
 {{- $bound -}}
+{{- end -}}
+
+{{/*
+llm-d (values llmd). The main Deployment is the decode pool; with llmd.prefill.enabled a prefill pool runs
+beside it. The strings the servers and the endpoint picker must agree on are made here, once.
+*/}}
+{{- define "vllm-neuron.role" -}}
+{{- if .Values.llmd.enabled }}decode{{ end -}}
+{{- end -}}
+
+{{/* Where vLLM listens: behind the routing sidecar in a disaggregated decode pod, on server.port otherwise. */}}
+{{- define "vllm-neuron.enginePort" -}}
+{{- if and (eq .role "decode") .root.Values.llmd.prefill.enabled -}}
+{{- .root.Values.llmd.prefill.routingSidecar.enginePort -}}
+{{- else -}}
+{{- .root.Values.server.port -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "vllm-neuron.llmd.eppName" -}}
+{{- printf "%s-epp" (include "vllm-neuron.fullname" . | trunc 59 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/* The model the picker tokenizes prompts with: a Hugging Face repo id. */}}
+{{- define "vllm-neuron.llmd.model" -}}
+{{- required "llmd.enabled needs model.name (a Hugging Face repo id): the endpoint picker tokenizes prompts with its tokenizer" .Values.model.name -}}
+{{- end -}}
+
+{{/*
+vLLM's --kv-events-config: each server's ZMQ publisher connects to the picker's port. The topic names the
+pod's endpoint and served model, as llm-d's picker expects ($(POD_IP) is expanded by Kubernetes).
+*/}}
+{{- define "vllm-neuron.llmd.kvEventsConfig" -}}
+{{- $endpoint := printf "tcp://%s.%s.svc:%d" (include "vllm-neuron.llmd.eppName" .) .Release.Namespace (int .Values.llmd.epp.kvEventsPort) -}}
+{{- $model := .Values.model.servedModelName | default (include "vllm-neuron.llmd.model" .) -}}
+{{- $topic := printf "kv@$(POD_IP):%d@%s" (int .Values.server.port) $model -}}
+{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" $endpoint "topic" $topic | toJson -}}
+{{- end -}}
+
+{{/* vLLM's --kv-transfer-config for prefill/decode: NIXL both ways, as llm-d's P/D guide runs it. */}}
+{{- define "vllm-neuron.llmd.kvTransferConfig" -}}
+{{- dict "kv_connector" "NixlConnector" "kv_role" "kv_both" | toJson -}}
+{{- end -}}
+
+{{/* Labels of a pool's pods (and its selector): the role llm-d's filters read. */}}
+{{- define "vllm-neuron.roleLabels" -}}
+{{- with .role -}}
+llm-d.ai/role: {{ . }}
+{{- end -}}
 {{- end -}}
