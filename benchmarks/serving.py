@@ -23,6 +23,7 @@ class Config:
     backend: str = "eager"
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None  # the server's working directory (default: this process's)
+    cpus: list[int] | None = None  # the CPUs the server's processes may use (default: this process's)
 
 
 def free_port() -> int:
@@ -77,6 +78,7 @@ class Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, config.cpus)) if config.cpus else None,
             )
         self.started = time.monotonic()
 

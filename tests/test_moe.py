@@ -107,8 +107,10 @@ def architecture(name: str):
             "quantized MoE models are not supported \\(fp8",
         ),
         (dict(enable_return_routed_experts=True), "returning routed experts is not supported"),
+        (dict(data_parallel_size=2), "data parallelism with an MoE model is not supported"),
+        (dict(enable_expert_parallel=True), "expert parallelism is not supported"),
     ],
-    ids=["quantized experts", "routed experts returned"],
+    ids=["quantized experts", "routed experts returned", "data parallel", "expert parallel"],
 )
 def test_moe_settings_the_plugin_cannot_serve_are_refused_at_start_up(tmp_path, settings, message):
     model_dir = build(architecture("Mixtral"), tmp_path / "mixtral")

@@ -388,6 +388,12 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
         "experts are unquantized (vllm_neuron/moe.py); serve an unquantized checkpoint": (
             model_config.is_moe and model_config.quantization is not None
         ),
+        "data parallelism with an MoE model is not supported: vLLM runs MoE engines in lock-step (dummy "
+        "steps for idle engines), which the plugin's runner does not; serve DP=1 replicas behind a router": (
+            model_config.is_moe and vllm_config.parallel_config.data_parallel_size > 1
+        ),
+        "expert parallelism is not supported: remove --enable-expert-parallel (every rank holds every "
+        "expert's slice, vllm_neuron/moe.py)": vllm_config.parallel_config.enable_expert_parallel,
         "returning routed experts is not supported: remove --enable-return-routed-experts": (
             vllm_config.aux_output_config.enable_return_routed_experts
         ),

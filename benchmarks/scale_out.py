@@ -1,0 +1,127 @@
+"""Scale-out on one host in CPU mode (issue 41): TTFT and ITL at a fixed request rate for one engine, for
+`--data-parallel-size 2` (vLLM's coordinator in front of two engines, each worker pinned to its half of the
+CPUs by the plugin), and for two DP=1 replicas (each process pinned to half of the CPUs) behind a
+round-robin client, in one run, side by side.
+
+    .venv/bin/python benchmarks/scale_out.py [--model smollm2|tiny] [--rate R] [--requests N]
+
+Traffic: open loop, request i sent at i / rate seconds whatever the answers (a fixed rate, as a router
+sees it), prompts of 128 random token ids (the prefix cache never hits), 64 output tokens, greedy, EOS
+ignored, streamed. Every server warms every graph before the load (VLLM_NEURON_READINESS=full). Prints
+figures; asserts nothing.
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batching import percentile, stream_one  # noqa: E402
+from lora import host_isa, load_model  # noqa: E402
+from serving import ROOT, Config, Server  # noqa: E402
+
+PROMPT_TOKENS, OUTPUT_TOKENS, MAX_MODEL_LEN, MAX_NUM_SEQS = 128, 64, 256, 8
+BUCKETS = {"prefill_buckets": [128], "decode_batch_buckets": [1, 8], "context_buckets": [MAX_MODEL_LEN]}
+
+
+def open_loop(bases: list[str], jobs: list[list[int]], rate: float) -> dict:
+    """Send job i at i / rate seconds to bases[i % len(bases)] (round-robin), each on its own thread."""
+    from openai import OpenAI
+
+    clients = [OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=1800) for base in bases]
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def send(index: int, prompt: list[int]) -> None:
+        result = stream_one(clients[index % len(clients)], prompt, OUTPUT_TOKENS)
+        with lock:
+            results.append(result)
+
+    start = time.monotonic()
+    threads = []
+    for index, prompt in enumerate(jobs):
+        time.sleep(max(0.0, start + index / rate - time.monotonic()))
+        thread = threading.Thread(target=send, args=(index, prompt))
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    seconds = time.monotonic() - start
+    ttft = [r["ttft"] for r in results]
+    itl = [gap for r in results for gap in r["itl"]]
+    return {
+        "requests": len(results),
+        "ttft_p50_ms": 1e3 * percentile(ttft, 0.5),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
+        "itl_p50_ms": 1e3 * percentile(itl, 0.5),
+        "itl_p99_ms": 1e3 * percentile(itl, 0.99),
+        "output_tok_s": sum(r["tokens"] for r in results) / seconds,
+    }
+
+
+def run_setup(name: str, configs: list[Config], workdir: Path, jobs: list[list[int]], rate: float) -> dict:
+    servers = [Server(config, str(workdir / "cache"), workdir / f"{config.name}.log") for config in configs]
+    try:
+        for server in servers:
+            print(f"{name}: {server.log_path.stem} healthy after {server.wait_healthy():.1f} s", flush=True)
+        bases = [server.base for server in servers]
+        open_loop(bases, jobs[: 2 * len(bases)], rate)  # untimed: every server's first requests
+        row = open_loop(bases, jobs, rate)
+        row["recompiles"] = sum(
+            s.metrics().get("vllm_neuron:unexpected_recompiles_total", 0) for s in servers
+        )
+    finally:
+        for server in servers:
+            server.stop()
+    print(json.dumps({"setup": name, **row}), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    parser.add_argument("--rate", type=float, default=1.0, help="requests per second (default 1)")
+    parser.add_argument("--requests", type=int, default=48)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    model, vocab, extra = load_model(args.model)
+    rng = random.Random(0)
+    jobs = [[rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(args.requests)]
+    workdir = Path(tempfile.mkdtemp(prefix="vllm-neuron-scale-out-"))
+    common = [*extra, "--max-num-seqs", str(MAX_NUM_SEQS), "--additional-config", json.dumps(BUCKETS)]
+    cpus = sorted(os.sched_getaffinity(0))
+    halves = [cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]]
+    setups = {
+        "one engine (DP=1, every CPU)": [Config("one", model, common, MAX_MODEL_LEN)],
+        "DP=2 (vLLM's coordinator, one address)": [
+            Config("dp2", model, [*common, "--data-parallel-size", "2"], MAX_MODEL_LEN)
+        ],
+        "2 x DP=1 replicas, round-robin client": [
+            Config(f"replica{i}", model, common, MAX_MODEL_LEN, cpus=half) for i, half in enumerate(halves)
+        ],
+    }
+    rows = {name: run_setup(name, configs, workdir, jobs, args.rate) for name, configs in setups.items()}
+    print(
+        f"\n{args.model}, {args.rate} requests/s, {args.requests} requests, prompts {PROMPT_TOKENS} tokens, "
+    )
+    print(f"outputs {OUTPUT_TOKENS}, max_num_seqs {MAX_NUM_SEQS} per engine")
+    print("\n| setup | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s | unexpected recompiles |")
+    print("|---|---|---|---|---|")
+    for name, row in rows.items():
+        print(
+            f"| {name} | {row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['itl_p50_ms']:.0f} / "
+            f"{row['itl_p99_ms']:.0f} | {row['output_tok_s']:.1f} | {row['recompiles']:.0f} |"
+        )
+    print(f"\nhost ISA: {host_isa()}; {len(cpus)} CPUs; logs in {workdir}")
+
+
+if __name__ == "__main__":
+    main()
