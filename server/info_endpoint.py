@@ -5,16 +5,18 @@ endpoint plugins only when VLLM_PLUGINS names them, which `vllm-neuron serve` ar
 --api-key protects it like the OpenAI routes.
 """
 
+import os
 from argparse import Namespace
 from typing import Any
 
+import vllm.envs as vllm_envs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from server import admission
 from vllm_neuron import acceptance, device
 from vllm_neuron.config import NeuronConfig
-from vllm_neuron.upstream import vllm_server
+from vllm_neuron.upstream import vllm_engine, vllm_server
 from worker import sampling_rows
 
 ENDPOINT_PLUGIN_NAME = "neuron-info"
@@ -53,6 +55,11 @@ class NeuronInfoEndpoint:
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         state.neuron_info = describe(engine_client.vllm_config)
+        if state.neuron_info["kv_events"] is not None:
+            # The endpoint the publisher bound (tcp://*:0 resolves to a port), as its engine reported it.
+            sources = engine_client.get_kv_event_sources()
+            if 0 in sources:
+                state.neuron_info["kv_events"]["endpoint"] = sources[0].endpoint
         if engine_client.vllm_config.lora_config is not None:
             vllm_server.answer_refused_adapters_with_400(state.openai_serving_models)
 
@@ -115,6 +122,29 @@ def _registry_totals(names: tuple[str, ...]) -> list[float]:
     return [totals[name] for name in names]
 
 
+def _kv_events(vllm_config) -> dict[str, Any] | None:
+    """Where this server publishes KV events (None: off), and what a router needs to hash a prompt's blocks
+    into the hashes the events carry: the block size (the plugin's one KV cache group hashes whole blocks),
+    the algorithm and its seed."""
+    events = vllm_config.kv_events_config
+    if events is None or not events.enable_kv_cache_events:
+        return None
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    # The seed's value stays on the server when it comes from the environment.
+    seed = "PYTHONHASHSEED" if "PYTHONHASHSEED" in os.environ else vllm_engine.block_hash_seed(algo)
+    return {
+        "publisher": events.publisher,
+        "endpoint": events.endpoint,
+        "replay_endpoint": events.replay_endpoint,
+        "topic": events.topic,
+        "block_size": vllm_config.cache_config.block_size,
+        "hash_algo": algo,
+        "hash_seed": seed,
+        # uint64: the hash's last 8 bytes as a big-endian integer (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1).
+        "block_hashes": "uint64" if vllm_envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else "bytes",
+    }
+
+
 def _kv_cache_dtype(vllm_config) -> str:
     """The cache's element type as --kv-cache-dtype names it, "auto" resolved to the model's dtype."""
     cache_dtype = vllm_config.cache_config.cache_dtype
@@ -157,6 +187,7 @@ def describe(vllm_config) -> dict[str, Any]:
         "sampling": sampling_rows.summary(sampling_rows.host_only(vllm_config.model_config)),
         "speculative": _speculative(vllm_config, buckets),
         "lora": _lora(vllm_config),
+        "kv_events": _kv_events(vllm_config),
         "kv_cache": {
             "block_size": cache.block_size,
             "num_blocks": cache.num_gpu_blocks,

@@ -302,6 +302,7 @@ def test_neuron_info_endpoint(server):
     # Async scheduling on, the calls in the engine's thread (CPU mode's default).
     assert info["async_scheduling"] is True and info["device_thread"] is False
     assert info["lora"] is None  # --enable-lora: tests/test_lora_server.py
+    assert info["kv_events"] is None  # --kv-events-config: tests/test_kv_events.py
 
 
 # ---- /metrics -------------------------------------------------------------------------------------------

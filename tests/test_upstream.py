@@ -462,6 +462,34 @@ def test_the_scheduler_reads_its_limits_each_step():
     assert issubclass(AsyncScheduler, Scheduler) and "schedule" not in vars(AsyncScheduler)
 
 
+def test_kv_events_are_published_with_a_steps_output(monkeypatch):
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    update = inspect.getsource(Scheduler.update_from_output)
+    assert "events = self.kv_cache_manager.take_events()" in update, moved("KV events", "vllm_engine")
+    assert "self.kv_event_publisher.publish(batch)" in update, moved("the KV event publisher", "vllm_engine")
+    assert {"ts", "events"} <= set(KVEventBatch.__struct_fields__)
+    # Sleep and /reset_prefix_cache reset through the scheduler, which ResetPublishedAtOnce extends.
+    assert "self.scheduler.reset_prefix_cache(" in inspect.getsource(EngineCore.reset_prefix_cache)
+    assert parameters(Scheduler.reset_prefix_cache) == ["self", "reset_running_requests", "reset_connector"]
+    # The seed of the block hashes.
+    seed_rule = inspect.getsource(kv_cache_utils.resolve_none_hash_seed)
+    assert '"PYTHONHASHSEED"' in seed_rule and "_NON_CRYPTO_HASH_FUNCTIONS" in seed_rule, moved(
+        "the block hashes' seed", "vllm_engine"
+    )
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert kv_cache_utils.resolve_none_hash_seed(get_hash_fn_by_name("sha256_cbor")) == (
+        vllm_engine.block_hash_seed("sha256_cbor")
+    )
+    assert vllm_engine.block_hash_seed("xxhash") is None
+    monkeypatch.setenv("PYTHONHASHSEED", "41")
+    assert vllm_engine.block_hash_seed("xxhash") == "41"
+
+
 def test_the_moe_runner_chooses_its_entry_point_and_calls_forward_impl():
     from vllm.model_executor.layers.fused_moe.runner import moe_runner
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner

@@ -352,6 +352,25 @@ def _draft_model_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
     }
 
 
+def _kv_events_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
+    """KV events a router could not use. The rule: the events describe the prefix cache's blocks by hashes a
+    router recomputes from a prompt's tokens, so there must be a prefix cache, and the hashes must be
+    reproducible outside this server."""
+    events = vllm_config.kv_events_config
+    if events is None or not events.enable_kv_cache_events:
+        return {}
+    cache_config = vllm_config.cache_config
+    return {
+        "--kv-events-config with prefix caching off publishes no block events: remove "
+        "--no-enable-prefix-caching": not cache_config.enable_prefix_caching,
+        f"--kv-events-config with --prefix-caching-hash-algo {cache_config.prefix_caching_hash_algo} and no "
+        "PYTHONHASHSEED hashes blocks from a random seed per process, which no router can reproduce: set "
+        "PYTHONHASHSEED to a secret shared with the router, or use --prefix-caching-hash-algo sha256_cbor": (
+            vllm_engine.block_hash_seed(cache_config.prefix_caching_hash_algo) is None
+        ),
+    }
+
+
 def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
     model_config = vllm_config.model_config
     NeuronPlatform.check_if_supports_dtype(model_config.dtype)
@@ -384,6 +403,7 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
         **_draft_model_refusals(vllm_config),
         **_lora_refusals(vllm_config),
         **_quantization_refusals(vllm_config),
+        **_kv_events_refusals(vllm_config),
         f"quantized MoE models are not supported ({model_config.quantization} quantization): the plugin's "
         "experts are unquantized (vllm_neuron/moe.py); serve an unquantized checkpoint": (
             model_config.is_moe and model_config.quantization is not None

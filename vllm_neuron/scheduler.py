@@ -7,7 +7,8 @@ most one per `STREAMS_PER_WAITING_PROMPT` streams decoding, and always one) a st
 users feel then, and a long prompt is prefilled a little per step. Otherwise (a full decode batch, or a
 queue of arrivals) throughput and everyone's time to first token win, and prefill gets vLLM's whole
 `--max-num-batched-tokens` budget, as it does with nothing decoding. Everything else (admission, chunking,
-prefix caching, preemption) is vLLM's own scheduler, unchanged.
+prefix caching, preemption) is vLLM's own scheduler, unchanged, but for one thing: with --kv-events-config, a
+reset of the prefix cache (sleep, /reset_prefix_cache) is published at once (`ResetPublishedAtOnce`).
 """
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -55,10 +56,22 @@ class PrefillShare:
         return super().schedule(throttle_prefills)
 
 
-class NeuronScheduler(PrefillShare, Scheduler):
+class ResetPublishedAtOnce:
+    """vLLM publishes KV events with a step's output, so the AllBlocksCleared of a reset made while nothing
+    runs (sleep discards the KV cache this way) would reach a router only with the first step after wake-up,
+    and the router would score blocks this server no longer holds until then. Mixed in before the scheduler
+    class."""
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        reset = super().reset_prefix_cache(reset_running_requests, reset_connector)
+        vllm_engine.publish_kv_events(self)
+        return reset
+
+
+class NeuronScheduler(ResetPublishedAtOnce, PrefillShare, Scheduler):
     """vLLM's scheduler with the prefill share (async scheduling off)."""
 
 
-class NeuronAsyncScheduler(PrefillShare, AsyncScheduler):
+class NeuronAsyncScheduler(ResetPublishedAtOnce, PrefillShare, AsyncScheduler):
     """vLLM's async scheduler with the prefill share: the engine schedules a step while the previous one runs
     on the device, and the runner feeds the previous step's tokens to the next itself."""

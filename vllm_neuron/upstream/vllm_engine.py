@@ -63,6 +63,38 @@ def set_step_limits(scheduler: "Scheduler", token_budget: int, long_prefill_cap:
     scheduler.scheduler_config.long_prefill_token_threshold = long_prefill_cap
 
 
+# ---- KV events --------------------------------------------------------------------------------------------
+
+
+def publish_kv_events(scheduler: "Scheduler") -> None:
+    """Publish the KV events `scheduler`'s cache has queued, now, as one batch. vLLM 0.32: the block pool
+    queues its events and `Scheduler.update_from_output` publishes `kv_cache_manager.take_events()` as a
+    `KVEventBatch` through `kv_event_publisher`, only when a step's output comes back."""
+    import time
+
+    from vllm.distributed.kv_events import KVEventBatch
+
+    events = scheduler.kv_cache_manager.take_events()
+    if events:
+        scheduler.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
+
+def block_hash_seed(hash_algo: str) -> str | None:
+    """The seed a router hashes a prompt's first block from, for `--prefix-caching-hash-algo hash_algo`; None
+    when it is random bytes drawn by each engine process, which no router can know. vLLM 0.32
+    (`v1/core/kv_cache_utils.py`, `resolve_none_hash_seed`): PYTHONHASHSEED when set, otherwise the fixed
+    `DEFAULT_NONE_HASH_SEED` for the cryptographic algorithms and random bytes for those in
+    `_NON_CRYPTO_HASH_FUNCTIONS` (xxhash, xxhash_cbor)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    if (seed := os.environ.get("PYTHONHASHSEED")) is not None:
+        return seed
+    if get_hash_fn_by_name(hash_algo) in kv_cache_utils._NON_CRYPTO_HASH_FUNCTIONS:
+        return None
+    return kv_cache_utils.DEFAULT_NONE_HASH_SEED
+
+
 # ---- MoE layer --------------------------------------------------------------------------------------------
 
 
