@@ -829,6 +829,8 @@ def test_servers_publish_kv_events_the_picker_subscribes_to(render, example):
         # The picker hashes token blocks as vLLM does: same block size, same seed.
         assert int(flag(args, "--block-size")) == scorer["tokenProcessorConfig"]["blockSize"]
         assert env["PYTHONHASHSEED"]["value"] == scorer["tokenProcessorConfig"]["hashSeed"]
+        # ... and with the algorithm llm-d's indexer reproduces (vLLM's default hashes Python pickles)
+        assert flag(args, "--prefix-caching-hash-algo") == "sha256_cbor"
     assert scorer["indexerConfig"]["tokenizersPoolConfig"]["modelName"] == "meta-llama/Llama-3.1-8B-Instruct"
 
 

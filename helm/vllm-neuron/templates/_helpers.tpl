@@ -129,6 +129,10 @@ ranks rounded up to devices: a Trainium2 chip has 8 physical cores, i.e. 8 / LNC
 {{- if .Values.llmd.enabled }}
 - "--block-size"
 - {{ .Values.llmd.blockSize | quote }}
+{{/* The picker recomputes block hashes from prompts: vLLM's default (sha256 over Python pickles) cannot be
+reproduced outside Python; sha256_cbor is what llm-d's guides run. */}}
+- "--prefix-caching-hash-algo"
+- "sha256_cbor"
 - "--kv-events-config"
 - {{ include "vllm-neuron.llmd.kvEventsConfig" . | quote }}
 {{- if .Values.llmd.prefill.enabled }}
