@@ -22,7 +22,7 @@ from server.serve_args import (
     resolve_engine_config,
     serve_parser,
 )
-from vllm_neuron import device, envs
+from vllm_neuron import device, envs, host_cpu
 
 if TYPE_CHECKING:
     pass
@@ -107,6 +107,8 @@ def info() -> dict[str, object]:
         "VLLM_NEURON_DEVICE": requested,
         "serve_would_use": "neuron" if present and requested != "cpu" else "cpu",
         "versions": device.versions(),
+        # CPU mode serves --dtype auto in a dtype this CPU computes natively (vllm_neuron/host_cpu.py)
+        "host_cpu": host_cpu.describe(),
         "settings": {name: os.environ[name] for name in envs.names() if name in os.environ},
     }
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from server import admission
-from vllm_neuron import acceptance, device
+from vllm_neuron import acceptance, device, host_cpu
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.upstream import vllm_engine, vllm_server
 from worker import sampling_rows
@@ -164,6 +164,8 @@ def describe(vllm_config) -> dict[str, Any]:
         "compile_backend": neuron_config.compile_backend,
         "model": vllm_config.model_config.served_model_name,
         "dtype": str(vllm_config.model_config.dtype).removeprefix("torch."),
+        # CPU mode: the host's ISA, which decides --dtype auto (vllm_neuron/host_cpu.py)
+        "host_cpu": host_cpu.describe() if device.mode() == "cpu" else None,
         "max_model_len": vllm_config.model_config.max_model_len,
         "max_num_seqs": scheduler.max_num_seqs,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, MAX_MODEL_LEN
 from tests.helpers import hf_greedy
 from tests.serving import API_KEY, MAX_REQUEST_BYTES, MODEL_NAME, http
+from vllm_neuron import host_cpu
 
 pytestmark = pytest.mark.slow
 
@@ -303,6 +304,7 @@ def test_neuron_info_endpoint(server):
     assert info["async_scheduling"] is True and info["device_thread"] is False
     assert info["lora"] is None  # --enable-lora: tests/test_lora_server.py
     assert info["kv_events"] is None  # --kv-events-config: tests/test_kv_events.py
+    assert info["host_cpu"] == host_cpu.describe()  # CPU mode: the ISA that decides --dtype auto
 
 
 # ---- /metrics -------------------------------------------------------------------------------------------

@@ -100,6 +100,12 @@ _VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
         "step, the automatic bucket policy's call costs, vLLM's batch defaults); default: the device mode. "
         "`vllm-neuron check` sets neuron, so a CPU resolves the plan a Trainium server would.",
     ),
+    "VLLM_NEURON_CPU_BF16": (
+        _choice("VLLM_NEURON_CPU_BF16", "auto", ("auto", "native", "emulated")),
+        "auto (default) | native | emulated: whether CPU mode treats the host's bfloat16 as native (auto: "
+        "AVX-512 BF16 or AMX present). Where it is emulated, --dtype auto serves float32 instead of a "
+        "bfloat16 checkpoint's bfloat16 (docs/configuration.md); an explicit --dtype is served as asked.",
+    ),
     "VLLM_NEURON_COMPILE_BACKEND": (
         _str("VLLM_NEURON_COMPILE_BACKEND", ""),
         "torch.compile backend of the model step: neuron (default on Trainium), eager (default on CPU), "

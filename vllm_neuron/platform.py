@@ -10,7 +10,7 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
 from vllm_neuron import device as neuron_device
-from vllm_neuron import envs, parallel
+from vllm_neuron import envs, host_cpu, parallel
 from vllm_neuron.config import (
     DEFAULT_BLOCK_SIZE,
     NeuronConfig,
@@ -77,7 +77,7 @@ class NeuronPlatform(Platform):
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
+        return _auto_dtypes()
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
@@ -190,6 +190,7 @@ class NeuronPlatform(Platform):
         if (message := kernels.refusal(envs.VLLM_NEURON_ATTENTION_KERNELS)) is not None:
             raise UnsupportedConfigError(f"Neuron plugin: {message}")
         _refuse_unsupported(vllm_config)
+        _say_why_float32(model_config)
         parallel.check(
             vllm_config, neuron_device.visible_core_count() if neuron_device.mode() == "neuron" else None
         )
@@ -369,6 +370,31 @@ def _kv_events_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
             vllm_engine.block_hash_seed(cache_config.prefix_caching_hash_algo) is None
         ),
     }
+
+
+def _auto_dtypes() -> list[torch.dtype]:
+    """What `--dtype auto` may resolve to, the first preferred (an explicit --dtype is served as asked): in
+    CPU mode the dtypes this host computes natively (without native bfloat16: float32); Trainium's
+    otherwise, bfloat16 first."""
+    if neuron_device.mode() == "cpu" and neuron_device.target() != "neuron":
+        return host_cpu.fast_dtypes()
+    return [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _say_why_float32(model_config) -> None:
+    """One line where CPU mode serves a bfloat16 checkpoint in float32."""
+    checkpoint = str(getattr(model_config.hf_text_config, "dtype", "")).removeprefix("torch.")
+    if (
+        model_config.dtype == torch.float32
+        and checkpoint == "bfloat16"
+        and torch.bfloat16 not in _auto_dtypes()
+    ):
+        logger.info(
+            "CPU mode: this host computes bfloat16 by emulation (ISA: %s), so this bfloat16 checkpoint is "
+            "served in float32 (--dtype auto's choice here); --dtype bfloat16 keeps bfloat16, "
+            "VLLM_NEURON_CPU_BF16=native treats the host's bfloat16 as native",
+            ", ".join(host_cpu.isa()) or "none of " + ", ".join(host_cpu.FEATURES.values()),
+        )
 
 
 def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
