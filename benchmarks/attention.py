@@ -110,6 +110,9 @@ def eager_ms(
 
 
 def main() -> None:
+    from vllm_neuron import host_cpu
+
+    print(host_cpu.summary(), flush=True)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

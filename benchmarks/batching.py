@@ -161,6 +161,9 @@ def long_prompt_interference(base: str, max_model_len: int, vocab: int) -> dict:
 
 
 def main() -> None:
+    from vllm_neuron import host_cpu
+
+    print(host_cpu.summary(), flush=True)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -200,6 +200,9 @@ def markdown(results: list[dict]) -> str:
 
 
 def main() -> None:
+    from vllm_neuron import host_cpu
+
+    print(host_cpu.summary(), flush=True)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -42,6 +42,7 @@ from serving import ROOT, Config, Server  # noqa: E402
 
 from loadtest.stats import RequestRecord, level_summary, measured_window  # noqa: E402
 from loadtest.workload import LengthDist, Workload  # noqa: E402
+from vllm_neuron import host_cpu  # noqa: E402
 
 PROMPT_TOKENS = OUTPUT_TOKENS = 128
 MAX_MODEL_LEN = 512  # prompt + output = 256 fit, with room; the same for (a) and (b)
@@ -295,6 +296,8 @@ def machine() -> dict[str, object]:
     return {
         "date": datetime.date.today().isoformat(),
         "cpu": fields.get("Model name", "?").strip(),
+        "isa": host_cpu.isa(),
+        "native_bfloat16": host_cpu.native_bfloat16(),
         "cpus": os.cpu_count(),
         "threads_per_core": fields.get("Thread(s) per core", "?").strip(),
         "memory_gib": round(memory_kb / 2**20, 1),
@@ -361,6 +364,7 @@ def run_before(model: str, requests: list[int], workdir: Path, rev: str) -> dict
 
 
 def main() -> None:
+    print(host_cpu.summary(), flush=True)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

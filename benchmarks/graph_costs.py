@@ -132,6 +132,9 @@ def table(before_report: dict, after_report: dict, label: str | None = None, ful
 
 
 def main() -> None:
+    from vllm_neuron import host_cpu
+
+    print(host_cpu.summary(), flush=True)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

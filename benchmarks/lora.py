@@ -37,20 +37,6 @@ BUCKETS = {"prefill_buckets": [128], "decode_batch_buckets": [1, 8], "context_bu
 MIXES = {"0 (base only)": (BASE,), "1 (a0)": ADAPTERS[:1], "4 (a0..a3 round-robin)": ADAPTERS}
 
 
-def host_isa() -> str:
-    """The widest of the CPU features the CPU mode's kernels care about, from /proc/cpuinfo."""
-    flags = next(
-        (
-            line.split(":", 1)[1].split()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        ),
-        [],
-    )
-    present = [flag for flag in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if flag in flags]
-    return ", ".join(present) or "none of amx_bf16 / avx512_bf16 / avx512f / avx2"
-
-
 def load_model(name: str) -> tuple[str, int, list[str]]:
     """(model directory, vocabulary bound for prompt ids, extra serve arguments)."""
     if name == "smollm2":
@@ -106,6 +92,8 @@ def serve(
 
 
 def main() -> None:
+    from vllm_neuron import host_cpu
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -158,7 +146,7 @@ def main() -> None:
                 f"{row['output_tok_s'] / reference:.2f} |"
             )
     threads = f"OMP_NUM_THREADS={args.threads}" if args.threads else "default OpenMP threads"
-    print(f"\nhost ISA: {host_isa()}; {threads} per server ({os.cpu_count()} cores)")
+    print(f"\n{host_cpu.summary()}; {threads} per server")
     steal = {
         f"{r}/{label}": round(row["cpu_steal_pct"])
         for r, res in (("base", base), ("lora", lora))

@@ -49,6 +49,9 @@ def cpu_ms(fn: Callable[[], torch.Tensor], runs: int) -> float:
 
 
 def main() -> None:
+    from vllm_neuron import host_cpu
+
+    print(host_cpu.summary(), flush=True)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()

@@ -73,6 +73,9 @@ def eager_ms(inputs: tuple[torch.Tensor, ...], repeats: int) -> dict[str, float]
 
 
 def main() -> None:
+    from vllm_neuron import host_cpu
+
+    print(host_cpu.summary(), flush=True)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

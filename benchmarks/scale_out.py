@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batching import percentile, stream_one  # noqa: E402
-from lora import host_isa, load_model  # noqa: E402
+from lora import load_model  # noqa: E402
 from serving import ROOT, Config, Server  # noqa: E402
 
 PROMPT_TOKENS, OUTPUT_TOKENS, MAX_MODEL_LEN, MAX_NUM_SEQS = 128, 64, 256, 8
@@ -84,6 +84,8 @@ def run_setup(name: str, configs: list[Config], workdir: Path, jobs: list[list[i
 
 
 def main() -> None:
+    from vllm_neuron import host_cpu
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -120,7 +122,7 @@ def main() -> None:
             f"| {name} | {row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['itl_p50_ms']:.0f} / "
             f"{row['itl_p99_ms']:.0f} | {row['output_tok_s']:.1f} | {row['recompiles']:.0f} |"
         )
-    print(f"\nhost ISA: {host_isa()}; {len(cpus)} CPUs; logs in {workdir}")
+    print(f"\n{host_cpu.summary()}; logs in {workdir}")
 
 
 if __name__ == "__main__":

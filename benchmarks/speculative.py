@@ -152,6 +152,9 @@ def markdown(result: dict, method: str) -> str:
 
 
 def main() -> None:
+    from vllm_neuron import host_cpu
+
+    print(host_cpu.summary(), flush=True)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

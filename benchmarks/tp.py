@@ -118,6 +118,9 @@ def run(tp: int, prompts: int, max_tokens: int) -> dict:
 
 
 def main() -> None:
+    from vllm_neuron import host_cpu
+
+    print(host_cpu.summary(), flush=True)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tp", default="1,3", help="comma-separated TP sizes")

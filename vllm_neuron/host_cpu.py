@@ -5,6 +5,7 @@ emulates it, about 10x slower than float32 there. CPU mode serves `--dtype auto`
 computes natively (NeuronPlatform.supported_dtypes); Neuron mode always keeps bfloat16, Trainium's type.
 """
 
+import os
 from functools import cache
 from pathlib import Path
 
@@ -75,3 +76,12 @@ def describe() -> dict[str, object]:
         "isa": isa(),
         "native_bfloat16": native_bfloat16(),
     }
+
+
+def summary() -> str:
+    """One line for a benchmark's output and its results file: figures from hosts with different ISAs are
+    not alike (bfloat16 emulated on AVX2 runs about 10x slower)."""
+    described = describe()
+    bfloat16 = "native" if described["native_bfloat16"] else "emulated"
+    isa = ", ".join(described["isa"]) or "none of " + ", ".join(FEATURES.values())
+    return f"host: {described['cpu']}, {len(os.sched_getaffinity(0))} CPUs; ISA: {isa}; bfloat16 {bfloat16}"
