@@ -193,17 +193,7 @@ class NeuronModelRunner:
             self.vllm_config.scheduler_config.max_num_seqs,
             self.neuron_config.prefill_tokens_while_decoding or "unlimited",
         )
-        if self.host_sampler_only:
-            logger.info(
-                "Sampling: every step on the host, with vLLM's sampler (VLLM_NEURON_SAMPLER=host "
-                "or logits processors)"
-            )
-        else:
-            logger.info(
-                "Sampling in the compiled graph: %s; with vLLM's host sampler, on the steps they are in: %s",
-                ", ".join(sampling_rows.ON_DEVICE),
-                "; ".join(sampling_rows.ON_HOST),
-            )
+        logger.info("%s", sampling_rows.start_up_line(self.host_sampler_only))
 
     def shutdown(self) -> None:
         if self.device_thread is not None:
