@@ -72,7 +72,10 @@ class Caches:
 
 def test_a_step_loads_before_its_calls_and_saves_after_them(monkeypatch):
     from vllm.distributed.kv_transfer import kv_transfer_state
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorTransferResults,
+    )
     from vllm.forward_context import is_forward_context_available
 
     connector = mock.create_autospec(KVConnectorBase_V1, instance=True)
@@ -115,6 +118,9 @@ def test_a_step_loads_before_its_calls_and_saves_after_them(monkeypatch):
     with KVTransfer(config, caches).around(step):
         pass
     assert "save_kv_layer" not in [call[0] for call in connector.method_calls]
+    # A step with no tokens still reports the connector's finished transfers.
+    connector.get_transfer_results.return_value = KVConnectorTransferResults(finished_sending={"sent"})
+    assert transfer.without_forward(step).kv_connector_output.finished_sending == {"sent"}
 
 
 @pytest.mark.parametrize(
