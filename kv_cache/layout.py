@@ -35,6 +35,13 @@ def allocate(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def block_major(cache: torch.Tensor) -> torch.Tensor:
+    """[blocks, 2 * kv_heads, block_size, head_size]: a layer cache as the `[B, H, N, C]` view (blocks at dim
+    0, H = 2 * kv_heads, C = head_size) that vLLM's KV connectors index by block and offset. The same storage,
+    strided: no copy, and a write through it lands in the cache the compiled graphs read."""
+    return cache.permute(1, 0, 2, 3)
+
+
 def slot_mapping(block_row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """Flat cache slots of token positions, given the request's block ids (computed on the host)."""
     return block_row[positions // block_size] * block_size + positions % block_size

@@ -624,6 +624,45 @@ def test_the_runner_helpers():
     assert parameters(vllm_runner.Sampler.forward)[:3] == ["self", "logits", "sampling_metadata"]
 
 
+def test_the_kv_connector_lifecycle_a_step_runs_in(monkeypatch):
+    """worker/kv_transfer.py runs a step's calls inside vLLM's connector lifecycle: the scheduler's metadata
+    bound and a synchronous load started (with the current forward context) on entry; the saves waited for,
+    the transfers collected and the metadata cleared on exit."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorTransferResults,
+    )
+
+    connector = mock.create_autospec(KVConnectorBase_V1, instance=True)
+    connector.get_transfer_results.return_value = KVConnectorTransferResults(finished_recving={"r"})
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", connector)
+    step = SimpleNamespace(kv_connector_metadata="meta", has_sync_kv_loads=True, finished_req_ids=set())
+    mixin = vllm_runner.KVConnectorModelRunnerMixin
+    with vllm_runner.override_forward_context("context"), mixin.maybe_get_kv_connector_output(step) as output:
+        entry = [call[0] for call in connector.method_calls]
+    assert entry == ["bind_connector_metadata", "start_load_kv"], moved(
+        "the connector lifecycle", "vllm_runner"
+    )
+    assert connector.start_load_kv.call_args.args == ("context",)
+    exit_calls = [call[0] for call in connector.method_calls[2:]]
+    assert exit_calls[0] == "wait_for_save" and exit_calls[-1] == "clear_connector_metadata"
+    assert output.finished_recving == {"r"}
+
+
+def test_the_attention_op_runs_the_connector_hooks_only_with_metadata():
+    """worker/kv_transfer.py unbinds the metadata while the compiled calls run, for this check."""
+    from vllm.model_executor.layers.attention import kv_transfer_utils
+
+    hook = inspect.getsource(kv_transfer_utils.maybe_transfer_kv_layer)
+    assert "not connector.has_connector_metadata()" in hook, moved(
+        "the attention op's connector hooks", "vllm_runner"
+    )
+
+
 def test_an_attention_layers_kv_cache_scales_are_buffers():
     from vllm.model_executor.layers.attention.attention import set_default_quant_scales
 

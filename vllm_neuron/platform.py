@@ -233,6 +233,7 @@ class NeuronPlatform(Platform):
 
         # Resolved once, here; the engine's processes read it back (NeuronConfig.of).
         neuron_config = NeuronConfig.resolve_for(vllm_config)
+        _raise_refused(_kv_transfer_refusals(vllm_config, neuron_config))
         vllm_config.additional_config = ResolvedSettings(neuron_config)
         logger.info(
             "Neuron plugin (%s mode, compile backend %s): block size %d, %s; "
@@ -447,6 +448,43 @@ def _refuse_unsupported(vllm_config: "VllmConfig") -> None:
             model_config.runner_type not in ("generate", "draft") or model_config.is_multimodal_model
         ),
     }
+    _raise_refused(refusals)
+
+
+def _raise_refused(refusals: dict[str, bool]) -> None:
     for message, refused in refusals.items():
         if refused:
             raise UnsupportedConfigError(f"Neuron plugin: {message}")
+
+
+# The KV connectors the worker drives around its compiled steps (worker/kv_transfer.py).
+KV_CONNECTORS = ("ExampleConnector",)
+NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
+
+
+def _kv_transfer_refusals(vllm_config: "VllmConfig", neuron_config: NeuronConfig) -> dict[str, bool]:
+    """What --kv-transfer-config asks that the plugin would serve wrong (docs/disaggregation.md)."""
+    transfer = vllm_config.kv_transfer_config
+    name = transfer.kv_connector if transfer is not None else None
+    if name is None:
+        return {}
+    scheduler = vllm_config.scheduler_config
+    return {
+        f"KV connector {name} is not supported: NIXL registers each KV block as one contiguous page "
+        "(block-major layout), while the plugin's cache is head-major, [2 * kv_heads, blocks, block_size, "
+        "head_size], a block being 2 * kv_heads separate runs; use ExampleConnector": name in NIXL_CONNECTORS,
+        f"KV connector {name} is not supported: the plugin runs a connector around each step's compiled "
+        "calls (every load before them, every save after them; no per-layer hooks inside the graph, no "
+        f"transfer overlapping a step), which vLLM's {', '.join(KV_CONNECTORS)} expects; use it": (
+            name not in (*KV_CONNECTORS, *NIXL_CONNECTORS)
+        ),
+        "ExampleConnector names its files by layer and prompt only, so the ranks of --tensor-parallel-size "
+        "> 1 would overwrite each other's shards: use --tensor-parallel-size 1": name == "ExampleConnector"
+        and vllm_config.parallel_config.tensor_parallel_size > 1,
+        "ExampleConnector stores a prompt's KV in the step that first schedules it, so a server that saves "
+        "(kv_producer, kv_both) must prefill each prompt in one step: add --no-enable-chunked-prefill, "
+        "--max-num-batched-tokens of at least --max-model-len and --additional-config "
+        "'{\"prefill_tokens_while_decoding\": 0}'": name == "ExampleConnector"
+        and transfer.is_kv_producer
+        and (scheduler.enable_chunked_prefill or neuron_config.prefill_tokens_while_decoding > 0),
+    }

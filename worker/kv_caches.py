@@ -83,6 +83,11 @@ class KVCaches:
             layers[name].kv_cache = torch.tensor([])  # what an attention layer holds before bind_kv_cache
         self.tensors.clear()
 
+    def by_layer(self) -> dict[str, torch.Tensor]:
+        """Each attention layer's cache, as bound to it."""
+        layers = self.vllm_config.compilation_config.static_forward_context
+        return {name: layers[name].kv_cache for name in self.layers}
+
     @property
     def usable_blocks(self) -> int:
         """Blocks requests can hold (block 0 is vLLM's null block)."""

@@ -34,6 +34,7 @@ from worker.call_planner import CallPlanner, Fills, fill_previous_tokens
 from worker.forward import CompiledModel
 from worker.input_batch import PersistentBatch
 from worker.kv_caches import KVCaches
+from worker.kv_transfer import KVTransfer
 from worker.lora_slots import LoRASlots
 from worker.outputs import TokenCollector
 from worker.readiness import Readiness, lowered_graphs
@@ -67,6 +68,7 @@ class NeuronModelRunner:
         self.compiled: CompiledModel | None = None
         self.kv_cache = KVCaches(vllm_config, device)
         self.sleep_mode = SleepMode(self.kv_cache)
+        self.kv_transfer = KVTransfer(vllm_config, self.kv_cache)  # --kv-transfer-config's connector
         workers = compile_workers(
             envs.VLLM_NEURON_COMPILE_WORKERS, neuron_device.mode() == "neuron", os.cpu_count() or 1
         )
@@ -193,17 +195,7 @@ class NeuronModelRunner:
             self.vllm_config.scheduler_config.max_num_seqs,
             self.neuron_config.prefill_tokens_while_decoding or "unlimited",
         )
-        if self.host_sampler_only:
-            logger.info(
-                "Sampling: every step on the host, with vLLM's sampler (VLLM_NEURON_SAMPLER=host "
-                "or logits processors)"
-            )
-        else:
-            logger.info(
-                "Sampling in the compiled graph: %s; with vLLM's host sampler, on the steps they are in: %s",
-                ", ".join(sampling_rows.ON_DEVICE),
-                "; ".join(sampling_rows.ON_HOST),
-            )
+        logger.info("%s", sampling_rows.start_up_line(self.host_sampler_only))
 
     def shutdown(self) -> None:
         if self.device_thread is not None:
@@ -251,7 +243,7 @@ class NeuronModelRunner:
             self.readiness.activity.busy.clear()
             self._record_unrecorded()
             self._execute_returned = time.perf_counter()
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return self.kv_transfer.without_forward(scheduler_output)
         step = self._prepare(scheduler_output, previous, step_start, schedule)
         self._pending = step
         if self.device_thread is not None and self.serving:
@@ -357,10 +349,11 @@ class NeuronModelRunner:
         if step.previous is not None:
             fill_previous_tokens(step, self.device)
         step.device_started = time.perf_counter()
-        outputs = [
-            CallOutputs(item.batch_rows, *self._run(item.inputs, item.call), item.call.queries)
-            for item in step.planned
-        ]
+        with self.kv_transfer.around(step.scheduler_output) as step.kv_connector_output:
+            outputs = [
+                CallOutputs(item.batch_rows, *self._run(item.inputs, item.call), item.call.queries)
+                for item in step.planned
+            ]
         step.device_ended = time.perf_counter()
         step.forward_seconds = step.device_ended - step.device_started
         return outputs
@@ -452,6 +445,7 @@ class NeuronModelRunner:
             sampled_token_ids=sampled_ids,
             logprobs=logprobs.tolists() if logprobs is not None else None,
             prompt_logprobs_dict={},
+            kv_connector_output=step.kv_connector_output,
         )
         self.batch.append_sampled(step.req_ids, sampled_ids)
         if self.compiled.draft is not None and self.serving:

@@ -13,6 +13,7 @@ from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.quantization import fp8
 from vllm_neuron.upstream import vllm_engine
+from worker import kv_transfer
 from worker.model_runner import NeuronModelRunner
 
 if TYPE_CHECKING:
@@ -107,7 +108,15 @@ class NeuronWorker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config: "KVCacheConfig") -> None:
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        kv_transfer.start(self.vllm_config, kv_cache_config)  # --kv-transfer-config's connector, if any
         self.model_runner.initialize_kv_cache(kv_cache_config)
+        self.model_runner.kv_transfer.register()
+
+    def get_kv_connector_handshake_metadata(self) -> dict[tuple[int, int], object] | None:
+        """The KV connector's handshake metadata, for the scheduler's connector (None: it needs none)."""
+        return self.model_runner.kv_transfer.handshake_metadata(
+            self.rank % self.parallel_config.tensor_parallel_size
+        )
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         with set_current_vllm_config(self.vllm_config):
@@ -273,6 +282,7 @@ class NeuronWorker(WorkerBase):
         runner = getattr(self, "model_runner", None)  # absent if init_device failed
         if runner is not None:
             runner.shutdown()
+        kv_transfer.shutdown()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from vllm.distributed.kv_transfer import has_kv_transfer_group
 from vllm.logger import init_logger
 
 from vllm_neuron import envs, metrics
@@ -60,6 +61,11 @@ class Readiness:
         if staged and not one_rank:
             # Every rank must plan the same calls, so they must agree on the ready graphs at each step.
             logger.info("Staged readiness needs one rank; with tensor parallelism every graph compiles first")
+            staged = False
+        if staged and has_kv_transfer_group():
+            # A background trace of vLLM's attention op would see a serving step's KV connector metadata, and
+            # trace the connector's per-layer hooks (worker/kv_transfer.py).
+            logger.info("Staged readiness is off with a KV connector: every graph compiles first")
             staged = False
         # Full readiness with several compiles at once: the minimal graphs through warm-up's steps, then the
         # others in the background threads, all before serving. One rank only: ranks running graphs in

@@ -62,6 +62,19 @@ def summary(host_only: bool) -> dict[str, object]:
     }
 
 
+def start_up_line(host_only: bool) -> str:
+    """Where sampling runs, for the start-up log."""
+    if host_only:
+        return (
+            "Sampling: every step on the host, with vLLM's sampler (VLLM_NEURON_SAMPLER=host or logits "
+            "processors)"
+        )
+    return (
+        f"Sampling in the compiled graph: {', '.join(ON_DEVICE)}; with vLLM's host sampler, on the steps "
+        f"they are in: {'; '.join(ON_HOST)}"
+    )
+
+
 @dataclass(frozen=True)
 class RowSampling:
     """One request's parameter row (temperature, top_k, top_p, min_p), and why it takes the host sampler

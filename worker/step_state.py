@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron.calls import Call
@@ -117,6 +117,7 @@ class RunningStep:
     # The step still running when this one was prepared, and its outputs: fills come from them.
     previous: "RunningStep | None" = None
     previous_outputs: "list[CallOutputs] | Future | None" = None
+    kv_connector_output: KVConnectorOutput | None = None  # --kv-transfer-config: filled once its calls end
 
     @property
     def host_bound(self) -> bool:

@@ -18,6 +18,10 @@ from vllm.v1.sample.sampler import Sampler
 # Structured output (the grammar's bitmask on the host logits) and the scheduler's -1 draft placeholders.
 from vllm.v1.structured_output.utils import apply_grammar_bitmask, strip_speculative_padding
 
+# A KV connector's part of a step (--kv-transfer-config), as vLLM's GPU runner drives it: bind the scheduler's
+# metadata, start the loads, wait for the saves, collect the finished transfers into the step's output.
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
 # Each attention layer's KV cache tensor, bound into the layer and the runner's list.
 from vllm.v1.worker.utils import bind_kv_cache
 
@@ -28,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INPUT_BATCH_MEMBERS",
+    "KVConnectorModelRunnerMixin",
     "Sampler",
     "apply_grammar_bitmask",
     "bind_kv_cache",

@@ -1,0 +1,119 @@
+"""vLLM's KV connector (--kv-transfer-config: prefill/decode disaggregation) around the plugin's steps.
+
+Attention runs inside a compiled graph of static shapes, where a connector's per-layer hooks (vLLM calls them
+from its attention op) cannot run. So a step's connector work runs around its compiled calls, on the thread
+that runs them: before them the scheduler's metadata is bound and every layer's load started and waited for;
+after them each layer's cache goes to save_kv_layer and the saves are waited for; vLLM's own lifecycle
+(KVConnectorModelRunnerMixin) collects the finished transfers into the step's output. Nothing is compiled for
+it: the connector reads and writes the caches, outside the graphs, through a block-major view of the same
+storage (kv_cache.layout.block_major); and no graph is traced while serving (with a connector, staged
+readiness is off: worker/readiness.py), as a trace would see a step's connector metadata. Which connectors
+work this way, and what is refused at start-up, is the platform's rule (vllm_neuron/platform.py:
+_kv_transfer_refusals).
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.kv_transfer import (
+    ensure_kv_transfer_initialized,
+    ensure_kv_transfer_shutdown,
+    get_kv_transfer_group,
+    has_kv_transfer_group,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+from kv_cache import layout
+from vllm_neuron.upstream.vllm_runner import (
+    KVConnectorModelRunnerMixin,
+    create_forward_context,
+    override_forward_context,
+)
+from worker.kv_caches import KVCaches
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def start(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
+    """Create this worker's connector (none without --kv-transfer-config), before the caches it registers."""
+    ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
+
+
+def shutdown() -> None:
+    ensure_kv_transfer_shutdown()
+
+
+class KVTransfer:
+    """The connector's part of each step, over the runner's KV caches."""
+
+    def __init__(self, vllm_config: "VllmConfig", caches: KVCaches) -> None:
+        self.vllm_config = vllm_config
+        self.caches = caches
+        transfer = vllm_config.kv_transfer_config
+        # A decode server (kv_consumer) only loads. vLLM's GPU runner saves on every role, which with
+        # ExampleConnector would store a prompt this server prefilled over several steps before its later
+        # chunks exist, for the next request with that prompt to load.
+        self.saves = transfer is not None and transfer.is_kv_producer
+
+    def register(self) -> None:
+        if has_kv_transfer_group():
+            get_kv_transfer_group().register_kv_caches(self._views())
+
+    def handshake_metadata(self, tp_rank: int) -> dict[tuple[int, int], object] | None:
+        """What vLLM's engine collects for the scheduler's connector, keyed (pipeline rank, TP rank)."""
+        metadata = get_kv_transfer_group().get_handshake_metadata() if has_kv_transfer_group() else None
+        return None if metadata is None else {(0, tp_rank): metadata}
+
+    @contextmanager
+    def around(self, scheduler_output: "SchedulerOutput") -> Iterator[KVConnectorOutput | None]:
+        """Run the body (the step's compiled calls) between the step's loads and saves; yields the step's
+        KVConnectorOutput, filled in once the body ends (None: no connector, or a warm-up step)."""
+        if not has_kv_transfer_group() or scheduler_output.kv_connector_metadata is None:
+            yield None
+            return
+        connector = get_kv_transfer_group()
+        views = self._views()
+        with (
+            override_forward_context(self._forward_context(views)),
+            KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(scheduler_output) as output,
+        ):
+            for name in views:  # the calls read every layer: all loads done before the first
+                connector.wait_for_layer_load(name)
+            # vLLM's attention op calls the per-layer hooks itself while the connector holds metadata. Inside
+            # a compiled graph they cannot run, and warm-up traced the op without metadata and without a
+            # forward context outside the step's own (dynamo guards on both): so the calls run as then.
+            connector.clear_connector_metadata()
+            try:
+                with override_forward_context(None):
+                    yield output
+            finally:
+                connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+            if self.saves:
+                for name, view in views.items():
+                    # No attention metadata: each compiled call has its own, inside its inputs.
+                    connector.save_kv_layer(name, view, None)
+
+    def without_forward(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput:
+        """A step with no tokens: the connector's transfers still progress and report (vLLM's
+        kv_connector_no_forward)."""
+        with self.around(scheduler_output) as output:
+            pass
+        return ModelRunnerOutput.with_kv_conn_output_only(output)
+
+    def _views(self) -> dict[str, torch.Tensor]:
+        return {name: layout.block_major(cache) for name, cache in self.caches.by_layer().items()}
+
+    def _forward_context(self, views: dict[str, torch.Tensor]) -> "ForwardContext":
+        """The forward context a connector reads in start_load_kv: each attention layer as an object whose
+        kv_cache is its block-major view, and a metadata entry per layer (none, as for save_kv_layer)."""
+        context = create_forward_context(dict.fromkeys(views), self.vllm_config)
+        layers = {name: SimpleNamespace(kv_cache=view) for name, view in views.items()}
+        return replace(context, no_compile_layers=layers)
