@@ -34,7 +34,9 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[index]
 
 
-def stream_one(client, prompt: list[int], max_tokens: int, on_first_token=None, model: str = "m") -> dict:
+def stream_one(
+    client, prompt: list[int], max_tokens: int, on_first_token=None, model: str = "m", extra_body=None
+) -> dict:
     """One streamed completion of `model` (the served base name, or a LoRA adapter's): time to first token
     and the gaps between chunks that carry tokens.
 
@@ -51,7 +53,7 @@ def stream_one(client, prompt: list[int], max_tokens: int, on_first_token=None, 
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True, "return_token_ids": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True, **(extra_body or {})},
     )
     for chunk in stream:
         if chunk.choices and getattr(chunk.choices[0], "token_ids", None):

@@ -1,7 +1,10 @@
 """Scale-out on one host in CPU mode (issue 41): TTFT and ITL at a fixed request rate for one engine, for
 `--data-parallel-size 2` (vLLM's coordinator in front of two engines, each worker pinned to its half of the
-CPUs by the plugin), and for two DP=1 replicas (each process pinned to half of the CPUs) behind a
-round-robin client, in one run, side by side.
+CPUs by the plugin), for two DP=1 replicas (each process pinned to half of the CPUs) behind a round-robin
+client, and for a prefill server and a decode server (each on half of the CPUs, vLLM's ExampleConnector
+over a shared folder: docs/disaggregation.md) behind a client doing vLLM's handshake (prefill with
+max_tokens 1, then decode with the returned kv_transfer_params; TTFT counts both), in one run, side by
+side.
 
     .venv/bin/python benchmarks/scale_out.py [--model smollm2|tiny] [--rate R] [--requests N]
 
@@ -30,8 +33,25 @@ PROMPT_TOKENS, OUTPUT_TOKENS, MAX_MODEL_LEN, MAX_NUM_SEQS = 128, 64, 256, 8
 BUCKETS = {"prefill_buckets": [128], "decode_batch_buckets": [1, 8], "context_buckets": [MAX_MODEL_LEN]}
 
 
-def open_loop(bases: list[str], jobs: list[list[int]], rate: float) -> dict:
-    """Send job i at i / rate seconds to bases[i % len(bases)] (round-robin), each on its own thread."""
+# What vLLM's disaggregation proxies send a prefill server: prefill, sample one token, hand the KV over.
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
+
+
+def disaggregated(prefill, decode, prompt: list[int]) -> dict:
+    """One request through a prefill server then a decode server; TTFT from before the prefill request."""
+    start = time.monotonic()
+    handed = prefill.completions.create(
+        model="m", prompt=prompt, max_tokens=1, extra_body={"kv_transfer_params": PREFILL_PARAMS}
+    )
+    params = (handed.model_extra or {}).get("kv_transfer_params")
+    prefill_seconds = time.monotonic() - start
+    result = stream_one(decode, prompt, OUTPUT_TOKENS, extra_body={"kv_transfer_params": params})
+    return {**result, "ttft": prefill_seconds + result["ttft"]}
+
+
+def open_loop(bases: list[str], jobs: list[list[int]], rate: float, split: bool = False) -> dict:
+    """Send job i at i / rate seconds to bases[i % len(bases)] (round-robin), each on its own thread; with
+    `split`, to bases[0] to prefill and bases[1] to decode."""
     from openai import OpenAI
 
     clients = [OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=1800) for base in bases]
@@ -39,7 +59,10 @@ def open_loop(bases: list[str], jobs: list[list[int]], rate: float) -> dict:
     lock = threading.Lock()
 
     def send(index: int, prompt: list[int]) -> None:
-        result = stream_one(clients[index % len(clients)], prompt, OUTPUT_TOKENS)
+        if split:
+            result = disaggregated(*clients, prompt)
+        else:
+            result = stream_one(clients[index % len(clients)], prompt, OUTPUT_TOKENS)
         with lock:
             results.append(result)
 
@@ -65,14 +88,18 @@ def open_loop(bases: list[str], jobs: list[list[int]], rate: float) -> dict:
     }
 
 
-def run_setup(name: str, configs: list[Config], workdir: Path, jobs: list[list[int]], rate: float) -> dict:
+def run_setup(
+    name: str, configs: list[Config], workdir: Path, jobs: list[list[int]], rate: float, split: bool = False
+) -> dict:
     servers = [Server(config, str(workdir / "cache"), workdir / f"{config.name}.log") for config in configs]
     try:
         for server in servers:
             print(f"{name}: {server.log_path.stem} healthy after {server.wait_healthy():.1f} s", flush=True)
         bases = [server.base for server in servers]
-        open_loop(bases, jobs[: 2 * len(bases)], rate)  # untimed: every server's first requests
-        row = open_loop(bases, jobs, rate)
+        # untimed: every server's first requests (fresh prompts: the timed ones hit no cache)
+        warm = [[token + 1 for token in prompt] for prompt in jobs[: 2 * len(bases)]]
+        open_loop(bases, warm, rate, split)
+        row = open_loop(bases, jobs, rate, split)
         row["recompiles"] = sum(
             s.metrics().get("vllm_neuron:unexpected_recompiles_total", 0) for s in servers
         )
@@ -111,6 +138,33 @@ def main() -> None:
         ],
     }
     rows = {name: run_setup(name, configs, workdir, jobs, args.rate) for name, configs in setups.items()}
+    # A saving prefill server prefills each prompt in one step (ExampleConnector stores it in that step).
+    storage = workdir / "kv-storage"
+
+    def transfer(role: str) -> list[str]:
+        config = {"kv_connector": "ExampleConnector", "kv_role": role}
+        return [
+            "--kv-transfer-config",
+            json.dumps(config | {"kv_connector_extra_config": {"shared_storage_path": str(storage)}}),
+        ]
+
+    one_step = {**BUCKETS, "prefill_buckets": [128, MAX_MODEL_LEN], "prefill_tokens_while_decoding": 0}
+    prefill_args = [*extra, "--max-num-seqs", str(MAX_NUM_SEQS), "--additional-config", json.dumps(one_step)]
+    prefill_args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(MAX_MODEL_LEN)]
+    split = "prefill + decode servers (ExampleConnector), handshake client"
+    rows[split] = run_setup(
+        split,
+        [
+            Config(
+                "prefill", model, [*prefill_args, *transfer("kv_producer")], MAX_MODEL_LEN, cpus=halves[0]
+            ),
+            Config("decode", model, [*common, *transfer("kv_consumer")], MAX_MODEL_LEN, cpus=halves[1]),
+        ],
+        workdir,
+        jobs,
+        args.rate,
+        split=True,
+    )
     print(
         f"\n{args.model}, {args.rate} requests/s, {args.requests} requests, prompts {PROMPT_TOKENS} tokens, "
     )
