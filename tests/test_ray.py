@@ -16,10 +16,12 @@ def ray_installed(monkeypatch):
     import Ray, before the platform's check. Standing in for an installed Ray: its availability check passes,
     and vLLM's first Ray executor class (which imports without Ray, unlike the default V2 one) is the one
     resolved, so the config reaches the plugin's refusal as it would where Ray is installed."""
+    import vllm.envs
     from vllm.v1.executor import ray_utils
 
     monkeypatch.setattr(ray_utils, "assert_ray_available", lambda: None)
-    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
+    # An attribute, not the variable: an engine started earlier in the session froze vLLM's envs cache.
+    monkeypatch.setattr(vllm.envs, "VLLM_USE_RAY_V2_EXECUTOR_BACKEND", False, raising=False)
 
 
 @pytest.mark.parametrize(
