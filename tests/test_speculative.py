@@ -84,10 +84,8 @@ def test_ngram_speculation_gives_the_greedy_tokens_of_plain_decoding(tiny_model_
         extra={"sampling": sampling, "metrics": SPEC_COUNTERS, "churn_bursts": 2},
     )
     assert result["async_scheduling"] is False  # vLLM runs n-gram proposals without it
-    reference = round_kv_through_fp8(hf_with_weights(tiny_model_dir, {}), {0: (1.0, 1.0), 1: (1.0, 1.0)})
-    assert result["tokens"] == [hf_greedy(reference, p, 24) for p in prompts]
+    assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in prompts]
     assert result["preemptions"] > 0
-    assert result["compile_stats"][0]["kv_cache_dtype"] == "uint8"
     # prefill 1, decode 2, mixed (batch 2) 1, verify 2: all at warm-up, none after, through the churn of
     # cancelled and finished requests too
     [stats] = result["compile_stats"]
