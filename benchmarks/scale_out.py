@@ -88,6 +88,12 @@ def open_loop(bases: list[str], jobs: list[list[int]], rate: float, split: bool 
     }
 
 
+def threads(cpus: list[int]) -> dict[str, str]:
+    """A pinned server's compute threads: one per CPU it may use, as the plugin sets for each DP engine
+    (more threads than CPUs make them wait on each other)."""
+    return {"OMP_NUM_THREADS": str(len(cpus))}
+
+
 def run_setup(
     name: str, configs: list[Config], workdir: Path, jobs: list[list[int]], rate: float, split: bool = False
 ) -> dict:
@@ -134,7 +140,8 @@ def main() -> None:
             Config("dp2", model, [*common, "--data-parallel-size", "2"], MAX_MODEL_LEN)
         ],
         "2 x DP=1 replicas, round-robin client": [
-            Config(f"replica{i}", model, common, MAX_MODEL_LEN, cpus=half) for i, half in enumerate(halves)
+            Config(f"replica{i}", model, common, MAX_MODEL_LEN, cpus=half, env=threads(half))
+            for i, half in enumerate(halves)
         ],
     }
     rows = {name: run_setup(name, configs, workdir, jobs, args.rate) for name, configs in setups.items()}
@@ -156,9 +163,21 @@ def main() -> None:
         split,
         [
             Config(
-                "prefill", model, [*prefill_args, *transfer("kv_producer")], MAX_MODEL_LEN, cpus=halves[0]
+                "prefill",
+                model,
+                [*prefill_args, *transfer("kv_producer")],
+                MAX_MODEL_LEN,
+                cpus=halves[0],
+                env=threads(halves[0]),
             ),
-            Config("decode", model, [*common, *transfer("kv_consumer")], MAX_MODEL_LEN, cpus=halves[1]),
+            Config(
+                "decode",
+                model,
+                [*common, *transfer("kv_consumer")],
+                MAX_MODEL_LEN,
+                cpus=halves[1],
+                env=threads(halves[1]),
+            ),
         ],
         workdir,
         jobs,
