@@ -35,7 +35,7 @@ from server.serve_args import parse_serve_args, platform_message, resolve_engine
 from vllm_neuron import envs, trn2
 from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig, NeuronConfigError, engine_limits
-from vllm_neuron.platform import speculative_method
+from vllm_neuron.refusals import speculative_method
 
 USAGE = "vllm-neuron check [MODEL] [any `vllm serve` option] [--json] [check options]"
 DEFAULT_LAYERS = 2

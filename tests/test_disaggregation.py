@@ -2,7 +2,7 @@
 and a decode server (kv_consumer) with vLLM's ExampleConnector over a shared folder, driven by the plugin's
 worker around its compiled steps (worker/kv_transfer.py), give one server's greedy tokens; the decode server
 loads the prompts' KV rather than computing it; neither compiles a graph after warm-up. Start-up refuses the
-connectors and settings the plugin would serve wrong (vllm_neuron/platform.py: _kv_transfer_refusals)."""
+connectors and settings the plugin would serve wrong (vllm_neuron/refusals.py: _kv_transfer_refusals)."""
 
 import json
 from types import SimpleNamespace

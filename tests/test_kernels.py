@@ -155,7 +155,8 @@ def test_nki_is_refused_by_name_with_what_to_change():
 
 
 def test_nki_is_refused_at_start_up(monkeypatch):
-    from vllm_neuron.platform import NeuronPlatform, UnsupportedConfigError
+    from vllm_neuron.platform import NeuronPlatform
+    from vllm_neuron.refusals import UnsupportedConfigError
 
     monkeypatch.setenv("VLLM_NEURON_ATTENTION_KERNELS", "nki")
     with pytest.raises(UnsupportedConfigError, match="Neuron plugin: VLLM_NEURON_ATTENTION_KERNELS=nki"):

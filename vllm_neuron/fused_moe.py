@@ -28,7 +28,7 @@ from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
 from vllm_neuron import moe
-from vllm_neuron.platform import UnsupportedConfigError
+from vllm_neuron.refusals import UnsupportedConfigError
 from vllm_neuron.upstream.vllm_engine import MoERunnerForwardInGraph
 
 
