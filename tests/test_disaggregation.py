@@ -126,7 +126,7 @@ def test_a_step_loads_before_its_calls_and_saves_after_them(monkeypatch):
 @pytest.mark.parametrize(
     ("connector", "overrides", "refusal"),
     [
-        ("NixlConnector", {}, "NIXL registers each KV block as one contiguous page"),
+        ("NixlPushConnector", {}, "the plugin runs a connector around each step's compiled calls"),
         ("LMCacheConnectorV1", {}, "the plugin runs a connector around each step's compiled calls"),
         ("ExampleConnector", {}, "must prefill each prompt in one step"),
         (
@@ -134,10 +134,18 @@ def test_a_step_loads_before_its_calls_and_saves_after_them(monkeypatch):
             {"enable_chunked_prefill": False, "max_num_batched_tokens": 256},
             "must prefill each prompt in one step",  # the prefill share still chunks
         ),
+        ("NixlConnector", {"transfer": {"kv_buffer_device": "cuda"}}, "stages KV through host memory"),
+        (
+            "NixlConnector",
+            {"transfer": {"kv_connector_module_path": "my.connectors"}},
+            "the plugin runs a connector around each step's compiled calls",
+        ),
     ],
 )
 def test_start_up_refuses_what_would_be_served_wrong(tiny_model_dir, connector, overrides, refusal):
-    transfer = KVTransferConfig(kv_connector=connector, kv_role="kv_producer")
+    transfer = KVTransferConfig(
+        kv_connector=connector, kv_role="kv_producer", **overrides.pop("transfer", {})
+    )
     with pytest.raises(ValueError, match=refusal):
         engine_config(tiny_model_dir, kv_transfer_config=transfer, **overrides)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_neuron.upstream import torch_compile, vllm_engine, vllm_lora, vllm_runner, vllm_server
+from vllm_neuron.upstream import torch_compile, vllm_engine, vllm_lora, vllm_nixl, vllm_runner, vllm_server
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("vllm_neuron", "worker", "kv_cache", "server", "loadtest")
@@ -661,6 +661,39 @@ def test_the_attention_op_runs_the_connector_hooks_only_with_metadata():
     assert "not connector.has_connector_metadata()" in hook, moved(
         "the attention op's connector hooks", "vllm_runner"
     )
+
+
+def test_the_nixl_connector_stages_through_host_buffers_by_two_flags():
+    """worker/nixl.py: vLLM's pull connector decides host staging in each side's __init__ from the platform's
+    device type (never for 'cpu'), saves in wait_for_save and loads in its transfer results only where the
+    worker's flag and copy operation are set, ignores the copy operation on 'cpu', and validates each remote
+    engine once (vllm_nixl.check_each_remote)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler, base_worker, connector
+
+    worker_init = inspect.getsource(base_worker.NixlBaseConnectorWorker.__init__)
+    assert 'self.use_host_buffer = self.kv_buffer_device == "cpu"' in worker_init, moved(
+        "the NIXL worker's use_host_buffer", "vllm_nixl"
+    )
+    assert "self.use_host_buffer" in inspect.getsource(base_scheduler.NixlBaseConnectorScheduler.__init__)
+    wait = inspect.getsource(connector.NixlBaseConnector.wait_for_save)
+    assert "use_host_buffer and self.connector_worker.copy_blocks" in wait, moved(
+        "wait_for_save", "vllm_nixl"
+    )
+    assert "self.copy_blocks = copy_operation" in inspect.getsource(
+        base_worker.NixlBaseConnectorWorker.set_host_xfer_buffer_ops
+    ), moved("the NIXL worker's copy_blocks", "vllm_nixl")
+    validate = base_worker.NixlBaseConnectorWorker._validate_remote_agent_handshake
+    assert parameters(validate)[:3] == ["self", "nixl_agent_meta", "remote_tp_size"], moved(
+        "_validate_remote_agent_handshake", "vllm_nixl"
+    )
+    assert vllm_nixl.NixlPullConnector is connector.NixlConnector
+    assert parameters(vllm_runner.copy_kv_blocks) == [
+        "src_kv_caches",
+        "dst_kv_caches",
+        "src_block_ids",
+        "dst_block_ids",
+        "direction",
+    ], moved("copy_kv_blocks", "vllm_runner")
 
 
 def test_an_attention_layers_kv_cache_scales_are_buffers():

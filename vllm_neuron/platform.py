@@ -231,6 +231,7 @@ class NeuronPlatform(Platform):
         # Resolved once, here; the engine's processes read it back (NeuronConfig.of).
         neuron_config = NeuronConfig.resolve_for(vllm_config)
         refusals.check_kv_transfer(vllm_config, neuron_config)
+        _stage_nixl_through_host(vllm_config)
         vllm_config.additional_config = ResolvedSettings(neuron_config)
         logger.info(
             "Neuron plugin (%s mode, compile backend %s): block size %d, %s; "
@@ -261,10 +262,51 @@ class NeuronPlatform(Platform):
             )
 
     @classmethod
+    def get_nixl_supported_devices(cls) -> dict[str, tuple[str, ...]]:
+        # NIXL cannot register Neuron device memory: it stages KV through host buffers (worker/nixl.py).
+        return {cls.device_type: ("cpu",)}
+
+    @classmethod
+    def discover_numa_topology(cls) -> list[list[int]]:
+        # vLLM's NIXL worker on a 'cpu' device type pins itself to the cores this names; the plugin's workers
+        # are pinned by device.pin_rank, which NIXL must not undo.
+        return []
+
+    @classmethod
+    def swap_out_blocks_to_host(
+        cls,
+        src_cache: torch.Tensor,
+        dst_cache: torch.Tensor,
+        src_blocks: torch.Tensor,
+        dst_blocks: torch.Tensor,
+    ) -> None:
+        # The caches are block-major views (kv_cache/layout.block_major): blocks are dimension 0 of both.
+        dst_cache[dst_blocks] = src_cache[src_blocks].to(dst_cache.device)
+
+    @classmethod
+    def insert_blocks_to_device(
+        cls,
+        src_cache: torch.Tensor,
+        dst_cache: torch.Tensor,
+        src_blocks: torch.Tensor,
+        dst_blocks: torch.Tensor,
+    ) -> None:
+        dst_cache[dst_blocks] = src_cache[src_blocks].to(dst_cache.device)
+
+    @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
         # Our own VLLM_NEURON_* variables are not vLLM's; hide them from vLLM's unknown-variable check.
         with vllm_engine.hidden_from_environ_check("VLLM_NEURON_"):
             super().validate_environ(hard_fail)
+
+
+def _stage_nixl_through_host(vllm_config: "VllmConfig") -> None:
+    """vLLM's NixlConnector becomes the plugin's (worker/nixl.py, the same connector staged through host
+    buffers), and its buffer device the host's, which vLLM would otherwise take from the device type."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer is not None and transfer.kv_connector in ("NixlConnector", "NixlPullConnector"):
+        transfer.kv_connector_module_path = refusals.NIXL_MODULE
+        transfer.kv_buffer_device = "cpu"
 
 
 def _auto_dtypes() -> list[torch.dtype]:

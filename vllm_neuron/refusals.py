@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 import vllm.envs as vllm_envs
 
+from vllm_neuron import device as neuron_device
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.upstream import vllm_engine
 
@@ -178,9 +179,10 @@ def _raise_refused(refusals: dict[str, bool]) -> None:
             raise UnsupportedConfigError(f"Neuron plugin: {message}")
 
 
-# The KV connectors the worker drives around its compiled steps (worker/kv_transfer.py).
-KV_CONNECTORS = ("ExampleConnector",)
-NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
+# The KV connectors the worker drives around its compiled steps (worker/kv_transfer.py); NIXL's pull connector
+# through host buffers of its own (worker/nixl.py), which the platform points vLLM's factory to.
+KV_CONNECTORS = ("ExampleConnector", "NixlConnector", "NixlPullConnector")
+NIXL_MODULE = "worker.nixl"
 
 
 def check_kv_transfer(vllm_config: "VllmConfig", neuron_config: NeuronConfig) -> None:
@@ -194,15 +196,15 @@ def _kv_transfer_refusals(vllm_config: "VllmConfig", neuron_config: NeuronConfig
     if name is None:
         return {}
     scheduler = vllm_config.scheduler_config
+    nixl = name in ("NixlConnector", "NixlPullConnector")
     return {
-        f"KV connector {name} is not supported: NIXL registers each KV block as one contiguous page "
-        "(block-major layout), while the plugin's cache is head-major, [2 * kv_heads, blocks, block_size, "
-        "head_size], a block being 2 * kv_heads separate runs; use ExampleConnector": name in NIXL_CONNECTORS,
         f"KV connector {name} is not supported: the plugin runs a connector around each step's compiled "
-        "calls (every load before them, every save after them; no per-layer hooks inside the graph, no "
-        f"transfer overlapping a step), which vLLM's {', '.join(KV_CONNECTORS)} expects; use it": (
-            name not in (*KV_CONNECTORS, *NIXL_CONNECTORS)
-        ),
+        "calls (every load before them, every save after them, no per-layer hooks inside the graph), which "
+        f"{', '.join(KV_CONNECTORS)} work with; use one of them": name not in KV_CONNECTORS
+        or transfer.kv_connector_module_path not in (None, NIXL_MODULE if nixl else None),
+        f"{name} stages KV through host memory on this platform: remove kv_buffer_device "
+        f"{transfer.kv_buffer_device!r} from --kv-transfer-config (or set it to 'cpu')": nixl
+        and transfer.kv_buffer_device not in ("cpu", neuron_device.device_type()),
         "ExampleConnector names its files by layer and prompt only, so the ranks of --tensor-parallel-size "
         "> 1 would overwrite each other's shards: use --tensor-parallel-size 1": name == "ExampleConnector"
         and vllm_config.parallel_config.tensor_parallel_size > 1,

@@ -30,6 +30,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from kv_cache import layout
 from vllm_neuron.upstream.vllm_runner import (
     KVConnectorModelRunnerMixin,
+    copy_kv_blocks,
     create_forward_context,
     override_forward_context,
 )
@@ -65,7 +66,10 @@ class KVTransfer:
 
     def register(self) -> None:
         if has_kv_transfer_group():
-            get_kv_transfer_group().register_kv_caches(self._views())
+            connector = get_kv_transfer_group()
+            connector.register_kv_caches(self._views())
+            # A connector that stages KV through host buffers (NIXL: worker/nixl.py) copies blocks with it.
+            connector.set_host_xfer_buffer_ops(copy_kv_blocks)
 
     def handshake_metadata(self, tp_rank: int) -> dict[tuple[int, int], object] | None:
         """What vLLM's engine collects for the scheduler's connector, keyed (pipeline rank, TP rank)."""

@@ -1,0 +1,137 @@
+"""Prefill/decode disaggregation over NIXL (issue 41): vLLM's NixlConnector, staged through host buffers
+(worker/nixl.py) as on Trainium, moves each prompt's KV from a prefill server to a decode server over UCX on
+127.0.0.1; the decode server gives HF's greedy tokens without computing the prompt, and neither server
+compiles after warm-up. The pages NIXL moves are the blocks of the plugin's head-major cache, copied whole
+through block-major views; peers whose pages differ are refused."""
+
+import json
+
+import pytest
+import torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+from kv_cache import layout
+from tests.conftest import FEW_BUCKETS
+from tests.helpers import engine_config, hf_greedy, random_prompt
+from tests.serving import MODEL_NAME, ServerProcess, free_port, http
+from tests.test_server import metric_values
+from vllm_neuron.upstream import vllm_nixl, vllm_runner
+from worker.nixl import HostStagedNixlConnector, page_layout_mismatch
+
+MAX_TOKENS = 8
+BLOCK_SIZE = 32
+# Prompts of less than a block, of several blocks, and past the servers' 96-token step budget (the prefill
+# server computes them over several steps, saving each step's blocks to its host buffer).
+LENGTHS = (20, 40, 75, 100, 150, 200)
+PROMPTS = [random_prompt(length, seed=4200 + i) for i, length in enumerate(LENGTHS)]
+
+
+def test_nixl_connector_is_the_plugins_staged_through_host_buffers(tiny_model_dir):
+    transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")
+    config = engine_config(tiny_model_dir, kv_transfer_config=transfer).kv_transfer_config
+    assert config.kv_connector == "NixlConnector"  # vLLM's own checks of NixlConnector still apply
+    assert config.kv_buffer_device == "cpu"
+    connector = KVConnectorFactory.get_connector_class(config)
+    assert connector is HostStagedNixlConnector and issubclass(connector, vllm_nixl.NixlPullConnector)
+
+
+def test_blocks_move_whole_between_the_cache_and_a_host_buffer():
+    """vLLM's block copy (the one it hands NIXL) over the block-major views, through the platform's
+    swap_out_blocks_to_host and insert_blocks_to_device: a host page is the block's 2 * kv_heads runs."""
+    generator = torch.Generator().manual_seed(0)
+    caches = {
+        name: layout.allocate(6, 4, 2, 3, torch.float32, torch.device("cpu")).normal_(generator=generator)
+        for name in ("layers.0", "layers.1")
+    }
+    before = {name: cache.clone() for name, cache in caches.items()}
+    views = {name: layout.block_major(cache) for name, cache in caches.items()}
+    host = {name: torch.zeros(view.shape) for name, view in views.items()}  # NIXL's: contiguous, block-major
+
+    vllm_runner.copy_kv_blocks(views, host, [3, 1], [3, 1], "d2h")
+    for name, cache in caches.items():
+        assert host[name][3].equal(cache[:, 3]) and host[name][1].equal(cache[:, 1])
+        assert host[name][[0, 2, 4, 5]].eq(0).all()
+
+    vllm_runner.copy_kv_blocks(host, views, [3, 1], [5, 2], "h2d")  # a decode server's blocks differ
+    for name, cache in caches.items():
+        assert cache[:, 5].equal(before[name][:, 3]) and cache[:, 2].equal(before[name][:, 1])
+        untouched = [0, 1, 3, 4]
+        assert cache[:, untouched].equal(before[name][:, untouched])
+
+
+def test_peers_with_other_pages_are_refused():
+    assert page_layout_mismatch(1, 1, 32, 32) is None
+    assert page_layout_mismatch(2, 2, 32, 32) is None
+    assert "tensor-parallel size 2 and block size 32" in page_layout_mismatch(1, 2, 32, 32)
+    assert "tensor-parallel size 1 and block size 16" in page_layout_mismatch(1, 1, 32, 16)
+
+
+def nixl_server(model_dir, log, role: str) -> ServerProcess:
+    transfer = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
+    # Each server's NIXL side channel: its own port on the loopback (vLLM's default is one port per host).
+    channel = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    return ServerProcess(
+        model_dir,
+        log,
+        "--kv-transfer-config",
+        transfer,
+        "--additional-config",
+        json.dumps(FEW_BUCKETS),
+        env=channel,
+    )
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("nixl")
+    prefill = nixl_server(tiny_model_dir, folder / "prefill.log", "kv_producer")
+    decode = nixl_server(tiny_model_dir, folder / "decode.log", "kv_consumer")
+    try:
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def complete(server: ServerProcess, prompt: list[int], max_tokens: int, params: dict) -> dict:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "kv_transfer_params": params,
+    }
+    status, raw = http("POST", server.base + "/v1/completions", json.dumps(body).encode(), timeout=120)
+    assert status == 200, raw[-2000:]
+    return json.loads(raw)
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    return sum(metric_values(http("GET", server.base + "/metrics")[1].decode(), name).values())
+
+
+@pytest.mark.slow
+def test_prefill_then_decode_over_nixl_gives_hf_greedy_tokens(servers, hf_model):
+    prefill, decode = servers
+    graphs = [metric(server, "vllm_neuron:compiled_graphs") for server in servers]
+    for prompt in PROMPTS:
+        expected = hf_greedy(hf_model, prompt, MAX_TOKENS)
+        # vLLM's disaggregation proxy: prefill with one token, then decode with what the prefill hands over
+        # (the engine, host, port and blocks the decode server reads over NIXL).
+        handed = complete(prefill, prompt, 1, {"do_remote_decode": True})
+        assert handed["choices"][0]["token_ids"] == expected[:1]
+        params = handed["kv_transfer_params"]
+        assert params["do_remote_prefill"] and params["remote_block_ids"], params
+        answer = complete(decode, prompt, MAX_TOKENS, params)
+        assert answer["choices"][0]["token_ids"] == expected, len(prompt)
+
+    assert metric(decode, "vllm:nixl_xfer_time_seconds_count") == len(PROMPTS)  # one read per prompt
+    assert metric(decode, "vllm:external_prefix_cache_hits_total") == sum(LENGTHS)  # no prompt computed here
+    assert [metric(server, "vllm_neuron:compiled_graphs") for server in servers] == graphs
+    for server in servers:
+        assert metric(server, "vllm_neuron:unexpected_recompiles_total") == 0
