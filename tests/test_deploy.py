@@ -879,8 +879,10 @@ def test_picker_profiles_use_only_declared_plugins(render):
         assert ("disagg-profile-handler" in declared) == (example == "llm-d-pd")
 
 
-def test_prefill_and_decode_pools(render):
+def test_prefill_and_decode_pools(render, tiny_model_dir):
     from vllm.config.kv_transfer import KVTransferConfig
+
+    from tests.helpers import engine_config
 
     docs = render("llm-d-pd")
     decode, prefill = deployments(docs)[FULLNAME], deployments(docs)[f"{FULLNAME}-prefill"]
@@ -903,6 +905,8 @@ def test_prefill_and_decode_pools(render):
         server_container = container(deployment)
         transfer = KVTransferConfig(**json.loads(flag(server_container["args"], "--kv-transfer-config")))
         assert (transfer.kv_connector, transfer.kv_role) == ("NixlConnector", "kv_both")
+        # The plugin serves what the pools ask (its start-up refusals would stop the pods).
+        assert engine_config(tiny_model_dir, kv_transfer_config=transfer).kv_transfer_config is transfer
         nixl_host = env_of(server_container)["VLLM_NIXL_SIDE_CHANNEL_HOST"]
         assert nixl_host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert server_container["resources"]["limits"][NEURONCORE] == "4"
