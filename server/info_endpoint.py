@@ -56,10 +56,12 @@ class NeuronInfoEndpoint:
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         state.neuron_info = describe(engine_client.vllm_config)
         if state.neuron_info["kv_events"] is not None:
-            # The endpoint the publisher bound (tcp://*:0 resolves to a port), as its engine reported it.
+            # Each engine's endpoint as it reported it: a tcp port of 0 resolves to the one bound, and with
+            # --data-parallel-size each engine publishes on its own (vLLM offsets the port by the DP rank).
             sources = engine_client.get_kv_event_sources()
-            if 0 in sources:
-                state.neuron_info["kv_events"]["endpoint"] = sources[0].endpoint
+            if sources:
+                endpoints = [sources[rank].endpoint for rank in sorted(sources)]
+                state.neuron_info["kv_events"].update(endpoint=endpoints[0], endpoints=endpoints)
         if engine_client.vllm_config.lora_config is not None:
             vllm_server.answer_refused_adapters_with_400(state.openai_serving_models)
 
@@ -135,6 +137,8 @@ def _kv_events(vllm_config) -> dict[str, Any] | None:
     return {
         "publisher": events.publisher,
         "endpoint": events.endpoint,
+        # One per data-parallel engine, in rank order (the first is `endpoint`).
+        "endpoints": [events.endpoint],
         "replay_endpoint": events.replay_endpoint,
         "topic": events.topic,
         "block_size": vllm_config.cache_config.block_size,

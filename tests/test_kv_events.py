@@ -60,6 +60,7 @@ def test_the_info_section_names_what_a_router_hashes_with(tiny_model_dir, monkey
     assert describe(config)["kv_events"] == {
         "publisher": "zmq",
         "endpoint": "tcp://127.0.0.1:5557",
+        "endpoints": ["tcp://127.0.0.1:5557"],
         "replay_endpoint": None,
         "topic": TOPIC,
         "block_size": 16,
@@ -90,13 +91,14 @@ class Router:
     server holds (how many of its blocks hold each), checking that each batch's sequence number follows the
     last and each removal names a block stored before."""
 
-    def __init__(self) -> None:
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+    def __init__(self, endpoint: str | None = None, *, first_seq: int | None = 0) -> None:
+        """first_seq: the sequence number the first batch must carry (None: any, the rest following it)."""
+        self.endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
         self.socket = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
         self.socket.bind(self.endpoint)
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self.next_seq = 0
+        self.next_seq = first_seq
         self.blocks: Counter[int] = Counter()
 
     def receive(self, quiet_ms: int = 1500) -> list:
@@ -104,8 +106,9 @@ class Router:
         events = []
         while self.socket.poll(quiet_ms):
             topic, seq, payload = self.socket.recv_multipart()
-            assert (topic.decode(), int.from_bytes(seq, "big")) == (TOPIC, self.next_seq)
-            self.next_seq += 1
+            seq = int.from_bytes(seq, "big")
+            assert (topic.decode(), seq) == (TOPIC, seq if self.next_seq is None else self.next_seq)
+            self.next_seq = seq + 1
             for event in self.decoder.decode(payload).events:
                 if isinstance(event, BlockStored):
                     self.blocks.update(event.block_hashes)
@@ -191,6 +194,7 @@ def server(tiny_model_dir, tmp_path_factory, router):
 def test_events_follow_the_cache_through_hits_evictions_reset_and_sleep(server, router):
     info = json.loads(http("GET", server.base + "/v1/neuron/info", key=API_KEY)[1])["kv_events"]
     assert (info["endpoint"], info["topic"], info["hash_algo"]) == (router.endpoint, TOPIC, "sha256_cbor")
+    assert info["endpoints"] == [router.endpoint]
     assert info["block_size"] == 32
     # vLLM's fixed seed, or the PYTHONHASHSEED the router shares with the server.
     seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
