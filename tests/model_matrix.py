@@ -194,8 +194,21 @@ def _reason(err: BaseException) -> str:
     return re.sub(r"^Value error, | \[type=.*$", "", line).strip()
 
 
+def inspect_models_in_this_process() -> None:
+    """vLLM learns what a model class supports (vllm.model_executor.models.registry) in a subprocess of its
+    own, to keep CUDA out of the caller, for each class not yet in its cache (~/.cache/vllm/modelinfos): a
+    fresh import of vLLM per case, about 10 s of CPU each on a cold cache. This process runs on the CPU and
+    imports the served cases' model code anyway, so it inspects each class itself: the same answer, cached
+    the same way."""
+    from vllm.model_executor.models import registry
+
+    assert callable(registry._run_in_subprocess), "vLLM's registry no longer inspects in a subprocess"
+    registry._run_in_subprocess = lambda inspect: inspect()
+
+
 def run(cases: list[Architecture]) -> list[CaseResult]:
     os.environ.update(TEST_ENVIRONMENT)  # before run_case imports vLLM
+    inspect_models_in_this_process()
     with tempfile.TemporaryDirectory(prefix="model-matrix-") as root:
         results = []
         for arch in cases:

@@ -16,6 +16,7 @@ import openai
 import psutil
 import pytest
 
+from tests.conftest import FEW_BUCKETS
 from tests.serving import MODEL_NAME, ServerProcess, http
 from tests.test_server import metric_values
 
@@ -33,6 +34,8 @@ def server(tiny_model_dir, tmp_path_factory):
         folder / "server.log",
         "--max-num-queued-reqs",
         str(MAX_IN_FLIGHT),
+        "--additional-config",  # after the test plan's: one bucket of each kind (admission is bucket-blind)
+        json.dumps(FEW_BUCKETS),
         env={"VLLM_SERVER_DEV_MODE": "1"},
     )
     try:
