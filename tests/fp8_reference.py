@@ -1,6 +1,6 @@
 """The exact reference for FP8 weights and an FP8 KV cache: HF transformers running the weights an engine
 computes with, dequantized (float32), with its keys and values rounded through FP8 by the engine's KV cache
-scales, all taken from the engine's worker."""
+scales, all taken from the engine's worker; and one engine serving a checkpoint's own KV cache scales."""
 
 from pathlib import Path
 
@@ -91,6 +91,36 @@ def kv_scales_by_layer(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str]
         for name, tensor in tensors.items()
         if name.startswith("model.layers.") and name.endswith((".k_scale", ".v_scale"))
     }
+
+
+def serve_with_the_checkpoints_kv_scales(
+    checkpoint: Path, engine: dict, folder: Path, max_tokens: int, scale_dtype: torch.dtype
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Run `engine` on `checkpoint` (CPU, tests/helpers.py: run_engine) saving the weights it computes with
+    (`dequantized_weights`, to `folder`), and check that its KV cache scales are the checkpoint's: one for
+    the keys and one for the values of each of the 2 layers, calibrated (none is vLLM's default 1.0), as
+    `scale_dtype` holds them (vLLM makes the scale parameters in the model's dtype). The engine's result
+    and the dequantized weights, for the caller's checks."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import run_engine
+
+    weights_path = folder / "dequantized.pt"
+    result = run_engine(
+        checkpoint,
+        engine,
+        {"VLLM_NEURON_DEVICE": "cpu"},
+        max_tokens=max_tokens,
+        extra={"save_dequantized": str(weights_path)},
+    )
+    weights = torch.load(weights_path)
+    calibrated = kv_scales_by_layer(load_file(checkpoint / "model.safetensors"))
+    assert len(calibrated) == 2 * 2 and 1.0 not in calibrated.values()
+    # In float16 the checkpoint's (float32) scales rounded; in float32 the same values exactly.
+    assert kv_scales_by_layer(weights) == {
+        key: torch.tensor(value).to(scale_dtype).item() for key, value in calibrated.items()
+    }
+    return result, weights
 
 
 def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):

@@ -1,4 +1,4 @@
-"""A real `vllm-neuron serve` process on 127.0.0.1 for server tests, and a small HTTP helper."""
+"""A real `vllm-neuron serve` process on 127.0.0.1 for server tests, and small HTTP helpers."""
 
 import json
 import os
@@ -123,3 +123,34 @@ class ServerProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
             raise
+
+
+def completion(
+    server: ServerProcess,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    model: str = MODEL_NAME,
+    timeout: float = 60,
+    **fields: object,
+) -> tuple[int, bytes]:
+    """POST /v1/completions of token ids, greedy (temperature 0) and past EOS, with `fields` added (those
+    None left out, so a caller passes an optional field on as it got it); the status and the raw body."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body |= {name: value for name, value in fields.items() if value is not None}
+    return http("POST", server.base + "/v1/completions", json.dumps(body).encode(), timeout=timeout)
+
+
+def complete(
+    server: ServerProcess,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    model: str = MODEL_NAME,
+    timeout: float = 60,
+    **fields: object,
+) -> dict:
+    """A `completion` that must succeed: its JSON body."""
+    status, raw = completion(server, prompt, max_tokens, model=model, timeout=timeout, **fields)
+    assert status == 200, raw[-2000:]  # the end of an error body, where its message is
+    return json.loads(raw)

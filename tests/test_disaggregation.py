@@ -15,7 +15,7 @@ from vllm.config import KVTransferConfig
 from kv_cache import layout
 from tests.conftest import FEW_BUCKETS
 from tests.helpers import engine_config, hf_greedy, random_prompt
-from tests.serving import MODEL_NAME, ServerProcess, http
+from tests.serving import ServerProcess, complete, http
 from tests.test_server import metric_values
 from worker.kv_transfer import KVTransfer
 
@@ -186,33 +186,22 @@ def servers(tiny_model_dir, tmp_path_factory):
         decode.stop()
 
 
-def complete(server: ServerProcess, prompt: list[int], max_tokens: int, params: dict | None) -> dict:
-    body = {
-        "model": MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    if params is not None:
-        body["kv_transfer_params"] = params
-    status, raw = http("POST", server.base + "/v1/completions", json.dumps(body).encode(), timeout=120)
-    assert status == 200, raw[-2000:]
-    return json.loads(raw)
-
-
 @pytest.mark.slow
 def test_prefill_then_decode_gives_one_servers_greedy_tokens(servers, hf_model):
     prefill, decode = servers
     graphs = [compiled_graphs(server) for server in servers]
     for prompt in PROMPTS:
         expected = hf_greedy(hf_model, prompt, MAX_TOKENS)
-        handed = complete(prefill, prompt, 1, PREFILL_PARAMS)
+        handed = complete(
+            prefill, prompt, 1, timeout=120, return_token_ids=True, kv_transfer_params=PREFILL_PARAMS
+        )
         assert handed["choices"][0]["token_ids"] == expected[:1]
         # ExampleConnector finds the KV by the prompt and hands over no parameters; a NIXL-style connector
         # would name the remote blocks here.
-        answer = complete(decode, prompt, MAX_TOKENS, handed.get("kv_transfer_params"))
+        params = handed.get("kv_transfer_params")  # None: left out
+        answer = complete(
+            decode, prompt, MAX_TOKENS, timeout=120, return_token_ids=True, kv_transfer_params=params
+        )
         assert answer["choices"][0]["token_ids"] == expected, len(prompt)
 
     metrics = http("GET", decode.base + "/metrics")[1].decode()

@@ -10,12 +10,11 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.conftest import FEW_BUCKETS_ENGINE
 from tests.fp8_reference import (
     hf_with_weights,
-    kv_scales_by_layer,
+    serve_with_the_checkpoints_kv_scales,
     write_compressed_tensors_checkpoint,
     write_modelopt_checkpoint,
 )
@@ -220,21 +219,10 @@ def test_a_modelopt_fp8_checkpoint_serves_with_its_weight_input_and_kv_cache_sca
     checkpoint's, and the tokens are HF's in float16 on the engine's weights, input scales and KV scales
     (as far as HF is stable, as for the FP8 preset above)."""
     checkpoint = write_modelopt_checkpoint(tiny_model_dir, tmp_path / "modelopt")
-    weights_path = tmp_path / "dequantized.pt"
-    result = run_engine(
-        checkpoint,
-        FEW_BUCKETS_ENGINE | {"dtype": "float16"},
-        {"VLLM_NEURON_DEVICE": "cpu"},
-        max_tokens=MAX_TOKENS,
-        extra={"save_dequantized": str(weights_path)},
+    engine = FEW_BUCKETS_ENGINE | {"dtype": "float16"}
+    result, weights = serve_with_the_checkpoints_kv_scales(
+        checkpoint, engine, tmp_path, MAX_TOKENS, torch.float16
     )
-    weights = torch.load(weights_path)
-    calibrated = kv_scales_by_layer(load_file(checkpoint / "model.safetensors"))
-    assert len(calibrated) == 2 * 2 and 1.0 not in calibrated.values()
-    # vLLM creates the scale parameters in the model's dtype: the checkpoint's scales rounded to float16
-    assert kv_scales_by_layer(weights) == {
-        key: torch.tensor(v).half().item() for key, v in calibrated.items()
-    }
     assert result["compile_stats"][0]["kv_cache_dtype"] == "uint8"
     assert_equal_where_the_reference_is_stable(result["tokens"], tiny_model_dir, weights, torch.float16)
 

@@ -4,7 +4,6 @@ the cache in place, the attention backend's paths, and one engine serving the ti
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from vllm.model_executor.layers.attention.attention import set_default_quant_scales
 
 from kv_cache import fp8
@@ -15,8 +14,8 @@ from server.info_endpoint import describe
 from tests.conftest import ENGINE_KWARGS, FEW_BUCKETS_ENGINE, FEW_BUCKETS_GRAPHS
 from tests.fp8_reference import (
     hf_with_weights,
-    kv_scales_by_layer,
     round_kv_through_fp8,
+    serve_with_the_checkpoints_kv_scales,
     write_compressed_tensors_checkpoint,
 )
 from tests.helpers import MAX_TOKENS, PROMPTS, engine_config, hf_greedy, random_prompt, run_engine
@@ -315,18 +314,10 @@ def test_a_checkpoints_kv_scales_are_served_and_give_hf_tokens_over_the_same_fp8
     the engine's dequantized weights with each layer's keys and values rounded through FP8 by those scales
     (the exact reference: the cache stores those values, attention reads them back)."""
     checkpoint = write_compressed_tensors_checkpoint(tiny_model_dir, tmp_path / "fp8-kv", kv_cache=True)
-    weights_path = tmp_path / "dequantized.pt"
-    result = run_engine(
-        checkpoint,
-        FEW_BUCKETS_ENGINE | {"kv_cache_dtype": "fp8"},
-        {"VLLM_NEURON_DEVICE": "cpu"},
-        max_tokens=MAX_TOKENS,
-        extra={"save_dequantized": str(weights_path)},
+    engine = FEW_BUCKETS_ENGINE | {"kv_cache_dtype": "fp8"}
+    result, weights = serve_with_the_checkpoints_kv_scales(
+        checkpoint, engine, tmp_path, MAX_TOKENS, torch.float32
     )
-    weights = torch.load(weights_path)
-    calibrated = kv_scales_by_layer(load_file(checkpoint / "model.safetensors"))
-    assert len(calibrated) == 2 * 2 and 1.0 not in calibrated.values()
-    assert kv_scales_by_layer(weights) == calibrated
     [stats] = result["compile_stats"]
     assert (stats["kv_cache_dtype"], stats["unexpected_recompiles"]) == ("uint8", 0)
     reference = hf_with_weights(tiny_model_dir, weights)

@@ -19,12 +19,13 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from server.info_endpoint import describe
 from tests.conftest import FEW_BUCKETS
 from tests.helpers import engine_config, random_prompt
-from tests.serving import API_KEY, MODEL_NAME, ServerProcess, free_port, http
+from tests.serving import API_KEY, ServerProcess, complete, free_port, http
 
 TOPIC = "kv"
 BLOCK_BYTES = 2 * 32 * 2 * 32 * 4 * 2  # K and V, 32 tokens, 2 KV heads of 32, float32, 2 layers
 NUM_BLOCKS = 16  # the null block and 15 others: five prompts of 4 blocks evict the first one's
 PROMPT_BLOCKS = 3  # full blocks of a prompt; its last 5 tokens and 4 generated ones share a 4th block
+GENERATED = 4  # tokens each request generates (the 4 above)
 PROMPT = random_prompt(PROMPT_BLOCKS * 32 + 5, seed=41)
 
 
@@ -137,18 +138,6 @@ def removed_hashes(events: list) -> set[int]:
     return {h for event in events if isinstance(event, BlockRemoved) for h in event.block_hashes}
 
 
-def complete(server: ServerProcess, prompt: list[int], max_tokens: int = 4) -> None:
-    body = {
-        "model": MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    status, reply = http("POST", server.base + "/v1/completions", json.dumps(body).encode())
-    assert status == 200, reply
-
-
 def counter(server: ServerProcess, name: str) -> float:
     """A vLLM counter on /metrics, summed over its labels."""
     text = http("GET", server.base + "/metrics")[1].decode()
@@ -204,7 +193,7 @@ def test_events_follow_the_cache_through_hits_evictions_reset_and_sleep(server, 
     assert len(hashes) == PROMPT_BLOCKS
 
     # The prompt's full blocks are stored, in one or more events (prefill chunks), each chaining to the last.
-    complete(server, PROMPT)
+    complete(server, PROMPT, GENERATED)
     events = router.receive()
     assert removed_hashes(events) == set() and len(stored(events)) >= 1
     parent = None
@@ -217,20 +206,20 @@ def test_events_follow_the_cache_through_hits_evictions_reset_and_sleep(server, 
 
     # The same prompt again: a prefix hit on those blocks, and nothing new to publish.
     hits = prefix_cache_hits(server)
-    complete(server, PROMPT)
+    complete(server, PROMPT, GENERATED)
     assert router.receive() == []
     assert prefix_cache_hits(server) - hits == PROMPT_BLOCKS * 32
 
     # Five other prompts need 20 blocks of 15: the first prompt's are evicted, each removal published.
     others = [random_prompt(len(PROMPT), seed=100 + i) for i in range(5)]
     for prompt in others:
-        complete(server, prompt)
+        complete(server, prompt, GENERATED)
     events = router.receive()
     assert set(hashes) <= removed_hashes(events) and not set(hashes) & router.index
     assert {h for prompt in others[-2:] for h in router_hashes(prompt, 32, seed)} <= router.index
 
     # Evicted, the prompt is prefilled again and its blocks stored again under the same hashes.
-    complete(server, PROMPT)
+    complete(server, PROMPT, GENERATED)
     assert set(hashes) <= {h for event in stored(router.receive()) for h in event.block_hashes}
 
     # A reset of the prefix cache is published at once, not with the next step.
@@ -238,13 +227,13 @@ def test_events_follow_the_cache_through_hits_evictions_reset_and_sleep(server, 
     assert [type(event) for event in router.receive()] == [AllBlocksCleared] and router.index == set()
 
     # Sleep discards the KV cache: cleared at once; after wake-up the prompt is stored afresh.
-    complete(server, PROMPT)
+    complete(server, PROMPT, GENERATED)
     assert set(hashes) <= router.index | {h for event in stored(router.receive()) for h in event.block_hashes}
     assert http("POST", server.base + "/sleep?level=1")[0] == 200
     assert [type(event) for event in router.receive()] == [AllBlocksCleared] and router.index == set()
     assert http("POST", server.base + "/wake_up")[0] == 200
     hits = prefix_cache_hits(server)
-    complete(server, PROMPT)
+    complete(server, PROMPT, GENERATED)
     assert [h for event in stored(router.receive()) for h in event.block_hashes] == hashes
     assert prefix_cache_hits(server) == hits
 

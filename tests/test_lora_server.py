@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import FEW_BUCKETS
 from tests.helpers import build_adapter, hf_greedy, random_prompt
-from tests.serving import MODEL_NAME, ServerProcess, http
+from tests.serving import MODEL_NAME, ServerProcess, completion, http
 
 pytestmark = pytest.mark.slow
 
@@ -60,15 +60,8 @@ def lora_server(tiny_model_dir, adapters, tmp_path_factory):
 
 
 def complete(server: ServerProcess, model: str) -> tuple[int, dict]:
-    body = {
-        "model": model,
-        "prompt": PROMPT,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    status, raw = http("POST", server.base + "/v1/completions", json.dumps(body).encode())
+    """PROMPT's greedy tokens from `model` (the base model or an adapter), or the error (e.g. 404)."""
+    status, raw = completion(server, PROMPT, MAX_TOKENS, model=model, return_token_ids=True)
     return status, json.loads(raw)
 
 
