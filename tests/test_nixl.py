@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from kv_cache import layout
 from tests.conftest import FEW_BUCKETS
 from tests.helpers import engine_config, hf_greedy, random_prompt
-from tests.serving import MODEL_NAME, ServerProcess, free_port, http
+from tests.serving import ServerProcess, complete, free_port, http
 from tests.test_server import metric_values
 from vllm_neuron.upstream import vllm_nixl, vllm_runner
 from worker.nixl import HostStagedNixlConnector, page_layout_mismatch
@@ -25,6 +25,7 @@ BLOCK_SIZE = 32
 # server computes them over several steps, saving each step's blocks to its host buffer).
 LENGTHS = (20, 40, 75, 100, 150, 200)
 PROMPTS = [random_prompt(length, seed=4200 + i) for i, length in enumerate(LENGTHS)]
+HANDSHAKE = {"timeout": 120, "return_token_ids": True}
 
 
 def test_nixl_connector_is_the_plugins_staged_through_host_buffers(tiny_model_dir):
@@ -96,21 +97,6 @@ def servers(tiny_model_dir, tmp_path_factory):
         decode.stop()
 
 
-def complete(server: ServerProcess, prompt: list[int], max_tokens: int, params: dict) -> dict:
-    body = {
-        "model": MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "kv_transfer_params": params,
-    }
-    status, raw = http("POST", server.base + "/v1/completions", json.dumps(body).encode(), timeout=120)
-    assert status == 200, raw[-2000:]
-    return json.loads(raw)
-
-
 def metric(server: ServerProcess, name: str) -> float:
     return sum(metric_values(http("GET", server.base + "/metrics")[1].decode(), name).values())
 
@@ -123,11 +109,11 @@ def test_prefill_then_decode_over_nixl_gives_hf_greedy_tokens(servers, hf_model)
         expected = hf_greedy(hf_model, prompt, MAX_TOKENS)
         # vLLM's disaggregation proxy: prefill with one token, then decode with what the prefill hands over
         # (the engine, host, port and blocks the decode server reads over NIXL).
-        handed = complete(prefill, prompt, 1, {"do_remote_decode": True})
+        handed = complete(prefill, prompt, 1, **HANDSHAKE, kv_transfer_params={"do_remote_decode": True})
         assert handed["choices"][0]["token_ids"] == expected[:1]
         params = handed["kv_transfer_params"]
         assert params["do_remote_prefill"] and params["remote_block_ids"], params
-        answer = complete(decode, prompt, MAX_TOKENS, params)
+        answer = complete(decode, prompt, MAX_TOKENS, **HANDSHAKE, kv_transfer_params=params)
         assert answer["choices"][0]["token_ids"] == expected, len(prompt)
 
     assert metric(decode, "vllm:nixl_xfer_time_seconds_count") == len(PROMPTS)  # one read per prompt
