@@ -1,12 +1,13 @@
 """Scale-out on one host in CPU mode (issue 41): TTFT and ITL at a fixed request rate for one engine, for
 `--data-parallel-size 2` (vLLM's coordinator in front of two engines, each worker pinned to its half of the
 CPUs by the plugin), for two DP=1 replicas (each process pinned to half of the CPUs) behind a round-robin
-client, and for a prefill server and a decode server (each on half of the CPUs, vLLM's ExampleConnector
-over a shared folder: docs/disaggregation.md) behind a client doing vLLM's handshake (prefill with
-max_tokens 1, then decode with the returned kv_transfer_params; TTFT counts both), in one run, side by
-side.
+client, and for a prefill server and a decode server (each on half of the CPUs; the KV moved by vLLM's
+NixlConnector over UCX on 127.0.0.1, or by its ExampleConnector over a shared folder: docs/disaggregation.md)
+behind a client doing vLLM's handshake (prefill with max_tokens 1, then decode with the returned
+kv_transfer_params; TTFT counts both), in one run, side by side.
 
     .venv/bin/python benchmarks/scale_out.py [--model smollm2|tiny] [--rate R] [--requests N]
+                                             [--setups one,dp2,replicas,nixl,example]
 
 Traffic: open loop, request i sent at i / rate seconds whatever the answers (a fixed rate, as a router
 sees it), prompts of 128 random token ids (the prefix cache never hits), 64 output tokens, greedy, EOS
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import socket
 import sys
 import tempfile
 import threading
@@ -31,6 +33,25 @@ from serving import ROOT, Config, Server  # noqa: E402
 
 PROMPT_TOKENS, OUTPUT_TOKENS, MAX_MODEL_LEN, MAX_NUM_SEQS = 128, 64, 256, 8
 BUCKETS = {"prefill_buckets": [128], "decode_batch_buckets": [1, 8], "context_buckets": [MAX_MODEL_LEN]}
+
+
+SETUPS = {
+    "one": "one engine (DP=1, every CPU)",
+    "dp2": "DP=2 (vLLM's coordinator, one address)",
+    "replicas": "2 x DP=1 replicas, round-robin client",
+    "nixl": "prefill + decode servers (NixlConnector, UCX), handshake client",
+    "example": "prefill + decode servers (ExampleConnector), handshake client",
+}
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
 
 
 # What vLLM's disaggregation proxies send a prefill server: prefill, sample one token, hand the KV over.
@@ -125,7 +146,12 @@ def main() -> None:
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (default 1)")
     parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--setups", default=",".join(SETUPS), help="which, comma-separated (default all)")
     args = parser.parse_args()
+    print(host_cpu.summary(), flush=True)
+    chosen = args.setups.split(",")
+    if unknown := set(chosen) - set(SETUPS):
+        parser.error(f"unknown setups {sorted(unknown)}: choose from {', '.join(SETUPS)}")
     sys.path.insert(0, str(ROOT))
     model, vocab, extra = load_model(args.model)
     rng = random.Random(0)
@@ -135,16 +161,48 @@ def main() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     halves = [cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]]
     setups = {
-        "one engine (DP=1, every CPU)": [Config("one", model, common, MAX_MODEL_LEN)],
-        "DP=2 (vLLM's coordinator, one address)": [
-            Config("dp2", model, [*common, "--data-parallel-size", "2"], MAX_MODEL_LEN)
-        ],
-        "2 x DP=1 replicas, round-robin client": [
+        "one": [Config("one", model, common, MAX_MODEL_LEN)],
+        "dp2": [Config("dp2", model, [*common, "--data-parallel-size", "2"], MAX_MODEL_LEN)],
+        "replicas": [
             Config(f"replica{i}", model, common, MAX_MODEL_LEN, cpus=half, env=threads(half))
             for i, half in enumerate(halves)
         ],
     }
-    rows = {name: run_setup(name, configs, workdir, jobs, args.rate) for name, configs in setups.items()}
+    rows = {
+        SETUPS[key]: run_setup(SETUPS[key], configs, workdir, jobs, args.rate)
+        for key, configs in setups.items()
+        if key in chosen
+    }
+    if "nixl" in chosen:
+        rows[SETUPS["nixl"]] = run_setup(
+            SETUPS["nixl"],
+            [
+                Config(
+                    role,
+                    model,
+                    [
+                        *common,
+                        "--kv-transfer-config",
+                        json.dumps({"kv_connector": "NixlConnector", "kv_role": role}),
+                    ],
+                    MAX_MODEL_LEN,
+                    cpus=half,
+                    # Each server's NIXL side channel on its own port of the loopback.
+                    env=threads(half)
+                    | {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)},
+                )
+                for role, half, port in zip(
+                    ("kv_producer", "kv_consumer"), halves, free_ports(2), strict=True
+                )
+            ],
+            workdir,
+            jobs,
+            args.rate,
+            split=True,
+        )
+    if "example" not in chosen:
+        print_table(args, rows, workdir)
+        return
     # A saving prefill server prefills each prompt in one step (ExampleConnector stores it in that step).
     storage = workdir / "kv-storage"
 
@@ -158,7 +216,7 @@ def main() -> None:
     one_step = {**BUCKETS, "prefill_buckets": [128, MAX_MODEL_LEN], "prefill_tokens_while_decoding": 0}
     prefill_args = [*extra, "--max-num-seqs", str(MAX_NUM_SEQS), "--additional-config", json.dumps(one_step)]
     prefill_args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(MAX_MODEL_LEN)]
-    split = "prefill + decode servers (ExampleConnector), handshake client"
+    split = SETUPS["example"]
     rows[split] = run_setup(
         split,
         [
@@ -184,6 +242,12 @@ def main() -> None:
         args.rate,
         split=True,
     )
+    print_table(args, rows, workdir)
+
+
+def print_table(args: argparse.Namespace, rows: dict[str, dict], workdir: Path) -> None:
+    from vllm_neuron import host_cpu
+
     print(
         f"\n{args.model}, {args.rate} requests/s, {args.requests} requests, prompts {PROMPT_TOKENS} tokens, "
     )
