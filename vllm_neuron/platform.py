@@ -280,8 +280,7 @@ class NeuronPlatform(Platform):
         src_blocks: torch.Tensor,
         dst_blocks: torch.Tensor,
     ) -> None:
-        # The caches are block-major views (kv_cache/layout.block_major): blocks are dimension 0 of both.
-        dst_cache[dst_blocks] = src_cache[src_blocks].to(dst_cache.device)
+        _copy_blocks(src_cache, dst_cache, src_blocks, dst_blocks)
 
     @classmethod
     def insert_blocks_to_device(
@@ -291,7 +290,7 @@ class NeuronPlatform(Platform):
         src_blocks: torch.Tensor,
         dst_blocks: torch.Tensor,
     ) -> None:
-        dst_cache[dst_blocks] = src_cache[src_blocks].to(dst_cache.device)
+        _copy_blocks(src_cache, dst_cache, src_blocks, dst_blocks)
 
     @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
@@ -300,11 +299,19 @@ class NeuronPlatform(Platform):
             super().validate_environ(hard_fail)
 
 
+def _copy_blocks(
+    src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor
+) -> None:
+    """Whole blocks between a layer's cache and a host buffer, both seen block-major
+    (kv_cache/layout.block_major: blocks are dimension 0), in either direction."""
+    dst[dst_blocks] = src[src_blocks].to(dst.device)
+
+
 def _stage_nixl_through_host(vllm_config: "VllmConfig") -> None:
     """vLLM's NixlConnector becomes the plugin's (worker/nixl.py, the same connector staged through host
     buffers), and its buffer device the host's, which vLLM would otherwise take from the device type."""
     transfer = vllm_config.kv_transfer_config
-    if transfer is not None and transfer.kv_connector in ("NixlConnector", "NixlPullConnector"):
+    if transfer is not None and transfer.kv_connector in refusals.NIXL_CONNECTORS:
         transfer.kv_connector_module_path = refusals.NIXL_MODULE
         transfer.kv_buffer_device = "cpu"
 

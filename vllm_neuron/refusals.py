@@ -181,7 +181,8 @@ def _raise_refused(refusals: dict[str, bool]) -> None:
 
 # The KV connectors the worker drives around its compiled steps (worker/kv_transfer.py); NIXL's pull connector
 # through host buffers of its own (worker/nixl.py), which the platform points vLLM's factory to.
-KV_CONNECTORS = ("ExampleConnector", "NixlConnector", "NixlPullConnector")
+NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector")
+KV_CONNECTORS = ("ExampleConnector", *NIXL_CONNECTORS)
 NIXL_MODULE = "worker.nixl"
 
 
@@ -196,7 +197,7 @@ def _kv_transfer_refusals(vllm_config: "VllmConfig", neuron_config: NeuronConfig
     if name is None:
         return {}
     scheduler = vllm_config.scheduler_config
-    nixl = name in ("NixlConnector", "NixlPullConnector")
+    nixl = name in NIXL_CONNECTORS
     return {
         f"KV connector {name} is not supported: the plugin runs a connector around each step's compiled "
         "calls (every load before them, every save after them, no per-layer hooks inside the graph), which "

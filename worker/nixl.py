@@ -9,7 +9,7 @@ read are copied to it (wait_for_save); once a transfer lands, its blocks are cop
 platform's swap_out_blocks_to_host and insert_blocks_to_device, over the views). On Trainium that is vLLM's
 own rule for a device NIXL cannot register (kv_buffer_device "cpu"); vLLM skips it on a 'cpu' device type,
 so CPU mode switches it on, to run the path Trainium runs. Both servers must share the page's layout: the same
-tensor-parallel size and block size (the platform's refusals and docs/disaggregation.md).
+tensor-parallel size and block size (page_layout_mismatch, docs/disaggregation.md).
 """
 
 from typing import TYPE_CHECKING
