@@ -1,10 +1,11 @@
-"""vLLM attention backend over kv_cache.ops, called through the neuron_kv custom ops of kv_cache/kernels.py:
-what vLLM's Attention layers call on the Neuron platform."""
+"""vLLM attention backend over kv_cache.ops, called through the kernel seam of kv_cache/kernels.py: what
+vLLM's Attention layers call on the Neuron platform."""
 
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
+from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -15,6 +16,7 @@ from vllm.v1.attention.backend import (
 
 from kv_cache import fp8, kernels, ops
 from vllm_neuron import envs
+from vllm_neuron.config import on_torchneuron_route
 from vllm_neuron.upstream.vllm_runner import kv_cache_scales
 
 
@@ -150,7 +152,9 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
         self.fp8 = kv_cache_dtype in fp8.FP8_KV_CACHE_DTYPES
         self.sliding_window = sliding_window
         self.soft_cap = logits_soft_cap or None
-        self.kernels = kernels.select(envs.VLLM_NEURON_ATTENTION_KERNELS)
+        self.kernels = kernels.select(
+            envs.VLLM_NEURON_ATTENTION_KERNELS, on_torchneuron_route(get_current_vllm_config_or_none())
+        )
 
     def forward(
         self,

@@ -5,9 +5,13 @@ Each op's implementation is its reference, the plain torch of kv_cache/ops.py; i
 implementation follows from the shapes alone: the write returns nothing (the cache is its mutated argument),
 an attention returns a tensor of its query's shape and dtype. `VLLM_NEURON_ATTENTION_KERNELS` picks the
 implementation when a layer is built: `torch` (the references) or `nki`, refused by `refusal` while no NKI
-kernel is bound to these ops. The compile backends that lower or run a graph as a whole get the references
-traced in place of the ops (inline_references), so their graphs are the ones the direct calls gave
-(docs/lowering.md, "The kernel seam").
+kernel is bound to these ops.
+
+A graph on TorchNeuron's route (the `neuron` backend and its CPU rehearsals) calls the references directly
+under `torch`: dynamo then traces the write as the in-place calls (`view`, `index_copy_`) that TorchNeuron's
+aliasing analysis reads before AOTAutograd, so the NEFF keeps each cache in place. An op left in that graph
+would have to be lowered by TorchNeuron itself (an NKI kernel's op; its schema declares the cache it writes).
+Other backends (eager, inductor) call the ops (docs/lowering.md, "The kernel seam").
 """
 
 import importlib.util
@@ -90,13 +94,6 @@ write_kv = _define("write_kv", ops.write_kv, _nothing, mutates=("kv_cache",))
 table_attention = _define("table_attention", _table_attention, _like_query)
 page_attention = _define("page_attention", _page_attention, _like_query)
 
-# Each op and the plain torch it stands for.
-REFERENCES: dict[Callable, Callable] = {
-    write_kv: ops.write_kv,
-    table_attention: ops.table_attention,
-    page_attention: _page_attention,
-}
-
 
 @dataclass(frozen=True)
 class Kernels:
@@ -120,22 +117,15 @@ def refusal(implementation: str) -> str | None:
     return f"VLLM_NEURON_ATTENTION_KERNELS={implementation!r}: use one of {', '.join(IMPLEMENTATIONS)}"
 
 
-def select(implementation: str) -> Kernels:
-    """The ops a layer calls under `implementation`; raises ValueError with refusal's message."""
+# The plain torch each op stands for.
+REFERENCES = Kernels(ops.write_kv, ops.table_attention, _page_attention)
+
+
+def select(implementation: str, torchneuron_route: bool) -> Kernels:
+    """What a layer calls under `implementation`: the references themselves on TorchNeuron's route
+    (`torchneuron_route`, see the module docstring), the ops elsewhere; raises ValueError with refusal's
+    message."""
     message = refusal(implementation)
     if message is not None:
         raise ValueError(message)
-    return Kernels(write_kv, table_attention, page_attention)
-
-
-def inline_references(graph_module: torch.fx.GraphModule) -> bool:
-    """Replace each neuron_kv op in a dynamo graph by its reference, which the backend then traces as if
-    called directly (the write's in-place index_copy_ included). Returns whether anything changed."""
-    changed = False
-    for node in graph_module.graph.nodes:
-        if node.op == "call_function" and node.target in REFERENCES:
-            node.target = REFERENCES[node.target]
-            changed = True
-    if changed:
-        graph_module.recompile()
-    return changed
+    return REFERENCES if torchneuron_route else Kernels(write_kv, table_attention, page_attention)

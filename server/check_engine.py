@@ -14,7 +14,7 @@ import torch
 from server.check_report import Verdict
 from vllm_neuron.buckets import ceil_div
 from vllm_neuron.compiler.compile import NeuronCompileError
-from vllm_neuron.compiler.stablehlo import LoweringError
+from vllm_neuron.compiler.stablehlo import LoweringError, RuleError
 from vllm_neuron.planning.capacity import AdapterSlots, ModelFigures
 from vllm_neuron.upstream import torch_compile
 
@@ -205,12 +205,18 @@ def _decoder_layers(model: torch.nn.Module, layers: int) -> tuple[str, int]:
 
 
 def verdict_of(error: BaseException) -> Verdict:
-    """Why the engine did not start: a graph that does not lower (op, source line, call), a graph break, a
-    graph TorchNeuron would refuse, a refused configuration, or anything else by its type and message."""
+    """Why the engine did not start: a graph that does not lower (op, source line, call), one that breaks a
+    rule of neuronx-cc's (the first it breaks), a graph break, a graph TorchNeuron would refuse, a refused
+    configuration, or anything else by its type and message."""
     chain = [error]
     while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
         chain.append(chain[-1].__cause__ or chain[-1].__context__)
     lowering = next((err for err in chain if isinstance(err, LoweringError)), None)
+    if isinstance(lowering, RuleError):
+        broken = str(lowering).splitlines()[1].strip().split(": ", 1)[1]  # the first rule it breaks
+        return Verdict(
+            "breaks a trn2 rule", broken, call=lowering.call, op=lowering.op, source=lowering.source
+        )
     if lowering is not None:
         reason = f"op {lowering.op} from {lowering.source}" if lowering.op else _first_line(lowering)
         return Verdict("does not lower", reason, call=lowering.call, op=lowering.op, source=lowering.source)

@@ -24,7 +24,8 @@ SERVES = "serves"
 
 @dataclass(frozen=True)
 class Verdict:
-    status: str  # serves, refused, does not lower, graph break, does not fit, failed
+    # serves, refused, does not lower, breaks a trn2 rule, graph break, does not fit, failed
+    status: str
     reason: str = ""
     call: str = ""  # the call (phase and bucket) whose graph failed
     op: str = ""

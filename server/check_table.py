@@ -70,6 +70,7 @@ def _graphs(report: Report) -> list[str]:
             f"  StableHLO ops per graph of {layers}: {min(ops)}-{max(ops)}; largest intermediate{kernel} "
             f"{largest['dtype']} {largest['shape']} ({largest['bytes'] / 2**20:.1f} MiB)"
         )
+        lines += _rules(lowering.graphs)
         lines += _compiled(lowering.graphs, layers)
     if report.reserve is not None:
         lines.append(f"  graph reserve per rank: {report.reserve.describe()}")
@@ -84,6 +85,15 @@ def _graphs(report: Report) -> list[str]:
     if report.suggested_buckets is not None:
         lines += _fewer_graphs(report.suggested_buckets, report)
     return lines
+
+
+def _rules(graphs: list[dict[str, object]]) -> list[str]:
+    """neuronx-cc's written rules on each graph (vllm_neuron/compiler/neuronx_cc_rules.py): a graph that broke
+    one it refuses for failed the check before this; what is left are the warnings."""
+    checked = graphs[0]["neuronx_cc_rules"]["checked"]
+    warned = [(graph["call"], note) for graph in graphs for note in graph["neuronx_cc_rules"]["broken"]]
+    lines = [f"  neuronx-cc's rules: {checked} checked on every graph, {len(warned)} warnings"]
+    return lines + [f"    {call}: {note}" for call, note in warned[:3]]
 
 
 def _compiled(graphs: list[dict[str, object]], layers: str) -> list[str]:

@@ -53,6 +53,18 @@ def compile_cache_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def neuron_cc_flags_restored():
+    """An FP8 engine's configuration adds neuronx-cc's FP8 option to NEURON_CC_FLAGS, process-wide as on a
+    trn2 (vllm_neuron/device.py): undone after each test, so that no later engine or compile key sees it."""
+    saved = os.environ.get("NEURON_CC_FLAGS")
+    yield
+    if saved is None:
+        os.environ.pop("NEURON_CC_FLAGS", None)
+    else:
+        os.environ["NEURON_CC_FLAGS"] = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")

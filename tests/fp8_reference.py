@@ -11,6 +11,7 @@ def dequantized_weights(worker) -> dict[str, torch.Tensor]:
     """Run in the worker: each FP8 linear layer's weight as the kernel computes with it (W8 x scale), float32
     [out, in], by vLLM module name, and its static activation scale where it has one (NAME.input_scale); with
     an FP8 KV cache, each attention layer's key and value scales (NAME.k_scale, NAME.v_scale)."""
+    from vllm_neuron.quantization.fp8 import dequantized_weight
     from vllm_neuron.upstream.vllm_runner import kv_cache_scales
 
     weights = {}
@@ -21,10 +22,9 @@ def dequantized_weights(worker) -> dict[str, torch.Tensor]:
                 k_scale.float().clone(),
                 v_scale.float().clone(),
             )
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn:
-            # [in, out] x ([1] or [1, out]): the kernel's layout (vllm_neuron/quantization/fp8.py)
-            weights[name] = (weight.float() * module.weight_scale.float()).t().contiguous()
+        weight = dequantized_weight(module)  # [in, out]: the kernel's layout
+        if weight is not None:
+            weights[name] = weight.t().contiguous()
             if getattr(module, "input_scale", None) is not None:
                 weights[f"{name}.input_scale"] = module.input_scale.detach().float().clone()
     return weights

@@ -66,6 +66,7 @@ def test_a_supported_model_serves_with_every_figure(three_layer_llama):
     assert lowering["graphs_lowered"] == len(lowering["graphs"]) == plan["graphs"]["total"]
     assert (lowering["layers_checked"], lowering["layers"], lowering["weights"]) == (2, 3, "random")
     assert all(graph["stablehlo_ops"] > 0 and graph["aliased_inputs"] for graph in lowering["graphs"])
+    assert all(graph["neuronx_cc_rules"]["broken"] == [] for graph in lowering["graphs"])
     low, high = capacity.COMPILE_SECONDS_PER_LAYER
     sampler_low, sampler_high = capacity.SAMPLER_COMPILE_SECONDS
     estimate = report["compile_estimate"]
@@ -200,7 +201,12 @@ def test_the_table_shows_verdict_graphs_capacity_and_cost(monkeypatch):
     limits = dict(max_model_len=8192, max_num_seqs=32, max_num_batched_tokens=2048, block_size=32)
     neuron = NeuronConfig.resolve({}, limits)
     plan = Plan(8192, 32, 2048, 4, neuron)
-    graph = {"stablehlo_ops": 500, "largest_tensor": {"shape": [2, 3], "dtype": "bfloat16", "bytes": 12}}
+    graph = {
+        "call": "decode of 1 request: batch 1 x context 8192",
+        "stablehlo_ops": 500,
+        "largest_tensor": {"shape": [2, 3], "dtype": "bfloat16", "bytes": 12},
+        "neuronx_cc_rules": {"checked": 16, "broken": ["warns: variadic reduce (...): stablehlo.reduce"]},
+    }
     report = Report(
         model="Llama-3.1-8B",
         dtype="bfloat16",
@@ -215,6 +221,9 @@ def test_the_table_shows_verdict_graphs_capacity_and_cost(monkeypatch):
     assert report.suggested_tp == 8 and report.exit_code == 0
     assert "lowers and fits at --tensor-parallel-size 4 (exit code 0)" in text and "only a trn2 tells" in text
     assert f"-> {neuron.buckets.num_graphs} graphs" in text
+    warnings = neuron.buckets.num_graphs
+    assert f"neuronx-cc's rules: 16 checked on every graph, {warnings} warnings" in text
+    assert "    decode of 1 request: batch 1 x context 8192: warns: variadic reduce" in text
     assert "| 4 | 1 | 3.74 GiB | 32 KiB | 235,929 | 28 |" in text  # docs/performance.md's row
     assert "suggested: --tensor-parallel-size 8" in text
     assert "DECODE THROUGHPUT AND COST AT TP 8" in text and "$35.76/h" in text

@@ -1,7 +1,8 @@
 """The kernel seam (kv_cache/kernels.py): the neuron_kv ops equal their torch references, their fakes agree
-with them, the lowered graph of a layer that calls them is the graph the direct calls gave (the KV write one
-aliased scatter), inductor keeps the ops and equals the direct calls, and `nki` is refused by name while no
-NKI kernel is bound; on a trn2, the selected kernels against the references and naive attention."""
+with them, a layer on TorchNeuron's route calls the references and TorchNeuron's aliasing analysis finds its
+cache written (one aliased scatter), inductor keeps the ops and equals the direct calls, and `nki` is refused
+by name while no NKI kernel is bound; on a trn2, the selected kernels against the references and naive
+attention."""
 
 from types import SimpleNamespace
 
@@ -86,13 +87,14 @@ class Layer(torch.nn.Module):
         return table, paged
 
 
-DIRECT = kernels.Kernels(ops.write_kv, ops.table_attention, kernels.REFERENCES[kernels.page_attention])
+DIRECT = kernels.REFERENCES
+OPS = kernels.select("torch", torchneuron_route=False)
 
 
 @pytest.mark.parametrize("soft_cap", [None, 30.0])
 def test_the_ops_equal_their_references(soft_cap):
     expected = Layer(DIRECT, soft_cap)
-    got = Layer(kernels.select("torch"), soft_cap)
+    got = Layer(OPS, soft_cap)
     for left, right in zip(got(**inputs()), expected(**inputs()), strict=True):
         assert torch.equal(left, right)
     assert torch.equal(got.kv_cache, expected.kv_cache)
@@ -125,24 +127,31 @@ def test_the_ops_fakes_and_schemas_pass_opcheck():
     )
 
 
-def lowered(calls: kernels.Kernels) -> tuple[str, tuple[torch.Tensor, ...], torch.Tensor]:
+def test_on_torchneuron_s_route_the_cache_write_is_seen_and_aliased():
+    """The references, called directly, leave dynamo's graph the in-place calls TorchNeuron's analysis reads
+    before AOTAutograd: the cache is aliased in the module, written by one scatter, and equal to the ops'."""
+    calls = kernels.select("torch", torchneuron_route=True)
+    assert calls is DIRECT
     recorder = CompileRecorder("stablehlo")
-    layer = Layer(calls)
+    layer, expected = Layer(calls), Layer(OPS)
     out = torch.compile(layer, backend=recorder, fullgraph=True, dynamic=False)(**inputs())
     (graph,) = recorder.lowering.graphs
-    return graph.stablehlo, out, layer.kv_cache
-
-
-def test_the_lowered_graph_is_the_one_the_direct_calls_gave():
-    direct_text, direct_out, direct_cache = lowered(DIRECT)
-    text, out, cache = lowered(kernels.select("torch"))
-    assert text == direct_text
-    (write,) = hlo_text.cache_writes(text)
-    assert write.problems == []
-    assert len(write.scatters) == 1
-    for left, right in zip(out, direct_out, strict=True):
+    cache_input = next(alias.parameter for alias in graph.written)
+    assert [alias.parameter for alias in graph.aliases] == [cache_input]
+    (write,) = hlo_text.cache_writes(graph.stablehlo)
+    assert write.problems == [] and len(write.scatters) == 1
+    for left, right in zip(out, expected(**inputs()), strict=True):
         torch.testing.assert_close(left, right)
-    assert torch.equal(cache, direct_cache)
+    assert torch.equal(layer.kv_cache, expected.kv_cache)
+
+
+def test_the_write_op_itself_is_seen_by_its_schema():
+    """An op left in dynamo's graph (an NKI kernel's, one day) is read by its schema: `Tensor(a!) kv_cache`
+    marks the cache written, which TorchNeuron's analysis takes as an in-place write."""
+    from vllm_neuron.compiler import aliasing
+
+    gm = torch.fx.symbolic_trace(lambda cache, key, value, slots: kernels.write_kv(cache, key, value, slots))
+    assert aliasing.analyse(gm) == [aliasing.Alias(parameter=0, output=0)]
 
 
 def test_nki_is_refused_by_name_with_what_to_change():
@@ -150,7 +159,7 @@ def test_nki_is_refused_by_name_with_what_to_change():
     assert "VLLM_NEURON_ATTENTION_KERNELS=nki" in message
     assert "set VLLM_NEURON_ATTENTION_KERNELS=torch" in message
     with pytest.raises(ValueError, match="no NKI kernel is bound"):
-        kernels.select("nki")
+        kernels.select("nki", torchneuron_route=True)
     assert kernels.refusal("torch") is None
 
 
@@ -168,7 +177,7 @@ def test_inductor_keeps_the_ops_and_equals_the_direct_calls(tmp_path, monkeypatc
     """Inductor compiles in other processes, which find the ops by name (vllm_neuron/compiler/compile_pool.py)
     and run their references as extern calls: the outputs and the cache are bit for bit the direct calls'."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    layer, expected = Layer(kernels.select("torch")), Layer(DIRECT)
+    layer, expected = Layer(OPS), Layer(DIRECT)
     compiled, recorder = compile_static(layer, "inductor", expected_graphs=1, compile_workers=1)
     try:
         with torch.no_grad():
@@ -204,7 +213,7 @@ def naive(args: dict[str, torch.Tensor], cache: torch.Tensor) -> tuple[torch.Ten
 
 
 def test_the_references_equal_naive_attention():
-    layer = Layer(kernels.select("torch"))
+    layer = Layer(OPS)
     table, paged = layer(**inputs())
     expected_table, expected_paged = naive(inputs(), layer.kv_cache)
     torch.testing.assert_close(table, expected_table)
@@ -219,9 +228,9 @@ def test_the_selected_kernels_on_neuron_equal_the_reference_and_naive_attention(
     from vllm_neuron import envs
 
     args = {name: value.to(dtype) if value.is_floating_point() else value for name, value in inputs().items()}
-    reference = Layer(kernels.select("torch")).to(dtype)
+    reference = Layer(DIRECT).to(dtype)
     expected = reference(**args)
-    device = Layer(kernels.select(envs.VLLM_NEURON_ATTENTION_KERNELS)).to(dtype).to("neuron")
+    device = Layer(kernels.select(envs.VLLM_NEURON_ATTENTION_KERNELS, False)).to(dtype).to("neuron")
     got = device(**{name: value.to("neuron") for name, value in args.items()})
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(device.kv_cache.cpu(), reference.kv_cache)

@@ -18,7 +18,7 @@ from tests.environment import TEST_ENVIRONMENT
 from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
 from tests.test_speculative import SPECULATIVE, copy_friendly_prompt
 from vllm_neuron import device
-from vllm_neuron.compiler import compile_cache
+from vllm_neuron.compiler import compile_cache, hlo_text, neuronx_cc_rules
 from vllm_neuron.platform import NeuronPlatform
 from worker.neuron_worker import NeuronWorker
 
@@ -264,6 +264,18 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
     assert len(cpu_mode) == EXPECTED_GRAPHS
     for index, (neuron_text, cpu_text) in enumerate(zip(neuron_mode, cpu_mode, strict=True)):
         assert neuron_text == cpu_text, f"graph {index} differs between Neuron mode and CPU mode"
+    assert_every_written_input_aliased_and_the_rules_hold(facts["compiles"])
+
+
+def assert_every_written_input_aliased_and_the_rules_hold(compiles: list[dict]) -> None:
+    """What the fake TorchNeuron compiled, as its source would: every input its executor binds in place (each
+    KV cache, the token slots) is in the NEFF's mhlo.input_output_alias from its analysis of dynamo's graph,
+    and neuronx-cc's rules hold on each NEFF."""
+    for graph in compiles:
+        text = Path(graph["neff"]).read_text()
+        written = graph["mutated_inputs"]
+        assert len(written) >= 2 and sorted(hlo_text.parse(text).aliases) == sorted(written), graph
+        assert neuronx_cc_rules.check(text, written) == [], graph
 
 
 @pytest.mark.slow
@@ -341,6 +353,7 @@ def test_tensor_parallel_ranks_start_in_the_order_the_runtime_needs(tiny_model_d
         assert all(graph["fallback_disabled"] for graph in fact["compiles"])
         assert fact["eager_compiles"] == []  # rule (f), through serving, logprobs, sleep and wake-up
         assert sum(fact["to_device"].values()) == sum(fact["graph_runs"].values())  # rule (i)
+        assert_every_written_input_aliased_and_the_rules_hold(fact["compiles"])
         # Each rank's NEFFs in its own folder of the compile cache (its shard's graphs).
         folder = Path(fact["neff_cache_dir_at_start"]).parent
         assert folder.parent == cache_root and compile_cache.is_warm(folder)

@@ -171,6 +171,15 @@ class NeuronConfig:
         }
 
 
+def on_torchneuron_route(vllm_config: "VllmConfig | None") -> bool:
+    """Whether the engine of `vllm_config` compiles along TorchNeuron's route (device.TORCHNEURON_ROUTE);
+    False without one, or for one the platform did not resolve (a layer built alone)."""
+    settings = vllm_config.additional_config if vllm_config is not None else None
+    if not isinstance(settings, ResolvedSettings):
+        return False
+    return settings.neuron_config.compile_backend in neuron_device.TORCHNEURON_ROUTE
+
+
 class ResolvedSettings(dict):
     """A VllmConfig's `additional_config` once the platform resolved it: the resolved settings as keys
     (`NeuronConfig.as_additional_config`), and `neuron_config`, the resolved NeuronConfig itself. A plain

@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from vllm_neuron import envs
+from vllm_neuron import envs, trn2
 from vllm_neuron.upstream import torch_compile
 
 logger = logging.getLogger("vllm.vllm_neuron")
@@ -166,6 +166,26 @@ def set_compiler_defaults() -> None:
             os.environ.setdefault(name, value)
 
 
+def pass_fp8_compiler_option() -> None:
+    """FP8 weights or an FP8 KV cache: neuronx-cc's option that takes float8_e4m3fn on trn2
+    (trn2.FP8_COMPILER_OPTION) added to NEURON_CC_FLAGS, the user's own flags kept. In CPU mode too: the
+    rehearsal's rulebook reads the flags a compile would get. Set before anything compiles, and before the
+    compile cache's key, which holds the flags; the engine's processes inherit it. Raises ValueError where
+    the user's flags hold another --internal-hlo2tensorizer-options: TorchNeuron splits the flags on
+    whitespace, so the two cannot be one option, and neuronx-cc would keep only one of them."""
+    flags = os.environ.get("NEURON_CC_FLAGS", "").split()
+    name = trn2.FP8_COMPILER_OPTION.split("=", 1)[0]
+    others = [flag for flag in flags if flag.startswith(f"{name}=") and flag != trn2.FP8_COMPILER_OPTION]
+    if others:
+        raise ValueError(
+            f"NEURON_CC_FLAGS holds {others[0]}, and FP8 needs {trn2.FP8_COMPILER_OPTION}: TorchNeuron "
+            f"passes each whitespace-separated flag on its own, so neuronx-cc would take only one {name}. "
+            "Remove yours, or serve without FP8 weights and an FP8 KV cache"
+        )
+    if trn2.FP8_COMPILER_OPTION not in flags:
+        os.environ["NEURON_CC_FLAGS"] = " ".join([*flags, trn2.FP8_COMPILER_OPTION])
+
+
 def disable_fallback_execution() -> None:
     """Neuron mode: a graph whose NEFF fails to compile or run raises, instead of running on the host
     (TorchNeuron's default, silent and slow). Set before anything compiles."""
@@ -177,6 +197,8 @@ def disable_fallback_execution() -> None:
 # runs there), the same route with XLA compiling and running the StableHLO, the route without running the
 # graphs (`vllm-neuron check`), and no compile.
 PLUGIN_BACKENDS = ("stablehlo", "xla", "lower-only", "none")
+# The backends whose graphs take TorchNeuron's route: its own, and the rehearsals of it on a CPU.
+TORCHNEURON_ROUTE = ("neuron", "stablehlo", "xla", "lower-only")
 
 
 def compile_backend() -> str:

@@ -182,6 +182,7 @@ class NeuronPlatform(Platform):
         if model_config is None:
             return
         from kv_cache import kernels
+        from kv_cache.fp8 import FP8_KV_CACHE_DTYPES
 
         if (message := kernels.refusal(envs.VLLM_NEURON_ATTENTION_KERNELS)) is not None:
             raise UnsupportedConfigError(f"Neuron plugin: {message}")
@@ -195,6 +196,12 @@ class NeuronPlatform(Platform):
         cache_config = vllm_config.cache_config
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
+        # Every quantization the platform serves is FP8 (supported_quantization).
+        if model_config.quantization is not None or cache_config.cache_dtype in FP8_KV_CACHE_DTYPES:
+            try:
+                neuron_device.pass_fp8_compiler_option()
+            except ValueError as err:
+                raise UnsupportedConfigError(f"Neuron plugin: {err}") from None
 
         from vllm.config import CompilationMode, CUDAGraphMode
 

@@ -20,13 +20,16 @@ exactly from the distribution (worker/speculation.py).
 The random draw is one uniform number per row, made on the host (from a seeded request's own generator),
 used by an inverse CDF over the whole vocabulary: chunk sums, a cumulative sum over chunks, then one within
 the chosen chunk. Every op is static-shaped and elementwise, a reduction, a top-k or a small cumulative sum:
-no per-vocabulary random numbers and no sort of the vocabulary.
+no per-vocabulary random numbers, and no top-k (a sort and a slice, as torch-mlir lowers it) wider than
+neuronx-cc sorts (`staged_top_k`).
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from vllm_neuron import trn2
 
 TOP_K_CAP = 256  # candidates the graph sorts (AWS's Neuron sampler caps top-k at 256 too)
 LOGPROBS_CAP = 20  # logprobs per token the graph returns (vLLM's default --max-logprobs)
@@ -71,7 +74,7 @@ def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_C
     greedy = temperature < GREEDY_BELOW
 
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-    top_values, top_ids = torch.topk(scaled, candidates, dim=-1)  # sorted, largest first
+    top_values, top_ids = staged_top_k(scaled, candidates)  # sorted, largest first
     largest = top_values[:, :1]
     no_limit = torch.full_like(temperature, float("-inf"))
 
@@ -103,7 +106,7 @@ def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_C
     is_draft = torch.arange(vocab, device=logits.device).unsqueeze(0) == draft.unsqueeze(1)
     draft_probs = torch.where(is_draft, kept, 0.0).sum(-1) / kept.sum(-1)
     sampled = _inverse_cdf(torch.where(is_draft, 0.0, kept), uniform)
-    token_ids = torch.where(greedy, logits.argmax(-1), sampled)
+    token_ids = torch.where(greedy, greedy_tokens(logits), sampled)
     token_ids = torch.where(overflow, NO_TOKEN, token_ids)
 
     # Raw logprobs (vLLM's default logprobs mode): of the sampled token, then of the largest ones.
@@ -117,6 +120,40 @@ def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_C
         ranks=(raw >= chosen).sum(-1).to(torch.int32),
         draft_probs=draft_probs,
     )
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension (the first index of the largest) as a max, a compare and a min: no
+    reduce of a value and its index together, which neuronx-cc compiles for minutes over a vocabulary
+    (aws-neuron-sdk#1210; docs/research/issue-52-neuronx-cc-rules.md). A row of NaN gives the last index."""
+    width = logits.shape[-1]
+    index = torch.arange(width, device=logits.device)
+    first = torch.where(logits == logits.amax(-1, keepdim=True), index, width).amin(-1)
+    return torch.where(first < width, first, width - 1)
+
+
+def staged_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk of each row of x [rows, width], its largest first, in stages no wider than neuronx-cc
+    sorts (trn2.SORT_LIMIT): the row in chunks of at most that width, the top k of each, then the top k of
+    the chunks' winners. The winners keep the chunks' order, so where every top-k puts the lower index first
+    on equal values (XLA's and a one-stage top-k alike), so does this. Chunks are as even as the width allows,
+    the last one shorter: no padding, whose indices could otherwise be picked in a row of -inf."""
+    rows, width = x.shape
+    if width <= trn2.SORT_LIMIT:
+        return torch.topk(x, k, dim=-1)
+    size = -(-width // -(-width // trn2.SORT_LIMIT))
+    whole = width // size
+    parts = [(x[:, : whole * size].reshape(rows, whole, size), 0)]
+    if whole * size < width:
+        parts.append((x[:, whole * size :].unsqueeze(1), whole * size))
+    values, ids = [], []
+    for chunks, start in parts:
+        chunk_values, chunk_ids = torch.topk(chunks, min(k, chunks.shape[-1]), dim=-1)
+        offsets = torch.arange(chunks.shape[1], device=x.device).view(1, -1, 1) * size + start
+        values.append(chunk_values.reshape(rows, -1))
+        ids.append((chunk_ids + offsets).reshape(rows, -1))
+    best, picked = staged_top_k(torch.cat(values, dim=1), k)
+    return best, torch.cat(ids, dim=1).gather(1, picked)
 
 
 def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

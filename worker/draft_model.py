@@ -21,6 +21,7 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron.calls import Call, plan_step
+from vllm_neuron.sampling import greedy_tokens
 from vllm_neuron.upstream import vllm_runner
 from vllm_neuron.upstream.vllm_runner import override_forward_context
 from worker.call_inputs import CallInputs, Chunk
@@ -57,7 +58,7 @@ class DraftForward(torch.nn.Module):
         with override_forward_context(forward_context):
             hidden = self.model(input_ids=input_ids, positions=positions)
             logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
 
 
 def propose(

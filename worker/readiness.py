@@ -256,14 +256,18 @@ def _log_lowered(graphs: list[dict[str, object]]) -> None:
     compiled)."""
     for graph in graphs:
         largest = graph["largest_tensor"]
+        rules = graph["neuronx_cc_rules"]
         logger.info(
-            "Lowered %s to StableHLO in %.2f s: %d ops, largest intermediate %s %s (%.1f MiB)",
+            "Lowered %s to StableHLO in %.2f s: %d ops, largest intermediate %s %s (%.1f MiB); "
+            "neuronx-cc's rules: %d checked, %s",
             graph["call"],
             graph["lowering_seconds"],
             graph["stablehlo_ops"],
             largest["dtype"],
             largest["shape"],
             largest["bytes"] / 2**20,
+            rules["checked"],
+            "all hold" if not rules["broken"] else "; ".join(rules["broken"]),
         )
         if "flops" in graph:
             logger.info(

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from kv_cache import kernels
 from vllm_neuron.calls import Call
 from vllm_neuron.compiler.compile_pool import OutOfProcessInductor
 from vllm_neuron.upstream import torch_compile
@@ -109,11 +108,6 @@ class CompileRecorder:
             self.compile_pool.close()
 
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        if self.backend_name != "inductor":
-            # The backend compiles the neuron_kv ops' torch references: the graph the direct calls gave.
-            # Inductor runs the ops' kernels instead: its compile processes unpickle graphs by op name, and
-            # a reference is a plain function (kv_cache/kernels.py).
-            kernels.inline_references(graph_module)
         check_neuron_constraints(graph_module, example_inputs)
         shapes = tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
         if self.armed and not getattr(self._thread, "expected", False):

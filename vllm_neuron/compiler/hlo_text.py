@@ -12,11 +12,19 @@ import math
 import re
 from dataclasses import dataclass, field
 
-_TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)>")
+from vllm_neuron.compiler.torch_mlir_import import short_path
+
+_TENSOR = re.compile(r"tensor<((?:\d+x|\?x)*)(complex<\w+>|\w+)>")
 _DEFINITION = re.compile(r'^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*"?([\w.]+)"?(.*)$')
 _VALUE = re.compile(r"%[\w.$-]+")
-_ARGUMENT = re.compile(r"(%arg\d+): tensor<((?:\d+x)*)(\w+)>")
-_ALIAS = re.compile(r"parameter_number = (\d+) : i64\}, output_index = array<i64: (\d+)>")
+_ARGUMENT = re.compile(r"(%arg\d+): tensor<((?:\d+x|\?x)*)(complex<\w+>|\w+)>")
+_ALIAS = re.compile(r"parameter_number = (\d+) : s?i64\}, output_index = array<i64(?:: (\d+))?>")
+# Locations, where the module was printed with them (`get_asm(enable_debug_info=True)`).
+_LOC_USE = re.compile(r"\s*loc\((#loc\d*|\"[^\"]*\":\d+:\d+)\)\s*$")
+_LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)$", re.M)
+_FILE_LOC = re.compile(r"\"([^\"]+)\":(\d+):\d+")
+
+Type = tuple[tuple[int, ...], str]  # shape (-1: a dynamic dimension) and element type
 
 
 @dataclass
@@ -27,6 +35,11 @@ class Op:
     operands: list[str]
     shape: tuple[int, ...]
     dtype: str = ""  # element type as StableHLO spells it (f32, bf16, i64, i1, ...)
+    attributes: str = ""  # the text between the op's name and its types (operands and attributes)
+    operand_types: list[Type] = field(default_factory=list)
+    result_types: list[Type] = field(default_factory=list)
+    body: list[str] = field(default_factory=list)  # the text of its region's ops (a sort's comparator)
+    location: str = ""  # "file:line" of the code that made it, where the text has locations
 
     @property
     def numel(self) -> int:
@@ -41,6 +54,8 @@ class Module:
     ops: list[Op]
     returned: list[str]
     aliases: dict[int, int]  # parameter number -> output index
+    argument_types: list[Type] = field(default_factory=list)
+    output_types: list[Type] = field(default_factory=list)
     by_result: dict[str, Op] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -51,23 +66,40 @@ class Module:
 
 
 def _shape(dims: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in dims.split("x") if d)
+    return tuple(-1 if d == "?" else int(d) for d in dims.split("x") if d)
+
+
+def types(text: str) -> list[Type]:
+    return [(_shape(dims), dtype) for dims, dtype in _TENSOR.findall(text)]
 
 
 def parse(text: str) -> Module:
     lines = text.splitlines()
+    locations = {
+        name: f"{short_path(found.group(1))}:{found.group(2)}"
+        for name, body in _LOC_DEF.findall(text)
+        if (found := _FILE_LOC.search(body)) is not None
+    }
     header = next(line for line in lines if "func.func @" in line)
-    arguments = {name: _shape(dims) for name, dims, _ in _ARGUMENT.findall(header.split(") -> ")[0])}
-    aliases = {int(p): int(o) for p, o in _ALIAS.findall(text)}
+    signature, _, results = header.partition(") -> ")
+    arguments = {name: _shape(dims) for name, dims, _ in _ARGUMENT.findall(signature)}
+    aliases = {int(p): int(o or 0) for p, o in _ALIAS.findall(text)}
     ops: list[Op] = []
     returned: list[str] = []
-    pending: tuple[str, str, list[str]] | None = None  # an op whose region is still open
+    # An op whose region is open: its types follow the region (`"stablehlo.sort"(...) ({ ... }) : types`), or
+    # came before it (`stablehlo.reduce(...) : types` then `reducer(...) { ... }`).
+    pending: Op | None = None
+    types_after = False
     depth = 0
-    for line in lines:
+    for line in lines[lines.index(header) + 1 :]:
+        opens = line.count("{") - line.count("}")
         if pending is not None:
-            depth += line.count("({") - line.count("})")
-            if depth == 0:
-                ops.append(Op(len(ops), *pending, *_result_type(line)))
+            depth += opens
+            if depth > 0:
+                pending.body.append(line.strip())
+            elif types_after:
+                _finish(pending, line[line.rfind("})") + 2 :], locations)
+            if depth <= 0:
                 pending = None
             continue
         stripped = line.strip()
@@ -76,21 +108,38 @@ def parse(text: str) -> Module:
             continue
         found = _DEFINITION.match(line)
         if found is None:
+            if opens > 0 and ops:  # a region of the op before
+                pending, types_after, depth = ops[-1], False, opens
             continue
         result, name, rest = found.groups()
-        operands = _VALUE.findall(rest.split("({")[0].split(" : ")[0])
-        if "({" in rest:
-            pending, depth = (result, name, operands), rest.count("({") - rest.count("})")
+        head = rest.split("({")[0]
+        operands = _VALUE.findall(head.split(" : ")[0])
+        op = Op(len(ops), result, name, operands, (), attributes=head)
+        ops.append(op)
+        if "({" in rest:  # the types follow the region
+            pending, types_after, depth = op, True, opens
             continue
-        ops.append(Op(len(ops), result, name, operands, *_result_type(line)))
-    return Module(arguments, ops, returned, aliases)
+        op.attributes = head.rsplit(" : ", 1)[0]
+        _finish(op, rest, locations)
+    return Module(arguments, ops, returned, aliases, types(signature), types(results.split(" {")[0]))
 
 
-def _result_type(line: str) -> tuple[tuple[int, ...], str]:
-    """The shape and element type of an op's (last) result."""
-    signature = line.rsplit("->", 1)[-1] if "->" in line else line.rsplit(":", 1)[-1]
-    found = _TENSOR.findall(signature)
-    return (_shape(found[-1][0]), found[-1][1]) if found else ((), "")
+def _finish(op: Op, text: str, locations: dict[str, str]) -> None:
+    """An op's types and location, from the text after its operands (or after its region)."""
+    location = _LOC_USE.search(text)
+    if location is not None:
+        key = location.group(1)
+        in_place = _FILE_LOC.search(key)
+        op.location = (
+            f"{short_path(in_place.group(1))}:{in_place.group(2)}" if in_place else locations.get(key, "")
+        )
+        text = text[: location.start()]
+    signature = text.rsplit(" : ", 1)[-1] if " : " in text else text
+    before, arrow, after = signature.partition("->")
+    op.operand_types = types(before) if arrow else []
+    op.result_types = types(after) if arrow else types(before)
+    if op.result_types:
+        op.shape, op.dtype = op.result_types[-1]
 
 
 _VIEWS = {"stablehlo.reshape", "stablehlo.bitcast_convert"}

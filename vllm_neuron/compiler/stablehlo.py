@@ -1,18 +1,22 @@
 """The `stablehlo` compile backend: TorchNeuron's route up to StableHLO, on a CPU, then the graph runs here.
 
-TorchNeuron's `neuron` backend (torch_neuronx.neuron_dynamo_backend) takes a dynamo graph through AOTAutograd
-with input mutations kept and its own decomposition table, turns the trailing `copy_` of each mutated input
-into an extra output aliased to that input (`mhlo.input_output_alias`, must_alias: the runtime passes the
-input's buffer as the output, no copy-back), imports the graph with torch-mlir's FX importer down to StableHLO
-and hands that to neuronx-cc. This backend walks the same route with the public torch-mlir wheel (and a
-clean-up to plain StableHLO, vllm_neuron/compiler/plain_stablehlo.py), so "every graph lowers" is a fact CPU
-mode can check. Then, by backend: `stablehlo` runs the functional FX graph that was lowered on the CPU, each
-aliased output stored back into its input as the runtime's aliasing would leave it; `xla` has XLA's CPU
-compiler compile the StableHLO itself and runs that program, the caches updated in place
+TorchNeuron's `neuron` backend (torch_neuronx/neuron_dynamo_backend/backend.py) runs, for each dynamo graph:
+its aliasing analysis of that graph (vllm_neuron/compiler/aliasing.py); AOTAutograd with input mutations kept
+and its decomposition table (vllm_neuron/compiler/decompositions.py); its post-AOTAutograd pass that turns
+each trailing `copy_` into a mutated input into an output placed first; torch-mlir's FX importer down to
+StableHLO; and the module attribute `mhlo.input_output_alias` from the analysis alone. The module it then
+hands neuronx-cc is `LoweredGraph.stablehlo` here, checked against neuronx-cc's written rules
+(vllm_neuron/compiler/neuronx_cc_rules.py). No rewrite of that module is made on this route.
+
+Then, by backend: `stablehlo` runs the functional FX graph that was lowered on the CPU, each mutated input
+stored back as TorchNeuron's executor binds it; `xla` has XLA's CPU compiler compile and run the module, after
+XLA's own preparation (`LoweredGraph.xla_stablehlo`: plain StableHLO, vllm_neuron/compiler/plain_stablehlo.py,
+and neuronx-cc's own sort-to-top-k rewrite, vllm_neuron/compiler/top_k.py), the caches updated in place
 (vllm_neuron/compiler/xla_graph.py); `lower-only` runs nothing (calls return zeros) and, where jaxlib is
 installed, has XLA compile each graph for its report.
 
-A graph that does not lower raises LoweringError naming the op and the source line that produced it.
+A graph that does not lower, or that breaks a rule of neuronx-cc's, raises LoweringError naming the op and the
+source line that produced it.
 """
 
 import collections
@@ -28,10 +32,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from vllm_neuron.calls import Call
-from vllm_neuron.compiler import graph_memory
+from vllm_neuron.compiler import aliasing, graph_memory, neuronx_cc_rules
+from vllm_neuron.compiler.aliasing import Alias
 from vllm_neuron.compiler.decompositions import FLASH_CALLS, decomposition_table
+from vllm_neuron.compiler.neuronx_cc_rules import Violation
 from vllm_neuron.compiler.plain_stablehlo import NotStableHLOError, make_plain
 from vllm_neuron.compiler.top_k import restore_top_k
+from vllm_neuron.compiler.torch_mlir_import import LoweringError, RuleError, import_stablehlo
 from vllm_neuron.compiler.xla_graph import CompiledGraph, compile_graph
 from vllm_neuron.upstream import torch_compile
 
@@ -43,33 +50,20 @@ aten = torch.ops.aten
 _VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
-class LoweringError(RuntimeError):
-    """A graph that TorchNeuron's route (torch-mlir to StableHLO) cannot lower. The message names the call,
-    the op and the source line; so do the attributes, for `vllm-neuron check`'s report."""
-
-    def __init__(self, message: str, *, call: str = "", op: str = "", source: str = "") -> None:
-        super().__init__(message)
-        self.call, self.op, self.source = call, op, source
-
-
-@dataclass(frozen=True)
-class Alias:
-    """Output `output` of the lowered function is input `parameter`'s buffer, updated in place."""
-
-    parameter: int
-    output: int
-
-
 @dataclass
 class LoweredGraph:
-    """What a Neuron engineer asks of a graph: how long it took to lower, its size, its largest tensor."""
+    """What a Neuron engineer asks of a graph: how long it took to lower, its size, its largest tensor, what
+    it updates in place, and which of neuronx-cc's rules it breaks."""
 
     label: str
     seconds: float
-    stablehlo: str
-    aliases: list[Alias]
+    stablehlo: str  # the module TorchNeuron hands neuronx-cc
+    aliases: list[Alias]  # its mhlo.input_output_alias (from TorchNeuron's analysis of the dynamo graph)
+    written: list[Alias]  # every input the graph writes, as TorchNeuron's executor binds it
     largest_tensor: tuple[tuple[int, ...], str]  # shape and dtype of the largest intermediate
     scratchpad_bytes: int  # peak of live intermediates (graph_memory.scratchpad_bytes)
+    xla_stablehlo: str = ""  # the module after XLA's preparation (what the `xla` backend compiles)
+    broken_rules: list[Violation] = field(default_factory=list)  # neuronx-cc's rules it breaks
     flash_attention: int = 0  # attentions TorchNeuron hands its flash kernel (decompositions.FLASH_CALLS)
     op_histogram: dict[str, int] = field(default_factory=dict)
     collectives: list[str] = field(default_factory=list)  # lowered by TorchNeuron's own pipeline
@@ -95,107 +89,14 @@ class LoweredGraph:
             "scratchpad_bytes": self.scratchpad_bytes,
             "flash_attention": self.flash_attention,
             "aliased_inputs": [alias.parameter for alias in self.aliases],
+            "written_inputs": [alias.parameter for alias in self.written],
+            "neuronx_cc_rules": {
+                "checked": len(neuronx_cc_rules.RULES),
+                "broken": [str(violation) for violation in self.broken_rules],
+            },
             "collectives": len(self.collectives),
             **(self.compiled.summary() if self.compiled is not None else {}),
         }
-
-
-def alias_mutated_inputs(gm: torch.fx.GraphModule) -> list[Alias]:
-    """TorchNeuron's functionalize-copy pass: each trailing `aten.copy_(input, value)` that AOTAutograd left
-    for a mutated input is removed and `value` becomes an extra output aliased to that input. Returns the
-    aliases; the graph is then stateless (what torch-mlir's stateless importer requires)."""
-    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-    output = next(node for node in gm.graph.nodes if node.op == "output")
-    results = list(output.args[0])
-    aliases: list[Alias] = []
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.copy_.default:
-            continue
-        target, value = node.args[0], node.args[1]
-        if target.op != "placeholder":
-            raise LoweringError(f"in-place copy into {target} (not a graph input): {_source_line(node)}")
-        node.replace_all_uses_with(value)
-        gm.graph.erase_node(node)
-        aliases.append(Alias(placeholders.index(target), len(results)))
-        results.append(value)
-    output.args = (tuple(results),)
-    gm.graph.lint()
-    gm.recompile()
-    return aliases
-
-
-_ALIAS_ENTRY = (
-    '{{alias = {{kind = "must_alias", parameter_index = array<i64>, parameter_number = {parameter} : i64}}, '
-    "output_index = array<i64: {output}>}}"
-)
-
-
-def alias_attribute(aliases: list[Alias]) -> str:
-    """The module attribute `mhlo.input_output_alias` as TorchNeuron writes it."""
-    entries = ", ".join(_ALIAS_ENTRY.format(parameter=a.parameter, output=a.output) for a in aliases)
-    return f"[{entries}]"
-
-
-def _source_line(node: torch.fx.Node) -> str:
-    """The innermost frame of model or plugin code that produced `node` ("file:line in function"), its file as
-    found in any installation: from the package down (vllm/...) or from this repository's root."""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', node.meta.get("stack_trace") or "")
-    if not frames:
-        return "(no source line recorded)"
-    path, line, function = frames[-1]
-    path = path.split("site-packages/", 1)[-1].removeprefix(f"{_REPOSITORY}/")
-    return f"{path}:{line} in {function}"
-
-
-_REPOSITORY = str(Path(__file__).resolve().parents[1])
-
-
-_FAILED_OP = re.compile(r"(?:failed to legalize operation|unsupported.*?op(?:eration)?) '?([\w.]+)'?")
-
-
-def _failed_op(message: str) -> str | None:
-    found = _FAILED_OP.search(message)
-    return found.group(1) if found else None
-
-
-def _untyped_input_user(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
-    """The first op that takes a graph input torch-mlir cannot give a type (not a tensor or a number: an
-    opaque object such as a custom op's handle)."""
-    for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        if node.op == "placeholder" and not isinstance(value, torch.Tensor | int | float | bool):
-            return next(iter(node.users), None)
-    return None
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    """The op a node runs; for a custom op that mutates its inputs, the op auto_functionalized wraps."""
-    if "auto_functionalized" in str(node.target) and node.args:
-        return str(node.args[0])
-    return str(node.target)
-
-
-def _explain(message: str, gm: torch.fx.GraphModule, label: str) -> LoweringError:
-    """A lowering failure, with the op and the source line of the FX node that produced it."""
-    op = _failed_op(message)
-    node = None
-    if op is not None:
-        # torch-mlir names ops torch.aten.<name>[.<overload>]; FX names them aten.<name>.<overload>.
-        wanted = op.removeprefix("torch.")
-        node = next(
-            (n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith(wanted)), None
-        )
-    elif "Could not deduce type" in message:
-        node = _untyped_input_user(gm)
-        op = _op_name(node) if node is not None else None
-    where = _source_line(node) if node is not None else "(op not found in the FX graph)"
-    said = "\n".join(message.strip().splitlines()[:12])
-    return LoweringError(
-        f"{label}: does not lower to StableHLO: op {op or 'unknown'} from {where}. torch-mlir said:\n{said}",
-        call=label,
-        op=op or "unknown",
-        source=where,
-    )
 
 
 _CPU_ATTENTION = str(aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -236,55 +137,6 @@ def op_histogram(stablehlo: str) -> dict[str, int]:
     return dict(counts.most_common())
 
 
-_c10d = torch.ops._c10d_functional
-
-
-def _stand_in_collectives(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str]]:
-    """The graph to lower, with tensor-parallel collectives replaced by local ops of the same shape.
-
-    TorchNeuron lowers `_c10d_functional` collectives with its own MLIR pipeline (after giving each its
-    replica groups), which the public torch-mlir lacks; torch-mlir alone refuses them. So the rest of the
-    graph is proven here, and the collectives are listed by kind (LoweredGraph.collectives). `gm` itself,
-    which runs, keeps them."""
-    kinds = [
-        str(node.target)
-        for node in gm.graph.nodes
-        if node.op == "call_function" and node.target in _STAND_INS
-    ]
-    if not kinds:
-        return gm, []
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for node in list(graph.nodes):
-        stand_in = _STAND_INS.get(node.target) if node.op == "call_function" else None
-        if stand_in is None:
-            continue
-        with graph.inserting_before(node):
-            replacement = stand_in(graph, node)
-        if replacement is not node.args[0]:
-            replacement.meta = dict(node.meta)
-        node.replace_all_uses_with(replacement)
-        graph.erase_node(node)
-    return torch.fx.GraphModule(gm, graph), [kind for kind in kinds if "wait_tensor" not in kind]
-
-
-def _gathered(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-    return graph.call_function(aten.cat.default, ([node.args[0]] * node.args[1], 0))
-
-
-def _scattered(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-    value = node.meta["val"]
-    return graph.call_function(aten.slice.Tensor, (node.args[0], 0, 0, value.shape[0]))
-
-
-_STAND_INS = {
-    _c10d.all_reduce.default: lambda graph, node: node.args[0],
-    _c10d.wait_tensor.default: lambda graph, node: node.args[0],
-    _c10d.all_gather_into_tensor.default: _gathered,
-    _c10d.reduce_scatter_tensor.default: _scattered,
-}
-
-
 def _flash_shapes(calls: list[tuple[int, int, bool]]) -> set[tuple[int, int]]:
     """(query length, key length) of the attentions the flash kernel takes, where no attention of the same
     lengths is left to the math."""
@@ -292,56 +144,57 @@ def _flash_shapes(calls: list[tuple[int, int, bool]]) -> set[tuple[int, int]]:
 
 
 def lower(
-    gm: torch.fx.GraphModule, label: str, flash_calls: list[tuple[int, int, bool]] | None = None
+    gm: torch.fx.GraphModule,
+    label: str,
+    analysed: list[Alias],
+    flash_calls: list[tuple[int, int, bool]] | None = None,
 ) -> LoweredGraph:
-    """Strip the mutations into aliased outputs and import the graph to StableHLO with torch-mlir.
-    flash_calls: the graph's attentions as its decompositions recorded them (decompositions.FLASH_CALLS)."""
-    flash_calls = flash_calls or []
-    from torch_mlir import fx as mlir_fx
+    """TorchNeuron's stages after AOTAutograd: its copy_ pass, torch-mlir's import, the alias attribute from
+    its analysis of the dynamo graph (`analysed`, aliasing.analyse); then neuronx-cc's rules, and XLA's
+    preparation of a copy. flash_calls: the graph's attentions as its decompositions recorded them
+    (decompositions.FLASH_CALLS)."""
     from torch_mlir import ir
-    from torch_mlir.dialects import torch as torch_dialect
-    from torch_mlir.extras.fx_importer import FxImporter
 
+    flash_calls = flash_calls or []
     start = time.perf_counter()
-    aliases = alias_mutated_inputs(gm)
-    lowered_gm, collectives = _stand_in_collectives(gm)
-    context = ir.Context()
-    torch_dialect.register_dialect(context)
-    diagnostics: list[str] = []
-
-    def keep(diagnostic) -> bool:  # collected for the error, instead of printed to stderr
-        diagnostics.append(diagnostic.message)
-        return True
-
-    context.attach_diagnostic_handler(keep)
-    try:
-        module = mlir_fx.stateless_fx_import(
-            lowered_gm, output_type="stablehlo", fx_importer=FxImporter(context=context), model_name="main"
+    written = aliasing.functionalize_copies(gm)
+    module, collectives = import_stablehlo(gm, label)
+    main = ir.FunctionType(module.body.operations[0].type)
+    aliases = aliasing.kept(analysed, _types(main.inputs), _types(main.results))
+    with module.context:  # written even when empty, as TorchNeuron writes it
+        module.operation.attributes["mhlo.input_output_alias"] = ir.Attribute.parse(
+            aliasing.alias_attribute(aliases, len(main.results))
         )
-    except Exception as error:  # torch-mlir raises plain RuntimeError / MLIRError subclasses
-        raise _explain("\n".join([*diagnostics, str(error)]), gm, label) from error
+    text = str(module)
+    broken = neuronx_cc_rules.check(
+        module.operation.get_asm(enable_debug_info=True), [alias.parameter for alias in written]
+    )
     try:
         make_plain(module)
     except NotStableHLOError as error:
         raise LoweringError(f"{label}: {error}", call=label, op=str(error).split(": ", 1)[-1]) from error
     restore_top_k(module)
-    if aliases:
-        with module.context:
-            module.operation.attributes["mhlo.input_output_alias"] = ir.Attribute.parse(
-                alias_attribute(aliases)
-            )
-    text = str(module)
     return LoweredGraph(
         label=label,
         seconds=time.perf_counter() - start,
         stablehlo=text,
         aliases=aliases,
-        largest_tensor=_largest_tensor(gm, aliases, _flash_shapes(flash_calls)),
+        written=written,
+        largest_tensor=_largest_tensor(gm, written, _flash_shapes(flash_calls)),
         scratchpad_bytes=graph_memory.scratchpad_bytes(text),
+        xla_stablehlo=str(module),
+        broken_rules=broken,
         flash_attention=sum(takes for *_, takes in flash_calls),
         op_histogram=op_histogram(text),
         collectives=collectives,
     )
+
+
+def _types(types: list) -> list[aliasing.TensorType]:
+    """Shapes and element types of a function's arguments or results (MLIR types)."""
+    from torch_mlir import ir
+
+    return [(tuple(ir.RankedTensorType(t).shape), str(ir.RankedTensorType(t).element_type)) for t in types]
 
 
 def _write_in_place(gm: torch.fx.GraphModule, alias: Alias) -> bool:
@@ -376,30 +229,46 @@ def _write_in_place(gm: torch.fx.GraphModule, alias: Alias) -> bool:
     return True
 
 
-def _run_with_aliases(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callable:
+def _run_with_aliases(gm: torch.fx.GraphModule, written: list[Alias]) -> Callable:
     """The lowered graph's semantics on the CPU: the functional graph (its cache writes made in place where
-    that is safe), then each aliased output stored into its input's buffer (what must_alias means at run
-    time; a no-op where the write already went there)."""
-    for alias in aliases:
+    that is safe), then each written input's new value stored into its buffer, as TorchNeuron's executor
+    binds it (a no-op where the write already went there); the other outputs returned."""
+    for alias in written:
         _write_in_place(gm, alias)
-    extra = len(aliases)
 
     def run(args: list[Any]) -> list[Any]:
         outputs = gm(*args)
-        for alias in aliases:
+        for alias in written:
             args[alias.parameter].copy_(outputs[alias.output])
-        return list(outputs[: len(outputs) - extra])
+        return list(outputs[len(written) :])
 
     return torch_compile.boxed(run)
 
 
-def _zeros_instead(gm: torch.fx.GraphModule, aliases: list[Alias]) -> Callable:
+def _run_program(program: "xla.Program", lowered: LoweredGraph) -> Callable:
+    """XLA's program of the graph: the aliased inputs donated and updated in place; an input the graph
+    writes without an alias comes back as an output of its own, stored into its buffer (TorchNeuron's
+    executor binds it as the output's buffer, which the NEFF was not compiled to share)."""
+    aliased = {alias.output for alias in lowered.aliases}
+    copied = [alias for alias in lowered.written if alias.output not in aliased]
+
+    def run(args: list[Any]) -> list[Any]:
+        outputs = program.run(args)  # every output but the donated ones, in order
+        total = len(outputs) + len(aliased)
+        by_index = dict(zip((i for i in range(total) if i not in aliased), outputs, strict=True))
+        for alias in copied:
+            args[alias.parameter].copy_(by_index[alias.output])
+        return [by_index[index] for index in range(len(lowered.written), total)]
+
+    return torch_compile.boxed(run)
+
+
+def _zeros_instead(gm: torch.fx.GraphModule, written: list[Alias]) -> Callable:
     """The call's outputs as zeros of their shapes and dtypes, the graph not run, the caches untouched: only
     the lowering is wanted (`vllm-neuron check`; a large model's buckets would take minutes each to compute
     on a CPU)."""
     output = next(node for node in gm.graph.nodes if node.op == "output")
-    results = list(output.args[0])
-    values = [node.meta["val"] for node in results[: len(results) - len(aliases)]]
+    values = [node.meta["val"] for node in list(output.args[0])[len(written) :]]
 
     def run(args: list[Any]) -> list[Any]:
         return [torch.zeros(value.shape, dtype=value.dtype, device=value.device) for value in values]
@@ -432,10 +301,23 @@ class StableHLOBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         label, call = self.label or f"graph {len(self.graphs)}", self.call
+        analysed = aliasing.analyse(gm)  # before AOTAutograd, on dynamo's graph, as TorchNeuron does
 
         def fw_compiler(aot_gm: torch.fx.GraphModule, aot_inputs: list[Any]) -> Callable:
             fx_text = aot_gm.print_readable(print_output=False)
-            lowered = lower(aot_gm, label, list(FLASH_CALLS.calls))
+            lowered = lower(aot_gm, label, analysed, list(FLASH_CALLS.calls))
+            self.graphs.append(lowered)
+            if self.dump_dir is not None:
+                self._dump(len(self.graphs) - 1, lowered, fx_text)
+            refused = neuronx_cc_rules.blocking(lowered.broken_rules)
+            if refused:
+                raise RuleError(
+                    f"{label}: a trn2 would refuse this graph or run it wrong:\n"
+                    + "\n".join(f"  {violation.rule.severity}: {violation}" for violation in refused),
+                    call=label,
+                    op=refused[0].op,
+                    source=refused[0].source,
+                )
             if self.execute == "xla" and lowered.collectives:
                 raise LoweringError(
                     f"{label}: the xla backend runs one rank; a graph with collectives "
@@ -443,19 +325,18 @@ class StableHLOBackend:
                     "(VLLM_NEURON_COMPILE_BACKEND=stablehlo)",
                     call=label,
                 )
-            program = None
             if self.execute == "xla" or self._xla_reports:
                 aliases = {alias.parameter: alias.output for alias in lowered.aliases}
-                program, lowered.compiled = compile_graph(lowered.stablehlo, aliases, aot_inputs, call)
-            self.graphs.append(lowered)
-            if self.dump_dir is not None:
-                self._dump(len(self.graphs) - 1, lowered, fx_text, program)
+                lowered.program, lowered.compiled = compile_graph(
+                    lowered.xla_stablehlo, aliases, aot_inputs, call
+                )
+                if self.dump_dir is not None:
+                    self._dump_xla(len(self.graphs) - 1, lowered)
             if self.execute == "xla":
-                lowered.program = program
-                return torch_compile.boxed(lambda args: program.run(args))
+                return _run_program(lowered.program, lowered)
             if self.execute == "none":
-                return _zeros_instead(aot_gm, lowered.aliases)
-            return _run_with_aliases(aot_gm, lowered.aliases)
+                return _zeros_instead(aot_gm, lowered.written)
+            return _run_with_aliases(aot_gm, lowered.written)
 
         FLASH_CALLS.calls.clear()
         return torch_compile.aot_autograd(
@@ -464,10 +345,17 @@ class StableHLOBackend:
             decompositions=self._decompositions,
         )(gm, example_inputs)
 
-    def _dump(self, index: int, lowered: LoweredGraph, fx_text: str, program: "xla.Program | None") -> None:
+    def _stem(self, index: int, lowered: LoweredGraph) -> Path:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
-        stem = f"{index:03d}-" + re.sub(r"[^A-Za-z0-9]+", "-", lowered.label).strip("-")
-        (self.dump_dir / f"{stem}.fx.txt").write_text(fx_text)
-        (self.dump_dir / f"{stem}.stablehlo.mlir").write_text(lowered.stablehlo)
-        if program is not None:
-            (self.dump_dir / f"{stem}.xla.hlo.txt").write_text(program.optimized_hlo)
+        return self.dump_dir / (f"{index:03d}-" + re.sub(r"[^A-Za-z0-9]+", "-", lowered.label).strip("-"))
+
+    def _dump(self, index: int, lowered: LoweredGraph, fx_text: str) -> None:
+        """The graph AOTAutograd made, the module neuronx-cc would get, and the rules it breaks."""
+        stem = self._stem(index, lowered)
+        stem.with_suffix(".fx.txt").write_text(fx_text)
+        stem.with_suffix(".stablehlo.mlir").write_text(lowered.stablehlo)
+        stem.with_suffix(".rules.txt").write_text(neuronx_cc_rules.report(lowered.broken_rules))
+
+    def _dump_xla(self, index: int, lowered: LoweredGraph) -> None:
+        """XLA's optimised HLO of the graph."""
+        self._stem(index, lowered).with_suffix(".xla.hlo.txt").write_text(lowered.program.optimized_hlo)

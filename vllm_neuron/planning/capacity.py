@@ -30,8 +30,9 @@ from vllm_neuron.trn2 import (
 # graph. aws-neuron-sdk issue 1210 (2025-08-07): a Llama-3.1-8B forward pass (32 layers) compiled in about 1
 # minute at --optlevel=1 without an argmax, about 5 minutes eight months earlier, and about 22 minutes with an
 # argmax over the vocabulary (an 800 MB decode NEFF against 40 MB for prefill). Every graph of the plugin ends
-# in a vocabulary-wide top-k and argmax (vllm_neuron/sampling.py), so each pays that once: nothing if
-# neuronx-cc compiles it as a native top-k, 21 minutes if as 1210's argmax. neuronx-cc unrolls every layer, so
+# in a vocabulary-wide sampler (vllm_neuron/sampling.py: a top-k in sorts of at most 16,384 elements, no
+# argmax), so each pays it once: nothing if neuronx-cc compiles its sorts as native top-ks, 21 minutes if as
+# slowly as 1210's argmax. neuronx-cc unrolls every layer, so
 # the forward pass is taken to grow with the layers; prefill and decode graphs, bucket sizes and TP are not
 # told apart. TorchNeuron compiles torch.compile graphs at -O2 unless told otherwise; Neuron mode sets
 # NEURON_COMPILER_OPT_LEVEL=-O1 (1210's) where the user has not (vllm_neuron/device.py), so these are -O1's.

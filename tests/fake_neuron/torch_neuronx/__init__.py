@@ -48,9 +48,10 @@ whether the process group came first, the root communicator's address (h), each 
 index (e), per compile whether fallback to eager execution was disabled
 (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1), NEURON_CC_FLAGS and NEURON_COMPILER_OPT_LEVEL as the compile
 read them (None: unset) and its NEFF, the eager compiles (f), the synchronize calls per thread (g), and the
-transfers and graph runs per thread (i). The `neuron` compile backend lowers each graph as TorchNeuron does
-up to StableHLO (vllm_neuron.compiler.stablehlo), writes that StableHLO as the graph's .neff file into the
-cache folder, and runs the graph on the host.
+transfers and graph runs per thread (i). The `neuron` compile backend runs TorchNeuron's stages up to
+StableHLO as its source writes them (neuron_dynamo_backend.py), writes that StableHLO as the graph's .neff
+file into the cache folder, records the inputs its executor binds in place (`mutated_inputs`), and runs the
+graph on the host.
 """
 
 import hashlib
@@ -174,28 +175,27 @@ class Runtime:
         return read
 
     def compile(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        """TorchNeuron's route up to StableHLO is the plugin's stablehlo backend (the same passes); the fake
-        NEFF holds the StableHLO neuronx-cc would compile, and the graph runs on the host. A NEFF writes each
-        output into a dense tensor of its own, so the outputs are contiguous (the FX graph on the host may
-        return a view)."""
-        from vllm_neuron.compiler.stablehlo import StableHLOBackend
+        """TorchNeuron's stages up to StableHLO (neuron_dynamo_backend.py); the fake NEFF holds the StableHLO
+        neuronx-cc would get, and the graph runs on the host. A NEFF writes each output into a dense tensor
+        of its own, so the outputs are contiguous (the FX graph on the host may return a view)."""
+        from torch_neuronx import neuron_dynamo_backend
 
         self.start("compile")
         folder = Path(self.check_neff_cache_dir())
-        backend = StableHLOBackend()
-        compiled = backend(graph, example_inputs)
-        (lowered,) = backend.graphs
-        digest = hashlib.sha256(lowered.stablehlo.encode()).hexdigest()
-        neff = folder / digest[:2] / digest[2:4] / f"{digest}.neff"
-        neff.parent.mkdir(parents=True, exist_ok=True)
-        neff.write_text(lowered.stablehlo)
-        self.facts["compiles"].append(
-            {
-                "fallback_disabled": os.environ.get(FALLBACK_VARIABLE) == "1",
-                "neff": str(neff),
-                **{name: os.environ.get(name) for name in COMPILER_VARIABLES},
-            }
-        )
+        compiled, graphs = neuron_dynamo_backend.compile_graph(graph, example_inputs)
+        for lowered in graphs:
+            digest = hashlib.sha256(lowered.stablehlo.encode()).hexdigest()
+            neff = folder / digest[:2] / digest[2:4] / f"{digest}.neff"
+            neff.parent.mkdir(parents=True, exist_ok=True)
+            neff.write_text(lowered.stablehlo)
+            self.facts["compiles"].append(
+                {
+                    "fallback_disabled": os.environ.get(FALLBACK_VARIABLE) == "1",
+                    "neff": str(neff),
+                    "mutated_inputs": [parameter for parameter, _ in lowered.mutation_info.aliases],
+                    **{name: os.environ.get(name) for name in COMPILER_VARIABLES},
+                }
+            )
         self.record()
 
         def run(*args: Any) -> Any:
