@@ -34,9 +34,9 @@ def _verdict(report: Report) -> list[str]:
         tp = report.plan.tensor_parallel_size
         return [
             f"  lowers and fits at --tensor-parallel-size {tp} (exit code 0): every graph lowered on",
-            "  TorchNeuron's route as modelled here, and the weights, KV cache and graph reserve fit trn2's",
-            "  memory on paper; only a trn2 tells whether neuronx-cc accepts each graph, how long it",
-            "  compiles, the NEFF sizes and the runtime's memory",
+            "  TorchNeuron's route as modelled here and meets neuronx-cc's written rules, and the weights,",
+            "  KV cache and graph reserve fit trn2's memory on paper; only a trn2 tells whether neuronx-cc",
+            "  accepts each graph, how long it compiles, the NEFF sizes and the runtime's memory",
         ]
     lines = [f"  {verdict.status}: {verdict.reason} (exit code {report.exit_code})"]
     if verdict.call:
