@@ -4,9 +4,10 @@ TorchNeuron's `neuron` backend (torch_neuronx/neuron_dynamo_backend/backend.py) 
 its aliasing analysis of that graph (vllm_neuron/compiler/aliasing.py); AOTAutograd with input mutations kept
 and its decomposition table (vllm_neuron/compiler/decompositions.py); its post-AOTAutograd pass that turns
 each trailing `copy_` into a mutated input into an output placed first; torch-mlir's FX importer down to
-StableHLO; and the module attribute `mhlo.input_output_alias` from the analysis alone. The module it then
-hands neuronx-cc is `LoweredGraph.stablehlo` here, checked against neuronx-cc's written rules
-(vllm_neuron/compiler/neuronx_cc_rules.py). No rewrite of that module is made on this route.
+StableHLO; and the module attribute `mhlo.input_output_alias` from the analysis alone. The model of the
+module it then hands neuronx-cc is `LoweredGraph.stablehlo` here (TorchNeuron's raw-dialect pass and its
+other post-AOTAutograd passes aside: docs/lowering.md), checked against neuronx-cc's written rules
+(vllm_neuron/compiler/neuronx_cc_rules.py). The plugin makes no rewrite of that module.
 
 Then, by backend: `stablehlo` runs the functional FX graph that was lowered on the CPU, each mutated input
 stored back as TorchNeuron's executor binds it; `xla` has XLA's CPU compiler compile and run the module, after
