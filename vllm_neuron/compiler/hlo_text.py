@@ -1,4 +1,6 @@
-"""Reads a StableHLO module's text (as `str(module)` prints it) and checks how it updates its aliased inputs.
+"""Reads a StableHLO module's text (as `str(module)` prints it, or with locations) into its entry function's
+ops, their types and the source line of each, which neuronx-cc's rules read (neuronx_cc_rules.py); and checks
+how the module updates its aliased inputs.
 
 A Neuron compile can keep the KV cache in place only when the graph writes it the way TorchNeuron aliases it:
 the cache parameter flows through reshapes into one `stablehlo.scatter` of the step's new rows, and the
@@ -129,10 +131,8 @@ def _finish(op: Op, text: str, locations: dict[str, str]) -> None:
     location = _LOC_USE.search(text)
     if location is not None:
         key = location.group(1)
-        in_place = _FILE_LOC.search(key)
-        op.location = (
-            f"{short_path(in_place.group(1))}:{in_place.group(2)}" if in_place else locations.get(key, "")
-        )
+        inline = _FILE_LOC.search(key)  # a location printed where it is used, not by its #loc name
+        op.location = f"{short_path(inline.group(1))}:{inline.group(2)}" if inline else locations.get(key, "")
         text = text[: location.start()]
     signature = text.rsplit(" : ", 1)[-1] if " : " in text else text
     before, arrow, after = signature.partition("->")
