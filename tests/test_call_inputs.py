@@ -21,6 +21,7 @@ from worker.call_inputs import (
     prefill_inputs,
     verify_inputs,
 )
+from worker.packed_inputs import StagingBuffers
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
@@ -45,7 +46,7 @@ def expected_table_row(row: np.ndarray, end: int, num_blocks: int) -> list[int]:
 
 def sent(host: HostInputs) -> SimpleNamespace:
     """A call's inputs as sent to the device, beside the host's figures (real rows, decode tokens)."""
-    inputs = host.send(CPU)
+    inputs = host.send(StagingBuffers(CPU))
     return SimpleNamespace(
         **vars(inputs), num_real_rows=host.num_real_rows, decode_token_index=host.decode_token_index
     )
@@ -527,7 +528,7 @@ def with_slots(chunks: list[Chunk], *slots: int) -> list[Chunk]:
 
 
 def lora_sent(host: HostInputs) -> CallInputs:
-    inputs = host.send(CPU, lora=True)
+    inputs = host.send(StagingBuffers(CPU), lora=True)
     assert_int64_cpu(inputs.lora_slots, inputs.lora_rows)
     assert torch.equal(inputs.lora_rows, inputs.lora_slots[inputs.logits_indices])
     return inputs
@@ -597,9 +598,9 @@ def test_without_lora_the_call_sends_no_slots():
     host = prefill_inputs(
         with_slots(PACKED, 2, 0, 1), token_bucket=16, context_bucket=32, block_size=BLOCK_SIZE
     )
-    inputs = host.send(CPU)
+    inputs = host.send(StagingBuffers(CPU))
     assert inputs.lora_slots is None and inputs.lora_rows is None
     # The same transfer otherwise: every other input as with the slots.
-    with_lora = host.send(CPU, lora=True)
+    with_lora = host.send(StagingBuffers(CPU), lora=True)
     for name in ("input_ids", "positions", "logits_indices", "params", "token_feed", "token_keep"):
         assert torch.equal(getattr(inputs, name), getattr(with_lora, name)), name

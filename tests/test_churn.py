@@ -94,7 +94,7 @@ def test_off_bucket_call_is_refused_in_strict_mode(llm):
         num_pages=pages,
         page_tokens=page_tokens,
         block_size=runner.block_size,
-    ).send(runner.device)
+    ).send(runner.planner.staging)
     with pytest.raises(Exception, match="decode of 1 requests: batch 3 x context 128.*decode_batch_buckets"):
         call = Call.decode(rows=1, batch=odd_batch, decode_context=128)
         runner._run(inputs, call)

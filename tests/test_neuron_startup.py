@@ -140,6 +140,31 @@ for address in ("localhost", "127.0.0.1", "10.0.0.5"):
 """
 
 
+BLOCKING = """
+import numpy as np, torch, torch_neuronx
+from vllm_neuron import device
+with torch_neuronx.HostToDeviceCopies() as copies:
+    held = torch.zeros(4)
+    held.copy_(torch.ones(4))
+    held.copy_(torch.ones(4), non_blocking=True)
+    torch.ones(4).to("cpu", torch.float32, True)
+    torch.ones(4).to("cpu")
+print(copies.blocking)
+device.copy_to_device(torch.zeros(8, dtype=torch.uint8), np.arange(8, dtype=np.uint8))
+print(torch_neuronx.runtime.facts["synchronize"], torch_neuronx.runtime.facts["to_device"])
+"""
+
+
+def test_a_blocking_transfer_to_the_device_is_a_synchronize():
+    """Fake rule (j) sees each copy's non_blocking, and the plugin's transfer seam waits for nothing."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE_NEURON), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCKING], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["2", "{} {'MainThread': 1}"]
+
+
 def test_tensor_parallel_rank_one_reads_its_own_cores_memory(tmp_path):
     """Each rank's process sees one NeuronCore: its memory is index 0 to the runtime's memory query, and the
     current device (the local rank) to the allocator's (fake TorchNeuron's rule (e)). The process group sets
@@ -241,9 +266,11 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
     assert sum(facts["to_device"].values()) == sum(facts["graph_runs"].values())
     serving_calls = facts["graph_runs"]["neuron-device_0"]
     assert serving_calls > 20 and "neuron-device_0" not in facts["to_host"]
-    # Fake rule (g): the engine thread waits for the device once per warm-up step (at most one a graph) and
-    # around sleep mode, never per serving step.
+    # Fake rules (g) and (j): the engine thread waits for the device once per warm-up step (at most one a
+    # graph) and around sleep mode, never per serving step; the device thread never waits: each call's
+    # transfer is queued behind the calls before it.
     assert facts["synchronize"]["MainThread"] <= len(facts["compiles"]) + 4 < serving_calls
+    assert "neuron-device_0" not in facts["synchronize"] and facts["blocking_to_device"] == {}
     (folder,) = cache_root.iterdir()
     assert facts["runtime_started_by"] == "process group"
     assert facts["process_group_before_runtime"]
@@ -353,6 +380,8 @@ def test_tensor_parallel_ranks_start_in_the_order_the_runtime_needs(tiny_model_d
         assert all(graph["fallback_disabled"] for graph in fact["compiles"])
         assert fact["eager_compiles"] == []  # rule (f), through serving, logprobs, sleep and wake-up
         assert sum(fact["to_device"].values()) == sum(fact["graph_runs"].values())  # rule (i)
+        # Rule (j): no transfer waits for the device, and the device thread never synchronizes.
+        assert fact["blocking_to_device"] == {} and "neuron-device_0" not in fact["synchronize"]
         assert_every_written_input_aliased_and_the_rules_hold(fact["compiles"])
         # Each rank's NEFFs in its own folder of the compile cache (its shard's graphs).
         folder = Path(fact["neff_cache_dir_at_start"]).parent

@@ -1,6 +1,8 @@
 """A call's inputs cross to the device in one transfer (worker/packed_inputs.py), and a decode row takes the
 previous step's token from the token slots on the device (worker/token_slots.py)."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 
@@ -14,9 +16,9 @@ def test_a_calls_arrays_cross_in_one_transfer_as_views_of_one_buffer(monkeypatch
     from vllm_neuron import device
 
     transfers = []
-    send = device.to_device
+    copy = device.copy_to_device
     monkeypatch.setattr(
-        device, "to_device", lambda array, to: transfers.append(array.nbytes) or send(array, to)
+        device, "copy_to_device", lambda to, array: transfers.append((to, array.nbytes)) or copy(to, array)
     )
     arrays = [
         np.arange(5, dtype=np.int64),
@@ -25,7 +27,8 @@ def test_a_calls_arrays_cross_in_one_transfer_as_views_of_one_buffer(monkeypatch
         np.zeros(0, dtype=np.int64),
         np.array([7], dtype=np.int64),
     ]
-    sent = packed_inputs.send(arrays, CPU)
+    staging = packed_inputs.StagingBuffers(CPU)
+    sent = staging.send(packed_inputs.pack(arrays))
     assert len(transfers) == 1
     for array, tensor in zip(arrays, sent, strict=True):
         assert tensor.is_contiguous() and tensor.numpy().tolist() == array.tolist()
@@ -33,6 +36,22 @@ def test_a_calls_arrays_cross_in_one_transfer_as_views_of_one_buffer(monkeypatch
             tensor.numpy().dtype == array.dtype and tensor.storage_offset() * tensor.element_size() % 8 == 0
         )
     assert len({tensor.untyped_storage().data_ptr() for tensor in sent}) == 1
+    # The next call of the layout lands in the same buffer: nothing allocated per call.
+    again = staging.send(packed_inputs.pack([array + 1 for array in arrays]))
+    assert transfers[1][0] is transfers[0][0] and staging.nbytes == transfers[0][1]
+    assert again[0].tolist() == [1, 2, 3, 4, 5] and again[0].data_ptr() == sent[0].data_ptr()
+
+
+def test_each_sending_thread_has_buffers_of_its_own():
+    """A transfer from another thread (a background compile, the draft model) never lands in the buffer of a
+    call the device thread has yet to run."""
+    staging = packed_inputs.StagingBuffers(CPU)
+    packed = packed_inputs.pack([np.arange(4, dtype=np.int64)])
+    here = staging.send(packed)
+    with ThreadPoolExecutor(1, thread_name_prefix="other") as pool:
+        there = pool.submit(staging.send, packed_inputs.pack([np.zeros(4, dtype=np.int64)])).result()
+    assert here[0].tolist() == [0, 1, 2, 3] and there[0].tolist() == [0] * 4
+    assert staging.nbytes == 2 * packed.buffer.nbytes
 
 
 def test_steps_write_alternate_halves_and_padding_the_null_slot():

@@ -17,6 +17,7 @@ from kv_cache.layout import NULL_BLOCK, slot_mapping
 from vllm_neuron import sampling
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
 from worker import packed_inputs
+from worker.packed_inputs import StagingBuffers
 
 # First position of a padding decode page: past any context (and within int32, for device index types).
 PADDING_PAGE_START = 2**30
@@ -52,7 +53,7 @@ class CallInputs:
 
 @dataclass
 class HostInputs:
-    """A call's padded inputs as built on the host, sent to the device in one transfer by `send`."""
+    """A call's padded inputs as built on the host, packed for one transfer by `pack`."""
 
     input_ids: np.ndarray
     positions: np.ndarray
@@ -75,17 +76,16 @@ class HostInputs:
         """Each logits row's LoRA slot: its token's (a padding row repeats row 0's token, harmlessly)."""
         return self.lora_slots[self.logits_indices]
 
-    def send(
+    def pack(
         self,
-        device: torch.device,
         params: np.ndarray | None = None,
         token_feed: np.ndarray | None = None,
         token_keep: np.ndarray | None = None,
         lora: bool = False,
-    ) -> CallInputs:
-        """On the device, in one transfer, with each logits row's sampling parameters (default: greedy),
-        where tokens come from and go to in the token slots (default: nowhere) and, with `lora`, the LoRA
-        slots of the tokens and the logits rows (without it the call's inputs are as they were)."""
+    ) -> "PackedCall":
+        """Packed for one transfer, with each logits row's sampling parameters (default: greedy), where tokens
+        come from and go to in the token slots (default: nowhere) and, with `lora`, the LoRA slots of the
+        tokens and the logits rows (without it the call's inputs are as they were)."""
         host = {
             "input_ids": self.input_ids,
             "positions": self.positions,
@@ -98,9 +98,31 @@ class HostInputs:
             **{f"paged.{name}": array for name, array in (self.paged or {}).items()},
             **({"lora_slots": self.lora_slots, "lora_rows": self.lora_rows} if lora else {}),
         }
-        sent = dict(zip(host, packed_inputs.send(list(host.values()), device), strict=True))
-        table = {name: sent.pop(f"table.{name}") for name in self.table or {}}
-        paged = {name: sent.pop(f"paged.{name}") for name in self.paged or {}}
+        table = list(self.table) if self.table is not None else None
+        paged = list(self.paged) if self.paged is not None else None
+        return PackedCall(list(host), packed_inputs.pack(list(host.values())), table, paged, self.causal)
+
+    def send(self, staging: StagingBuffers, lora: bool = False) -> CallInputs:
+        """On the device now, from this thread, greedy, its tokens all its own (warm-up's synthetic calls, the
+        draft model's calls)."""
+        return self.pack(lora=lora).send(staging)
+
+
+@dataclass
+class PackedCall:
+    """A call's inputs packed on the host; `send` makes the transfer, from the thread that runs the call."""
+
+    names: list[str]
+    packed: packed_inputs.Packed
+    table: list[str] | None  # the fields of its TableQueries, None without
+    paged: list[str] | None  # the fields of its PageQueries, None without
+    causal: bool
+
+    def send(self, staging: StagingBuffers) -> CallInputs:
+        """On the device, in one transfer into this thread's staging buffer for the call's layout."""
+        sent = dict(zip(self.names, staging.send(self.packed), strict=True))
+        table = {name: sent.pop(f"table.{name}") for name in self.table or ()}
+        paged = {name: sent.pop(f"paged.{name}") for name in self.paged or ()}
         metadata = NeuronAttentionMetadata(
             slot_mapping=sent.pop("slot_mapping"),
             table=TableQueries(**table) if self.table is not None else None,

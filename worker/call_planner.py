@@ -1,6 +1,6 @@
 """A step's compiled calls with their inputs on the device: `calls.plan_step` splits the step's decode rows
 and prefill chunks into bucketed calls, and each call's padded inputs and sampling parameter rows are built
-here and sent in one transfer. A decode row whose token the previous step is still sampling takes it from
+here and packed for one transfer. A decode row whose token the previous step is still sampling takes it from
 the token slots inside the graph (worker/token_slots.py), or, where the graph may leave that token to the
 host, gets it filled in on the device thread."""
 
@@ -17,6 +17,7 @@ from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import Call, plan_step
 from worker import call_inputs, speculation, token_slots
 from worker.call_inputs import CallInputs, Chunk, HostInputs
+from worker.packed_inputs import StagingBuffers
 from worker.readiness import Readiness
 from worker.step_state import PlannedCall, RunningStep, final_rows
 
@@ -47,6 +48,7 @@ class CallPlanner:
         self.block_size = block_size
         self.device = device
         self.lora = lora  # send each call's LoRA slots (--enable-lora)
+        self.staging = StagingBuffers(device)  # where each call's inputs land (worker/packed_inputs.py)
 
     def plan(
         self,
@@ -65,8 +67,8 @@ class CallPlanner:
         still sampling; `drafts`: decode rows' draft tokens (batch row -> drafts), which make the decode rows
         run in verify calls; `random_draws(row)`: a verify row's source of uniform draws when its drafts are
         accepted by their probability (None: by equality, or no drafts); `slot_base`: where the step's
-        tokens go in the token slots. A call is sent once planned, or with fills from the host, on the
-        device thread once they are in."""
+        tokens go in the token slots. A call is packed once planned, or with fills from the host, on the
+        device thread once they are in; the thread that runs it sends it."""
         verify = bool(drafts)
         contexts = [chunk.start + len(chunk.token_ids) for _, chunk in decode]
         chunks = [(chunk.start, len(chunk.token_ids)) for _, chunk in prefill]
@@ -112,14 +114,14 @@ class CallPlanner:
             keep = token_slots.keep(slot_base, batch_rows, host.rows, queries)
             item = PlannedCall(plan.call, host, table, feed, keep, batch_rows, host_fills, self.lora)
             if not host_fills:
-                item.send(self.device)
+                item.pack()
             planned.append(item)
         return planned
 
     def inputs(self, call: Call, parts: list[Chunk], rows: list[Chunk]) -> CallInputs:
         """A call's inputs on the device, greedy, its tokens all its own (warm-up's synthetic calls, the
         draft model's calls)."""
-        return self.host_inputs(call, parts, rows).send(self.device, lora=self.lora)
+        return self.host_inputs(call, parts, rows).send(self.staging, lora=self.lora)
 
     def host_inputs(self, call: Call, parts: list[Chunk], rows: list[Chunk]) -> HostInputs:
         """A call's inputs, padded to its buckets, on the host."""
@@ -161,10 +163,10 @@ class CallPlanner:
         )
 
 
-def fill_previous_tokens(step: RunningStep, device: torch.device) -> None:
+def fill_previous_tokens(step: RunningStep) -> None:
     """On the device thread, once the previous step's calls ended: its samples into this step's decode rows
     that take them from the host (rows the graph may have left to the host: NO_TOKEN waits for that step's
-    output), then those calls' inputs are sent."""
+    output), then those calls' inputs are packed."""
     previous, outputs = step.previous, step.previous_outputs
     step.previous = step.previous_outputs = None  # no chain of steps kept alive
     waiting = [item for item in step.planned if item.fills]
@@ -189,4 +191,4 @@ def fill_previous_tokens(step: RunningStep, device: torch.device) -> None:
         item.host.input_ids = item.host.input_ids.copy()
         for index, req_id in item.fills:
             item.host.input_ids[index] = tokens[row_of[req_id]]
-        item.send(device)
+        item.pack()

@@ -347,11 +347,12 @@ class NeuronModelRunner:
         """Run a step's calls (in the device thread with async scheduling); their outputs stay on the
         device."""
         if step.previous is not None:
-            fill_previous_tokens(step, self.device)
+            fill_previous_tokens(step)
         step.device_started = time.perf_counter()
         with self.kv_transfer.around(step.scheduler_output) as step.kv_connector_output:
+            staging = self.planner.staging
             outputs = [
-                CallOutputs(item.batch_rows, *self._run(item.inputs, item.call), item.call.queries)
+                CallOutputs(item.batch_rows, *self._run(item.send(staging), item.call), item.call.queries)
                 for item in step.planned
             ]
         step.device_ended = time.perf_counter()

@@ -13,7 +13,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron.calls import Call
-from worker.call_inputs import CallInputs, HostInputs
+from worker.call_inputs import CallInputs, HostInputs, PackedCall
+from worker.packed_inputs import StagingBuffers
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
@@ -57,7 +58,7 @@ class ToHost:
 
 @dataclass
 class PlannedCall:
-    """One compiled call of a step: its inputs, sent to the device in one transfer (CallInputs), and the
+    """One compiled call of a step: its inputs, packed for one transfer on the device thread, and the
     batch rows of its first logits rows."""
 
     call: Call
@@ -67,13 +68,17 @@ class PlannedCall:
     token_keep: np.ndarray
     batch_rows: list[int]
     # Decode rows whose token is the previous step's sample that the graph may leave to the host: (index in
-    # input_ids, request id), filled in on the device thread before the inputs are sent.
+    # input_ids, request id), filled in on the device thread before the inputs are packed.
     fills: list[tuple[int, str]] = field(default_factory=list)
     lora: bool = False  # send the LoRA slots too (--enable-lora)
-    inputs: CallInputs | None = None  # None until sent
+    packed: PackedCall | None = None  # None until packed
 
-    def send(self, device: torch.device) -> None:
-        self.inputs = self.host.send(device, self.params, self.token_feed, self.token_keep, self.lora)
+    def pack(self) -> None:
+        self.packed = self.host.pack(self.params, self.token_feed, self.token_keep, self.lora)
+
+    def send(self, staging: StagingBuffers) -> CallInputs:
+        """The call's inputs on the device, sent from the thread that runs it (worker/packed_inputs.py)."""
+        return self.packed.send(staging)
 
 
 @dataclass

@@ -35,10 +35,15 @@ Modelled and recorded, not raised:
     first request of each shape. `vllm_neuron.device.to_host` is where the plugin's device tensors reach the
     host (the seam); the fake wraps it and records each new shape as an eager compile;
 (g) synchronize waits for the device: each call is recorded with its thread;
-(i) each host-to-device copy is an allocation and a runtime transfer of its own, and each device-to-host copy
-    waits for the tensor's producers: `vllm_neuron.device.to_device` and `to_host` (the seams) are counted
-    per thread, and so are the compiled graphs' runs, so that a test can bound transfers per call and find a
-    token's round trip through the host between two steps.
+(i) each host-to-device copy is a runtime transfer of its own, and each device-to-host copy waits for the
+    tensor's producers: `vllm_neuron.device.copy_to_device` and `to_host` (the seams) are counted per thread,
+    and so are the compiled graphs' runs, so that a test can bound transfers per call and find a token's round
+    trip through the host between two steps;
+(j) a blocking host-to-device copy is a synchronize: TorchNeuron's copy_cpu_to_neuron waits for the stream
+    after the write unless the copy is non-blocking (csrc/utils/CopyUtils.cpp), and every thread's current
+    stream is the device's default one (c10/neuron/NeuronStream.cpp). The fake watches the torch calls
+    `copy_to_device` makes (`Tensor.copy_` / `Tensor.to` and their non_blocking) and counts each blocking one
+    as a synchronize of the calling thread, and apart as `blocking_to_device`.
 
 Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the fake saw is written as JSON
 to FAKE_NEURON_RECORD (when set; where it is a folder, to <pid>.json in it, a file per process: tensor
@@ -47,7 +52,7 @@ exists, the local rank; what started the runtime, the NEFF cache folder and the 
 whether the process group came first, the root communicator's address (h), each memory query with its
 index (e), per compile whether fallback to eager execution was disabled
 (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1), NEURON_CC_FLAGS and NEURON_COMPILER_OPT_LEVEL as the compile
-read them (None: unset) and its NEFF, the eager compiles (f), the synchronize calls per thread (g), and the
+read them (None: unset) and its NEFF, the eager compiles (f), the synchronize calls per thread (g, j), and the
 transfers and graph runs per thread (i). The `neuron` compile backend runs TorchNeuron's stages up to
 StableHLO as its source writes them (neuron_dynamo_backend.py), writes that StableHLO as the graph's .neff
 file into the cache folder, records the inputs its executor binds in place (`mutated_inputs`), and runs the
@@ -65,6 +70,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 NEFF_CACHE_VARIABLE = "TORCH_NEURONX_NEFF_CACHE_DIR"
 DEFAULT_NEFF_CACHE = "/tmp/neff_cache"
@@ -98,6 +104,7 @@ class Runtime:
             "memory_queries": [],
             "synchronize": {},
             "to_device": {},
+            "blocking_to_device": {},
             "to_host": {},
             "graph_runs": {},
         }
@@ -283,6 +290,25 @@ def _neuron_backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> A
     return runtime.compile(graph, example_inputs)
 
 
+class HostToDeviceCopies(TorchFunctionMode):
+    """Rule (j): the copies a host-to-device seam makes, and how many of them wait. TorchNeuron's
+    copy_cpu_to_neuron synchronizes the stream after a write unless it is non-blocking
+    (csrc/utils/CopyUtils.cpp)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocking = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_:
+            self.blocking += not kwargs.get("non_blocking", len(args) > 2 and args[2])
+        elif func is torch.Tensor.to:  # to(device, dtype, non_blocking, copy): its first bool
+            flags = [arg for arg in args[1:] if isinstance(arg, bool)]
+            self.blocking += not kwargs.get("non_blocking", bool(flags and flags[0]))
+        return func(*args, **kwargs)
+
+
 def _register() -> None:
     from torch._dynamo import register_backend
 
@@ -301,19 +327,23 @@ def _register() -> None:
     import vllm_neuron.device
 
     vllm_neuron.device.TENSOR_DEVICE_TYPE = "cpu"  # the seam: see the module docstring
-    to_host, to_device = vllm_neuron.device.to_host, vllm_neuron.device.to_device
+    to_host, copy_to_device = vllm_neuron.device.to_host, vllm_neuron.device.copy_to_device
 
     def copying_to_host(tensor: torch.Tensor) -> torch.Tensor:
         runtime.copy_to_host(tensor)  # rule (f)
         runtime.count("to_host")  # rule (i)
         return to_host(tensor)
 
-    def copying_to_device(array: Any, device: torch.device) -> torch.Tensor:
+    def copying_to_device(destination: torch.Tensor, array: Any) -> None:
         runtime.count("to_device")  # rule (i)
-        return to_device(array, device)
+        with HostToDeviceCopies() as copies:
+            copy_to_device(destination, array)
+        for _ in range(copies.blocking):  # rule (j)
+            runtime.count("blocking_to_device")
+            runtime.synchronize()
 
     vllm_neuron.device.to_host = copying_to_host
-    vllm_neuron.device.to_device = copying_to_device
+    vllm_neuron.device.copy_to_device = copying_to_device
 
 
 _register()
