@@ -6,10 +6,12 @@ shared engine still uses; so the LoRA engine lives here, as tests/generate_in_su
     python tests/lora_in_subprocess.py '{"model": DIR, "engine": {...}, "adapters": {NAME: DIR}, ...}'
 
 Keys: "mixed" (a list of [prompt, adapter name or null], generated in one batch), "cycle" (adapter names,
-each generated alone with "prompt", twice round: eviction and reload), "refused" (adapter names whose
-add_lora must fail: their error messages), "max_tokens", "metrics" (counters of llm.get_metrics() to sum).
-The result also carries `vllm-neuron check`'s measure of the built model ("built"). Adapter ids follow the
-order of "adapters".
+each generated alone with "prompt", twice round: eviction and reload), "load_unload" (adapter names, each
+loaded with add_lora, generated alone with "prompt", then removed), "refused" (adapter names whose add_lora
+must fail: their error messages), "max_tokens", "metrics" (counters of llm.get_metrics() to sum). The result
+also carries `vllm-neuron check`'s measure of the built model ("built"), and on fake TorchNeuron
+(tests/fake_neuron) its eager ops by rules (f), (k) and (l), those of start-up and those after. Adapter ids
+follow the order of "adapters".
 """
 
 import dataclasses
@@ -19,6 +21,17 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` importable, as under pytest
+FAKE_RULES = ("eager_compiles", "eager_kernels", "host_round_trips", "host_reads")  # fake TorchNeuron's
+
+
+def fake_neuron_facts() -> dict[str, list] | None:
+    """What fake TorchNeuron recorded so far of rules (f), (k) and (l), where it serves this engine (the
+    engine core runs in this process)."""
+    fake = sys.modules.get("torch_neuronx")
+    if fake is None:
+        return None
+    with fake.runtime.lock:
+        return {key: list(fake.runtime.facts[key]) for key in FAKE_RULES}
 
 
 def calls_by_phase() -> Counter:
@@ -46,6 +59,7 @@ def main() -> None:
         for lora_id, (name, path) in enumerate(request["adapters"].items(), start=1)
     }
     before = llm.collective_rpc("compile_stats")
+    started = fake_neuron_facts()
     calls_before = calls_by_phase()
 
     def generate(cases: list[tuple[list[int], str | None]]) -> list[list[int]]:
@@ -63,6 +77,11 @@ def main() -> None:
     # Each alone, twice round: with more adapters than slots, each evicts the least recently used.
     cycle = [generate([(request["prompt"], name)])[0] for name in request["cycle"] * 2]
     loaded = sorted(llm.llm_engine.list_loras())
+    load_unload = []
+    for name in request.get("load_unload", []):
+        llm.llm_engine.add_lora(loras[name])
+        load_unload.append(generate([(request["prompt"], name)])[0])
+        llm.llm_engine.remove_lora(loras[name].lora_int_id)
     refused = {}
     for name in request["refused"]:
         try:
@@ -78,7 +97,12 @@ def main() -> None:
     for metric in llm.get_metrics() if metrics else []:
         if metric.name in metrics:
             metrics[metric.name] += metric.value
+    fake, served = None, fake_neuron_facts()
+    if served is not None:
+        fake = {"start_up": started, "after": {key: served[key][len(started[key]) :] for key in FAKE_RULES}}
     result = {
+        "fake_neuron": fake,
+        "load_unload": load_unload,
         "metrics": metrics,
         "built": dataclasses.asdict(built),
         "device_thread": llm.collective_rpc("device_thread")[0],

@@ -13,6 +13,7 @@ from tests.conftest import ENGINE_KWARGS
 from tests.environment import TENSOR_PARALLEL_ENVIRONMENT
 from tests.fp8_reference import round_kv_through_fp8
 from tests.helpers import build_adapter, engine_config, hf_greedy, random_prompt, run_engine
+from tests.test_neuron_startup import fake_neuron_environment
 
 MAX_TOKENS = 8
 MAX_RANK = 16
@@ -139,6 +140,40 @@ def test_an_adapter_the_slots_cannot_hold_is_refused_by_name(lora_run):
     assert set(lora_run["refused"]) == set(REFUSED)
     for name, message in REFUSED_MESSAGES.items():
         assert message in (lora_run["refused"][name] or "accepted"), lora_run["refused"][name]
+
+
+@pytest.mark.slow
+def test_adapter_loads_on_trainium_compile_nothing_and_never_cross_the_host(
+    tiny_model_dir, adapters, hf_model, tmp_path
+):
+    """Neuron mode on fake TorchNeuron: load the adapter of the maximum rank, serve, unload, load one of a
+    lower rank into the freed slot (vLLM's own writes of it would go through the host: rule (l)), serve. No
+    eager kernel is compiled once the engine has started (rule (k): vLLM's reset of a slot would be a fill),
+    nothing crosses the host (rule (l)), and the tokens are HF+peft's."""
+    order = ["all", "qv"]
+    assert ADAPTERS["qv"][0] < MAX_RANK == ADAPTERS["all"][0]
+    extra = {
+        "adapters": {name: str(adapters[name][0]) for name in order},
+        "mixed": [(SHORT, None)],
+        "prompt": SHORT,
+        "cycle": [],
+        "load_unload": order,
+        "refused": [],
+    }
+    small = {"prefill_buckets": [64], "decode_batch_buckets": [2], "context_buckets": [256]}
+    engine = ENGINE | {"max_num_seqs": 2, "additional_config": small}
+    env = fake_neuron_environment(tmp_path / "fake_neuron.json", tmp_path / "compile-cache")
+    result = run_engine(
+        tiny_model_dir, engine, env, max_tokens=MAX_TOKENS, extra=extra, script="lora_in_subprocess.py"
+    )
+    models = references(adapters, hf_model)
+    assert result["mixed"] == [hf_greedy(models[None], SHORT, MAX_TOKENS)]
+    assert result["load_unload"] == [hf_greedy(models[name], SHORT, MAX_TOKENS) for name in order]
+    fake = result["fake_neuron"]
+    seen = {"eager_kernels after start-up": len(fake["after"]["eager_kernels"])}
+    for rule in ("host_round_trips", "host_reads", "eager_compiles"):
+        seen[rule] = len(fake["start_up"][rule]) + len(fake["after"][rule])
+    assert seen == dict.fromkeys(seen, 0), fake
 
 
 @pytest.mark.parametrize(

@@ -227,10 +227,11 @@ def test_weights_and_kv_cache_that_do_not_fit_fail_at_start_up(neuron_mode):
 ENGINE_CORE_MEMORY = math.ceil(int(TEST_ENVIRONMENT["VLLM_NEURON_CPU_KV_CACHE_BYTES"]) / KV_CACHE_FRACTION)
 
 
-@pytest.mark.slow
-def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, hf_model, tmp_path):
-    record, cache_root = tmp_path / "fake_neuron.json", tmp_path / "compile-cache"
-    env = {
+def fake_neuron_environment(record: Path, cache_root: Path) -> dict[str, str | None]:
+    """An engine's environment in Neuron mode on fake TorchNeuron, which writes what it saw to `record` (a
+    folder: a file per process); the plugin's compile cache under `cache_root`, TorchNeuron's settings the
+    plugin's."""
+    return {
         "VLLM_NEURON_DEVICE": "neuron",
         "VLLM_NEURON_COMPILE_BACKEND": None,  # Neuron mode's own: `neuron`
         "PYTHONPATH": os.pathsep.join([str(FAKE_NEURON), os.environ.get("PYTHONPATH", "")]),
@@ -238,10 +239,17 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
         "FAKE_NEURON_TOTAL_MEMORY": str(ENGINE_CORE_MEMORY),
         "VLLM_NEURON_GRAPH_RESERVE_BYTES": str(16 * 1024**2),
         "VLLM_NEURON_CACHE_ROOT": str(cache_root),
-        # The Kubernetes device plugin gave this pod two cores; it serves with one rank.
-        "NEURON_RT_VISIBLE_CORES": "0-1",
         "TORCH_NEURONX_NEFF_CACHE_DIR": None,
         "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": None,
+    }
+
+
+@pytest.mark.slow
+def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, hf_model, tmp_path):
+    record, cache_root = tmp_path / "fake_neuron.json", tmp_path / "compile-cache"
+    env = fake_neuron_environment(record, cache_root) | {
+        # The Kubernetes device plugin gave this pod two cores; it serves with one rank.
+        "NEURON_RT_VISIBLE_CORES": "0-1",
         "NEURON_COMPILER_OPT_LEVEL": None,  # the plugin's default
         "NEURON_CC_FLAGS": "--enable-saturate-infinity",  # the user's own, passed on as it is
     }
@@ -260,6 +268,8 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
     facts = json.loads(record.read_text())
     # No device tensor reached the host strided (fake rule (f)): no eager kernel compiled while serving.
     assert facts["eager_compiles"] == []
+    # Nor any other eager op on a device tensor (rule (k)), write through the host or read past to_host (l).
+    assert facts["eager_kernels"] == facts["host_round_trips"] == facts["host_reads"] == []
     # Fake rule (i): each call's inputs go to the device in one transfer (warm-up's, serving's, on any
     # thread), and the calls on the device thread bring nothing to the host: a decode row takes the previous
     # step's token on the device.
@@ -315,18 +325,9 @@ def test_tensor_parallel_ranks_start_in_the_order_the_runtime_needs(tiny_model_d
     transfer (rule (i))."""
     records, cache_root = tmp_path / "fake_neuron", tmp_path / "compile-cache"
     records.mkdir()
-    env = {
-        "VLLM_NEURON_DEVICE": "neuron",
-        "VLLM_NEURON_COMPILE_BACKEND": None,
-        "PYTHONPATH": os.pathsep.join([str(FAKE_NEURON), os.environ.get("PYTHONPATH", "")]),
-        "FAKE_NEURON_RECORD": str(records),
-        "FAKE_NEURON_TOTAL_MEMORY": str(ENGINE_CORE_MEMORY),
-        "VLLM_NEURON_GRAPH_RESERVE_BYTES": str(16 * 1024**2),
-        "VLLM_NEURON_CACHE_ROOT": str(cache_root),
+    env = fake_neuron_environment(records, cache_root) | {
         "NEURON_RT_VISIBLE_CORES": "2-3",  # the pod's two cores: rank 0 gets core 2, rank 1 core 3
         "FAKE_NEURON_CORES": "4",
-        "TORCH_NEURONX_NEFF_CACHE_DIR": None,
-        "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": None,
         "NEURON_RT_ROOT_COMM_ID": None,
         "MASTER_ADDR": None,
     }
@@ -379,6 +380,7 @@ def test_tensor_parallel_ranks_start_in_the_order_the_runtime_needs(tiny_model_d
         assert len(fact["compiles"]) == graphs
         assert all(graph["fallback_disabled"] for graph in fact["compiles"])
         assert fact["eager_compiles"] == []  # rule (f), through serving, logprobs, sleep and wake-up
+        assert fact["eager_kernels"] == fact["host_round_trips"] == fact["host_reads"] == []  # (k), (l)
         assert sum(fact["to_device"].values()) == sum(fact["graph_runs"].values())  # rule (i)
         # Rule (j): no transfer waits for the device, and the device thread never synchronizes.
         assert fact["blocking_to_device"] == {} and "neuron-device_0" not in fact["synchronize"]

@@ -576,6 +576,18 @@ def test_the_adapter_manager_seam_the_lora_slots_use():
     for layer, whole in ((ColumnParallelLinearWithLoRA, "a"), (RowParallelLinearWithLoRA, "b")):
         kept = inspect.getsource(getattr(layer, f"slice_lora_{whole}")).splitlines()[-1].strip()
         assert kept == f"return lora_{whole}", moved(f"{layer.__name__}.slice_lora_{whole}", "vllm_lora")
+    # _SlotWritingModelManager: the worker manager builds its model manager from _manager_cls, whose
+    # activation writes the slot into each module of self.modules with set_lora or reset_lora.
+    from vllm.lora.model_manager import LRUCacheLoRAModelManager
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+
+    assert LRUCacheWorkerLoRAManager._manager_cls is LRUCacheLoRAModelManager
+    assert "lora_manager_cls=self._manager_cls" in inspect.getsource(
+        LRUCacheWorkerLoRAManager.create_lora_manager
+    ), moved("LRUCacheWorkerLoRAManager._manager_cls", "vllm_lora")
+    activate = inspect.getsource(LoRAModelManager.activate_adapter)
+    for call in ("self.modules.items()", "module.set_lora(", "module.reset_lora(index)"):
+        assert call in activate, moved(f"LoRAModelManager.activate_adapter's {call}", "vllm_lora")
     # vLLM calls update_metadata only when the mapping or the slot layout changes: one fixed mapping suffices.
     assert "self._last_slot_layout != slot_layout" in inspect.getsource(
         LoRAModelManager.set_adapter_mapping

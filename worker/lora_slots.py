@@ -1,7 +1,8 @@
 """The runner's LoRA side (--enable-lora): vLLM's adapter manager wraps the model's layers before it is
-compiled, each step's adapters are activated into vLLM's fixed slots, and each batch row gets its slot, which
-the call inputs carry per token (worker/call_inputs.py) and the punica wrapper reads
-(vllm_neuron/lora/punica.py). docs/research/issue-39-lora.md."""
+compiled, each step's adapters are activated into vLLM's fixed slots (each slot written whole from the host,
+worker/lora_images.py), and each batch row gets its slot, which the call inputs carry per token
+(worker/call_inputs.py) and the punica wrapper reads (vllm_neuron/lora/punica.py).
+docs/research/issue-39-lora.md."""
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ import torch
 
 from vllm_neuron import metrics
 from vllm_neuron.upstream.vllm_lora import (
+    STACKS,
     CheckedLoRAManager,
     LoRAMapping,
     LoRAModel,
@@ -17,6 +19,7 @@ from vllm_neuron.upstream.vllm_lora import (
     supports_lora,
 )
 from worker.async_steps import DeviceThread
+from worker.lora_images import SlotImages
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,6 +52,7 @@ class LoRASlots:
         self.device = device
         self.device_thread = device_thread
         self.manager: CheckedLoRAManager | None = None
+        self.images: SlotImages | None = None
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model with its layers replaced by vLLM's LoRA layers (before it is compiled)."""
@@ -57,7 +61,15 @@ class LoRASlots:
         self.manager = CheckedLoRAManager(
             self.vllm_config, self.device, model.embedding_modules, check=refuse_unservable
         )
-        return self.manager.create_lora_manager(model, self.vllm_config)
+        wrapped = self.manager.create_lora_manager(model, self.vllm_config)
+        self.images = SlotImages(self.manager.wrapped_modules())  # worker/lora_images.py
+        self.manager.write_slots_through(self.images)
+        return wrapped
+
+    def warm_up(self) -> None:
+        """Write vLLM's slot 0 (free: no adapter is loaded yet) with zero images through the path a load
+        takes, so that the first load is not the first write of its kind."""
+        self._write(lambda: self.images.write(0))
 
     def activate(self, batch: "InputBatch") -> list[int]:
         """Each batch row's slot, its adapter activated first."""
@@ -91,7 +103,7 @@ class LoRASlots:
         found = {}
         for name, layer in self.manager.wrapped_modules().items():
             whole = split = 0
-            for stack in ("lora_a_stacked", "lora_b_stacked"):
+            for stack in STACKS:
                 stacked = getattr(layer, stack)
                 size = sum(
                     t.numel() * t.element_size()
@@ -121,7 +133,7 @@ class LoRASlots:
         return self._write(lambda: self.manager.remove_adapter(lora_id))
 
     def pin(self, lora_id: int) -> bool:
-        return self.manager.pin_adapter(lora_id)
+        return self._write(lambda: self.manager.pin_adapter(lora_id))  # activates it where it is not
 
     def list(self) -> set[int]:
         return self.manager.list_adapters()

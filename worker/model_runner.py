@@ -150,6 +150,8 @@ class NeuronModelRunner:
             block_size=self.block_size,
             one_rank=self.vllm_config.parallel_config.tensor_parallel_size == 1,
         )
+        if self.lora is not None:
+            self.lora.warm_up()
         self._log_ready()
         return seconds
 

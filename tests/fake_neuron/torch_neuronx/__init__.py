@@ -43,7 +43,17 @@ Modelled and recorded, not raised:
     after the write unless the copy is non-blocking (csrc/utils/CopyUtils.cpp), and every thread's current
     stream is the device's default one (c10/neuron/NeuronStream.cpp). The fake watches the torch calls
     `copy_to_device` makes (`Tensor.copy_` / `Tensor.to` and their non_blocking) and counts each blocking one
-    as a synchronize of the calling thread, and apart as `blocking_to_device`.
+    as a synchronize of the calling thread, and apart as `blocking_to_device`;
+(k) an eager op on a device tensor (outside compiled graphs: `fill_`, `zero_`, `index_put_`, `copy_` between
+    device tensors, `__setitem__`/`__getitem__` with tensor indices or a scalar) runs a kernel neuronx-cc
+    compiles once per new input shapes and dtypes: each new one is recorded (`eager_kernels`: op, shapes,
+    dtypes, static arguments, thread). A host tensor copied into a contiguous device tensor (any storage
+    offset) is a runtime write, not a kernel (rule (i));
+(l) a write into a non-contiguous device view copies the whole storage to the host and back, blocking, unless
+    the view permutes the whole storage (a compiled transpose, rule (k)): each is recorded
+    (`host_round_trips`: op, shape, stride, storage offset, dtype, the storage's bytes, thread), and so is a
+    `copy_` from a device tensor into a host one (`host_reads`). Device tensors are those a compiled graph
+    read or wrote (eager_ops.py says how they are told apart, and what TorchNeuron runs for each op).
 
 Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the fake saw is written as JSON
 to FAKE_NEURON_RECORD (when set; where it is a folder, to <pid>.json in it, a file per process: tensor
@@ -52,11 +62,11 @@ exists, the local rank; what started the runtime, the NEFF cache folder and the 
 whether the process group came first, the root communicator's address (h), each memory query with its
 index (e), per compile whether fallback to eager execution was disabled
 (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1), NEURON_CC_FLAGS and NEURON_COMPILER_OPT_LEVEL as the compile
-read them (None: unset) and its NEFF, the eager compiles (f), the synchronize calls per thread (g, j), and the
-transfers and graph runs per thread (i). The `neuron` compile backend runs TorchNeuron's stages up to
-StableHLO as its source writes them (neuron_dynamo_backend.py), writes that StableHLO as the graph's .neff
-file into the cache folder, records the inputs its executor binds in place (`mutated_inputs`), and runs the
-graph on the host.
+read them (None: unset) and its NEFF, the eager compiles (f), the synchronize calls per thread (g, j), the
+transfers and graph runs per thread (i), the eager kernels (k), and the host round trips and reads (l). The
+`neuron` compile backend runs TorchNeuron's stages up to StableHLO as its source writes them
+(neuron_dynamo_backend.py), writes that StableHLO as the graph's .neff file into the cache folder, records the
+inputs its executor binds in place (`mutated_inputs`), and runs the graph on the host.
 """
 
 import hashlib
@@ -347,3 +357,8 @@ def _register() -> None:
 
 
 _register()
+
+# Rules (k) and (l): after the seams are wrapped, whose to_host it wraps again.
+from torch_neuronx import eager_ops  # noqa: E402
+
+eager = eager_ops.install(runtime)
