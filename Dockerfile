@@ -134,7 +134,7 @@ ARG GGUF_VERSION
 ARG ACCELERATE_VERSION
 ARG SMOLLM2_VERSION
 # The `neuron` extra: torch-neuronx, nki and neuronx-cc of one Neuron SDK release, installed together as AWS's
-# guide does (torch-neuronx imports nki when it loads). It holds no vLLM: PyPI's vllm wheel is the CUDA build.
+# guide does (its NKI quickstart says torch-neuronx imports nki). It holds no vLLM: PyPI's vllm wheel is the CUDA build.
 RUN pip install --extra-index-url "${NEURON_PIP_REPO}" --extra-index-url "${TORCH_INDEX_URL}" "/src[neuron]"
 # VLLM_TARGET_DEVICE=empty: pure-Python vLLM, no CUDA or CPU kernels; the plugin brings the device. Without
 # build isolation the build uses the torch above instead of fetching vLLM's CUDA pin, and the version

@@ -149,6 +149,7 @@ with torch_neuronx.HostToDeviceCopies() as copies:
     held.copy_(torch.ones(4), non_blocking=True)
     torch.ones(4).to("cpu", torch.float32, True)
     torch.ones(4).to("cpu")
+    held[:1].copy_(torch.ones(1))  # one element: the bounce buffer, no wait
 print(copies.blocking)
 device.copy_to_device(torch.zeros(8, dtype=torch.uint8), np.arange(8, dtype=np.uint8))
 print(torch_neuronx.runtime.facts["synchronize"], torch_neuronx.runtime.facts["to_device"])

@@ -311,7 +311,7 @@ def copy_to_device(destination: torch.Tensor, array: np.ndarray) -> None:
     """One host-to-device transfer of a host array's bytes into a contiguous device tensor of as many (a
     call's packed inputs, worker/packed_inputs.py), without waiting for the device. Non-blocking, TorchNeuron
     copies the host bytes to a bounce buffer at once and queues the write on the stream, behind the graphs
-    already submitted; blocking, it synchronizes the stream after the write (copy_cpu_to_neuron,
+    already submitted; blocking, it then waits until the stream is idle (copy_cpu_to_neuron,
     csrc/utils/CopyUtils.cpp; KernelExecution.cpp, AllocateBounceBuffer). Every thread's current stream is
     the device's default stream (c10/neuron/NeuronStream.cpp). In CPU mode, a copy in host memory."""
     destination.copy_(torch.from_numpy(array), non_blocking=True)

@@ -1,10 +1,11 @@
 """How an adapter reaches its slot: each slot of a stacked adapter weight written whole, from the host.
 
 vLLM's LoRA layers write a slot in place on the device: `stacked[index] = 0` (reset_lora), then
-`stacked[index, 0, :rows, :rank].copy_(weights)`. On TorchNeuron the first is an eager fill kernel neuronx-cc
-compiles on first use, and the second, where the adapter's rank is below max_lora_rank, is a write into a
-view with gaps, which copies the whole stacked tensor (every slot) to the host and back, blocking both ways
-(fake TorchNeuron's rules (k) and (l), tests/fake_neuron/torch_neuronx/eager_ops.py, with their sources).
+`stacked[index, 0, :rows, :rank].copy_(weights)`. On TorchNeuron the first is an eager copy of an expanded
+scalar, a kernel neuronx-cc compiles on first use, and the second, where the adapter's rank is below
+max_lora_rank, is a write into a view with gaps: a compiled transpose, then the whole stacked tensor (every
+slot) to the host and back, blocking (fake TorchNeuron's rules (k) and (l),
+tests/fake_neuron/torch_neuronx/eager_ops.py, with their sources).
 A slot itself, `stacked[index]`, is contiguous: a host tensor copied into it is one runtime write.
 
 So vLLM's own set_lora and reset_lora (their tensor-parallel slicing and packed layers included) run on

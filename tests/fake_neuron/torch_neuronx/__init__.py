@@ -39,9 +39,10 @@ Modelled and recorded, not raised:
     tensor's producers: `vllm_neuron.device.copy_to_device` and `to_host` (the seams) are counted per thread,
     and so are the compiled graphs' runs, so that a test can bound transfers per call and find a token's round
     trip through the host between two steps;
-(j) a blocking host-to-device copy is a synchronize: TorchNeuron's copy_cpu_to_neuron waits for the stream
-    after the write unless the copy is non-blocking (csrc/utils/CopyUtils.cpp), and every thread's current
-    stream is the device's default one (c10/neuron/NeuronStream.cpp). The fake watches the torch calls
+(j) a blocking host-to-device copy is a synchronize: TorchNeuron's copy_cpu_to_neuron waits until the
+    stream is idle after the write unless the copy is non-blocking or of one element
+    (csrc/utils/CopyUtils.cpp), and every thread's current stream is the device's default one
+    (c10/neuron/NeuronStream.cpp). The fake watches the torch calls
     `copy_to_device` makes (`Tensor.copy_` / `Tensor.to` and their non_blocking) and counts each blocking one
     as a synchronize of the calling thread, and apart as `blocking_to_device`;
 (k) an eager op on a device tensor (outside compiled graphs: `fill_`, `zero_`, `index_put_`, `copy_` between
@@ -312,10 +313,14 @@ class HostToDeviceCopies(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.copy_:
-            self.blocking += not kwargs.get("non_blocking", len(args) > 2 and args[2])
+            source, waits = args[1], not kwargs.get("non_blocking", len(args) > 2 and args[2])
         elif func is torch.Tensor.to:  # to(device, dtype, non_blocking, copy): its first bool
             flags = [arg for arg in args[1:] if isinstance(arg, bool)]
-            self.blocking += not kwargs.get("non_blocking", bool(flags and flags[0]))
+            source, waits = args[0], not kwargs.get("non_blocking", bool(flags and flags[0]))
+        else:
+            return func(*args, **kwargs)
+        # A one-element source takes the bounce buffer, blocking or not (CopyUtils.cpp).
+        self.blocking += waits and source.numel() != 1
         return func(*args, **kwargs)
 
 

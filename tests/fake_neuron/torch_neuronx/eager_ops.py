@@ -12,15 +12,19 @@ interception changes no graph.
 What TorchNeuron runs for each (parmoham-aws/test-repo-parmoham@98154b8, torch_neuronx/):
 - a host tensor copied into a contiguous device tensor, at any storage offset, is a runtime write
   (python_ops/copy.py, csrc/utils/CopyUtils.cpp copy_cpu_to_neuron): rule (i)'s business, not recorded here;
-- (k) every other op on a device tensor is a kernel neuronx-cc compiles once per new input shapes and dtypes
-  (python_ops/torch_mlir/kernel.py `_get_or_compile_neff`): `fill_`, `zero_`, `index_put_`, `__setitem__`
-  with tensor indices or a scalar, `__getitem__` with tensor indices (`index`, python_ops/__init__.py), and a
-  device-to-device `copy_` (python_ops/torch_mlir/ops/copy.py, `src + 0`); a fill's scalar is part of its key
-  (static_argnums);
+- (k) every other op on a device tensor is a kernel neuronx-cc compiles once per new op, input shapes and
+  dtypes (python_ops/torch_mlir/kernel.py, keyed in python_ops/kernels/base.py): `fill_`, `zero_`,
+  `index_put_`, `__setitem__` with tensor indices or a scalar (a scalar is expanded and copied), `__getitem__`
+  with tensor indices (`index`, python_ops/__init__.py), and a device-to-device `copy_`
+  (python_ops/torch_mlir/ops/copy.py, `src + 0`; float64 and bool take a runtime copy instead, and a copy
+  without non_blocking also synchronizes the stream: not modelled, the plugin makes none); a fill's scalar is
+  part of its key (static_argnums);
 - (l) a write into a non-contiguous device view (python_ops/cast_policy.py `_write_to_noncontiguous_neuron`):
-  a permutation of the whole storage takes a compiled transpose (k) and a device copy; anything else (a
-  slice with gaps, such as `stacked[i, 0, :out, :r]` with r below the stacked rank, fails the device copy's
-  size check) copies the WHOLE storage to the host and back, blocking both ways;
+  a compiled transpose to the view's stride order runs first (k); a permutation of the whole storage then
+  takes a device copy; anything else (a slice with gaps, such as `stacked[i, 0, :out, :r]` with r below the
+  stacked rank, fails the device copy's size check; a broadcast skips the transpose) copies the WHOLE storage
+  to the host and back: from a host source, four blocking transfers (copy.py's temporary, its read-back, the
+  storage down and up);
 - a device tensor copied into a host tensor with `copy_` is a device-to-host read that bypasses the to_host
   seam: recorded too (`host_reads`).
 """
@@ -105,10 +109,13 @@ class EagerRules:
         """Rule (l): the value reaches a non-contiguous device view."""
         if view.is_contiguous():
             return
-        if _permutes_whole_storage(view):
+        if 0 not in view.stride():  # a broadcast goes to the host at once
+            # The transpose to the view's stride order compiles and runs first; only a permutation of the
+            # whole storage then fits the device copy's size check.
             order = sorted(range(view.dim()), key=lambda d: -view.stride(d))
             self.kernel("noncontiguous_copy_transpose", [view], [order])
-            return
+            if _permutes_whole_storage(view):
+                return
         self._append(
             "host_round_trips",
             {
