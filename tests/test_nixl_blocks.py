@@ -153,3 +153,19 @@ def test_a_copy_touches_the_caches_only_inside_its_graphs(copier, direction, mon
             copier(host, views, ids, ids, direction)
     assert recorded.ops == []
     assert calls == ["gather" if direction == "d2h" else "scatter"] * 2
+
+
+def test_the_graphs_write_the_caches_in_place_and_meet_neuronx_ccs_rules(copier):
+    """As TorchNeuron's aliasing analysis reads them: each load graph updates every cache in place (its
+    mhlo.input_output_alias lists them), each save graph writes nothing; and XLA kept the writes in place."""
+    graphs = [graph.summary() for graph in copier.recorder.lowering.graphs]
+    assert len(graphs) == 2 * len(copier.buckets)
+    for save, load in zip(graphs[::2], graphs[1::2], strict=True):
+        assert save["aliased_inputs"] == save["written_inputs"] == []
+        # (the parameters in dynamo's order, first use first: a cache, the block ids, the pages, the others)
+        assert load["aliased_inputs"] == load["written_inputs"] and len(set(load["aliased_inputs"])) == len(
+            LAYERS
+        )
+        assert load["caches_in_place"], load["cache_problems"]
+        for graph in (save, load):
+            assert graph["neuronx_cc_rules"]["broken"] == []
