@@ -15,6 +15,7 @@ run as several. Every bucket compiles at start-up through the compile recorder (
 never compiles.
 """
 
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -67,9 +68,23 @@ def max_copy_blocks(blocks_per_request: int, block_bytes: int) -> int:
     return max(1, min(blocks_per_request, COPY_BYTES // block_bytes))
 
 
-def send(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """One host-to-device transfer of a copy's bytes."""
-    return neuron_device.to_device(array, device)
+class Staging:
+    """A copy's bytes on the device: one buffer per size and sending thread, made at its first copy (warm-up
+    runs every bucket) and written in place by each later one, without waiting for the device
+    (neuron_device.copy_to_device: queued behind the graphs this thread submitted, as a call's inputs are,
+    worker/packed_inputs.py)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def send(self, array: np.ndarray) -> torch.Tensor:
+        key = (threading.current_thread().name, array.nbytes)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = torch.empty(array.nbytes, dtype=torch.uint8, device=self.device)
+        neuron_device.copy_to_device(buffer, array.view(np.uint8))
+        return buffer
 
 
 class BlockCopier:
@@ -87,6 +102,7 @@ class BlockCopier:
     ) -> None:
         self.caches = caches
         self.recorder = recorder
+        self.staging = Staging(caches.device)
         tensors = list(caches.by_layer().values())
         dtypes = {cache.dtype for cache in tensors}
         if len(dtypes) != 1:
@@ -161,11 +177,11 @@ class BlockCopier:
 
     def _gather(self, block_ids: np.ndarray) -> torch.Tensor:
         """Every layer's pages of block_ids (a bucket's worth), on the device: one transfer, one graph."""
-        return self.gather(self._caches(), send(block_ids, self.caches.device))
+        return self.gather(self._caches(), self.staging.send(block_ids).view(torch.int64))
 
     def _scatter(self, buffer: np.ndarray, bucket: int) -> None:
         """Write a `_load_buffer` into the caches: one transfer, one graph."""
-        block_ids, pages = self._split(send(buffer, self.caches.device), bucket)
+        block_ids, pages = self._split(self.staging.send(buffer), bucket)
         self.scatter(self._caches(), block_ids, pages)
 
     def _load_buffer(self, bucket: int) -> np.ndarray:
