@@ -45,3 +45,19 @@ def block_major(cache: torch.Tensor) -> torch.Tensor:
 def slot_mapping(block_row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """Flat cache slots of token positions, given the request's block ids (computed on the host)."""
     return block_row[positions // block_size] * block_size + positions % block_size
+
+
+def page_table(cache: torch.Tensor) -> torch.Tensor:
+    """A layer cache as a table of its pages' runs, [2 * kv_heads * blocks, block_size * head_size]: copy c
+    of block b (its keys or values of one KV head) at row c * blocks + b. The same storage, contiguous."""
+    copies, num_blocks, block_size, head_size = cache.shape
+    return cache.view(copies * num_blocks, block_size * head_size)
+
+
+def page_rows(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """The rows of `page_table(cache)` that hold the pages of block_ids [n], page by page: [n * copies], so
+    the rows taken in this order are the blocks' block-major pages ([n, 2 * kv_heads, block_size,
+    head_size]), the layout vLLM's connectors and NIXL move."""
+    copies, num_blocks = cache.shape[:2]
+    copy_offsets = torch.arange(copies, device=block_ids.device).view(1, copies) * num_blocks
+    return (block_ids.view(-1, 1) + copy_offsets).reshape(-1)

@@ -2,21 +2,20 @@
 (worker/nixl.py) as on Trainium, moves each prompt's KV from a prefill server to a decode server over UCX on
 127.0.0.1; the decode server gives HF's greedy tokens without computing the prompt, and neither server
 compiles after warm-up. The pages NIXL moves are the blocks of the plugin's head-major cache, copied whole
-through block-major views; peers whose pages differ are refused."""
+by compiled graphs (worker/nixl_blocks.py, tests/test_nixl_blocks.py); peers whose pages differ are
+refused."""
 
 import json
 
 import pytest
-import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-from kv_cache import layout
 from tests.conftest import FEW_BUCKETS
 from tests.helpers import engine_config, hf_greedy, random_prompt
 from tests.serving import ServerProcess, complete, free_port, http
 from tests.test_server import metric_values
-from vllm_neuron.upstream import vllm_nixl, vllm_runner
+from vllm_neuron.upstream import vllm_nixl
 from worker.nixl import HostStagedNixlConnector, page_layout_mismatch
 
 MAX_TOKENS = 8
@@ -35,30 +34,6 @@ def test_nixl_connector_is_the_plugins_staged_through_host_buffers(tiny_model_di
     assert config.kv_buffer_device == "cpu"
     connector = KVConnectorFactory.get_connector_class(config)
     assert connector is HostStagedNixlConnector and issubclass(connector, vllm_nixl.NixlPullConnector)
-
-
-def test_blocks_move_whole_between_the_cache_and_a_host_buffer():
-    """vLLM's block copy (the one it hands NIXL) over the block-major views, through the platform's
-    swap_out_blocks_to_host and insert_blocks_to_device: a host page is the block's 2 * kv_heads runs."""
-    generator = torch.Generator().manual_seed(0)
-    caches = {
-        name: layout.allocate(6, 4, 2, 3, torch.float32, torch.device("cpu")).normal_(generator=generator)
-        for name in ("layers.0", "layers.1")
-    }
-    before = {name: cache.clone() for name, cache in caches.items()}
-    views = {name: layout.block_major(cache) for name, cache in caches.items()}
-    host = {name: torch.zeros(view.shape) for name, view in views.items()}  # NIXL's: contiguous, block-major
-
-    vllm_runner.copy_kv_blocks(views, host, [3, 1], [3, 1], "d2h")
-    for name, cache in caches.items():
-        assert host[name][3].equal(cache[:, 3]) and host[name][1].equal(cache[:, 1])
-        assert host[name][[0, 2, 4, 5]].eq(0).all()
-
-    vllm_runner.copy_kv_blocks(host, views, [3, 1], [5, 2], "h2d")  # a decode server's blocks differ
-    for name, cache in caches.items():
-        assert cache[:, 5].equal(before[name][:, 3]) and cache[:, 2].equal(before[name][:, 1])
-        untouched = [0, 1, 3, 4]
-        assert cache[:, untouched].equal(before[name][:, untouched])
 
 
 def test_peers_with_other_pages_are_refused():

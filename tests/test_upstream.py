@@ -699,13 +699,18 @@ def test_the_nixl_connector_stages_through_host_buffers_by_two_flags():
         "_validate_remote_agent_handshake", "vllm_nixl"
     )
     assert vllm_nixl.NixlPullConnector is connector.NixlConnector
-    assert parameters(vllm_runner.copy_kv_blocks) == [
-        "src_kv_caches",
-        "dst_kv_caches",
-        "src_block_ids",
-        "dst_block_ids",
-        "direction",
-    ], moved("copy_kv_blocks", "vllm_runner")
+    # The block copy's calls (worker/nixl_blocks.py): host buffers to the caches' views once a transfer
+    # lands, the views to the host buffers on a save; vLLM's copy_kv_blocks's arguments.
+    worker = base_worker.NixlBaseConnectorWorker
+    load = "".join(inspect.getsource(worker.sync_recved_kv_to_device).split())
+    save = "".join(inspect.getsource(worker.save_kv_to_host).split())
+    arguments = "block_ids,block_ids,"
+    assert f'self.copy_blocks(self.host_xfer_buffers,self.device_kv_caches,{arguments}"h2d",)' in load, moved(
+        "the NIXL worker's h2d block copy", "vllm_nixl"
+    )
+    assert f'self.copy_blocks(self.device_kv_caches,self.host_xfer_buffers,{arguments}"d2h",)' in save, moved(
+        "the NIXL worker's d2h block copy", "vllm_nixl"
+    )
 
 
 def test_an_attention_layers_kv_cache_scales_are_buffers():

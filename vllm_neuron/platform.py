@@ -280,38 +280,10 @@ class NeuronPlatform(Platform):
         return []
 
     @classmethod
-    def swap_out_blocks_to_host(
-        cls,
-        src_cache: torch.Tensor,
-        dst_cache: torch.Tensor,
-        src_blocks: torch.Tensor,
-        dst_blocks: torch.Tensor,
-    ) -> None:
-        _copy_blocks(src_cache, dst_cache, src_blocks, dst_blocks)
-
-    @classmethod
-    def insert_blocks_to_device(
-        cls,
-        src_cache: torch.Tensor,
-        dst_cache: torch.Tensor,
-        src_blocks: torch.Tensor,
-        dst_blocks: torch.Tensor,
-    ) -> None:
-        _copy_blocks(src_cache, dst_cache, src_blocks, dst_blocks)
-
-    @classmethod
     def validate_environ(cls, hard_fail: bool) -> None:
         # Our own VLLM_NEURON_* variables are not vLLM's; hide them from vLLM's unknown-variable check.
         with vllm_engine.hidden_from_environ_check("VLLM_NEURON_"):
             super().validate_environ(hard_fail)
-
-
-def _copy_blocks(
-    src: torch.Tensor, dst: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor
-) -> None:
-    """Whole blocks between a layer's cache and a host buffer, both seen block-major
-    (kv_cache/layout.block_major: blocks are dimension 0), in either direction."""
-    dst[dst_blocks] = src[src_blocks].to(dst.device)
 
 
 def _stage_nixl_through_host(vllm_config: "VllmConfig") -> None:

@@ -4,14 +4,16 @@ Attention runs inside a compiled graph of static shapes, where a connector's per
 from its attention op) cannot run. So a step's connector work runs around its compiled calls, on the thread
 that runs them: before them the scheduler's metadata is bound and every layer's load started and waited for;
 after them each layer's cache goes to save_kv_layer and the saves are waited for; vLLM's own lifecycle
-(KVConnectorModelRunnerMixin) collects the finished transfers into the step's output. Nothing is compiled for
-it: the connector reads and writes the caches, outside the graphs, through a block-major view of the same
-storage (kv_cache.layout.block_major); and no graph is traced while serving (with a connector, staged
-readiness is off: worker/readiness.py), as a trace would see a step's connector metadata. Which connectors
+(KVConnectorModelRunnerMixin) collects the finished transfers into the step's output. The connector sees the
+caches through block-major views of the same storage (kv_cache.layout.block_major); a NIXL connector copies
+blocks through them with compiled graphs of its own (worker/nixl_blocks.py), compiled at start-up. No graph
+is traced while serving (with a connector, staged readiness is off: worker/readiness.py), as a trace would
+see a step's connector metadata. Which connectors
 work this way, and what is refused at start-up, is the platform's rule (vllm_neuron/platform.py:
 _kv_transfer_refusals).
 """
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -25,22 +27,29 @@ from vllm.distributed.kv_transfer import (
     get_kv_transfer_group,
     has_kv_transfer_group,
 )
+from vllm.logger import init_logger
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from kv_cache import layout
+from vllm_neuron.buckets import ceil_div
+from vllm_neuron.compiler.compile import CompileRecorder
+from vllm_neuron.config import NeuronConfig
+from vllm_neuron.refusals import NIXL_CONNECTORS
 from vllm_neuron.upstream.vllm_runner import (
     KVConnectorModelRunnerMixin,
-    copy_kv_blocks,
     create_forward_context,
     override_forward_context,
 )
 from worker.kv_caches import KVCaches
+from worker.nixl_blocks import BlockCopier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = init_logger("vllm.vllm_neuron.kv_transfer")
 
 
 def start(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
@@ -63,13 +72,40 @@ class KVTransfer:
         # ExampleConnector would store a prompt this server prefilled over several steps before its later
         # chunks exist, for the next request with that prompt to load.
         self.saves = transfer is not None and transfer.is_kv_producer
+        self.copier: BlockCopier | None = None
 
-    def register(self) -> None:
-        if has_kv_transfer_group():
-            connector = get_kv_transfer_group()
-            connector.register_kv_caches(self._views())
-            # A connector that stages KV through host buffers (NIXL: worker/nixl.py) copies blocks with it.
-            connector.set_host_xfer_buffer_ops(copy_kv_blocks)
+    def register(self, recorder: CompileRecorder) -> None:
+        """Hand the connector the caches; a NIXL connector, which stages KV through host buffers
+        (worker/nixl.py), also the block copies, compiled through `recorder`."""
+        if not has_kv_transfer_group():
+            return
+        connector = get_kv_transfer_group()
+        connector.register_kv_caches(self._views())
+        if self.vllm_config.kv_transfer_config.kv_connector in NIXL_CONNECTORS:
+            config = self.vllm_config
+            self.copier = BlockCopier(
+                self.caches,
+                recorder,
+                NeuronConfig.of(config).compile_backend,
+                ceil_div(config.model_config.max_model_len, config.cache_config.block_size),
+            )
+            connector.set_host_xfer_buffer_ops(self.copier)
+
+    def warm_up(self) -> float:
+        """Compile the block copies' graphs, before the step graphs (whose warm-up arms the recompile
+        guard); returns the seconds it took."""
+        if self.copier is None:
+            return 0.0
+        start = time.perf_counter()
+        graphs = self.copier.warm_up()
+        seconds = time.perf_counter() - start
+        logger.info(
+            "NIXL block copies: %d graphs (buckets of %s blocks) in %.1f s",
+            graphs,
+            self.copier.buckets,
+            seconds,
+        )
+        return seconds
 
     def handshake_metadata(self, tp_rank: int) -> dict[tuple[int, int], object] | None:
         """What vLLM's engine collects for the scheduler's connector, keyed (pipeline rank, TP rank)."""

@@ -110,7 +110,7 @@ class NeuronWorker(WorkerBase):
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
         kv_transfer.start(self.vllm_config, kv_cache_config)  # --kv-transfer-config's connector, if any
         self.model_runner.initialize_kv_cache(kv_cache_config)
-        self.model_runner.kv_transfer.register()
+        self.model_runner.kv_transfer.register(self.model_runner.recorder)
 
     def get_kv_connector_handshake_metadata(self) -> dict[tuple[int, int], object] | None:
         """The KV connector's handshake metadata, for the scheduler's connector (None: it needs none)."""
@@ -120,7 +120,7 @@ class NeuronWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         with set_current_vllm_config(self.vllm_config):
-            seconds = self.model_runner.warm_up()
+            seconds = self.model_runner.kv_transfer.warm_up() + self.model_runner.warm_up()
         # Warm-up consumed random numbers; serving starts from the configured seed.
         vllm_engine.set_random_seed(self.model_config.seed)
         self._derive_graph_reserve()

@@ -9,11 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-# vLLM's block copy between two sets of per-layer caches (d2h, h2d) through the platform's
-# swap_out_blocks_to_host and insert_blocks_to_device: what vLLM's GPU runner hands a connector that stages
-# KV through host buffers (set_host_xfer_buffer_ops).
-from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
-
 # The forward context vLLM's layers read: built per call, and set around the model inside the traced step.
 from vllm.forward_context import create_forward_context, override_forward_context
 
@@ -41,7 +36,6 @@ __all__ = [
     "Sampler",
     "apply_grammar_bitmask",
     "bind_kv_cache",
-    "copy_kv_blocks",
     "create_forward_context",
     "host_input_batch",
     "kv_cache_scales",
