@@ -15,7 +15,6 @@ run as several. Every bucket compiles at start-up through the compile recorder (
 never compiles.
 """
 
-import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ from kv_cache.layout import NULL_BLOCK, page_rows, page_table
 from vllm_neuron import device as neuron_device
 from vllm_neuron.buckets import pick_bucket, powers_of_two
 from vllm_neuron.compiler import compile as neuron_compile
+from worker.packed_inputs import StagingBuffers
 
 if TYPE_CHECKING:
     from worker.kv_caches import KVCaches
@@ -68,25 +68,6 @@ def max_copy_blocks(blocks_per_request: int, block_bytes: int) -> int:
     return max(1, min(blocks_per_request, COPY_BYTES // block_bytes))
 
 
-class Staging:
-    """A copy's bytes on the device: one buffer per size and sending thread, made at its first copy (warm-up
-    runs every bucket) and written in place by each later one, without waiting for the device
-    (neuron_device.copy_to_device: queued behind the graphs this thread submitted, as a call's inputs are,
-    worker/packed_inputs.py)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
-
-    def send(self, array: np.ndarray) -> torch.Tensor:
-        key = (threading.current_thread().name, array.nbytes)
-        buffer = self._buffers.get(key)
-        if buffer is None:
-            buffer = self._buffers[key] = torch.empty(array.nbytes, dtype=torch.uint8, device=self.device)
-        neuron_device.copy_to_device(buffer, array.view(np.uint8))
-        return buffer
-
-
 class BlockCopier:
     """vLLM's block-copy operation for a connector that stages KV through host buffers (NIXL:
     set_host_xfer_buffer_ops), over the runner's caches; `max_blocks` (default: a request's blocks, within
@@ -102,7 +83,7 @@ class BlockCopier:
     ) -> None:
         self.caches = caches
         self.recorder = recorder
-        self.staging = Staging(caches.device)
+        self.staging = StagingBuffers(caches.device)  # as a call's inputs: worker/packed_inputs.py
         tensors = list(caches.by_layer().values())
         dtypes = {cache.dtype for cache in tensors}
         if len(dtypes) != 1:
@@ -177,11 +158,11 @@ class BlockCopier:
 
     def _gather(self, block_ids: np.ndarray) -> torch.Tensor:
         """Every layer's pages of block_ids (a bucket's worth), on the device: one transfer, one graph."""
-        return self.gather(self._caches(), self.staging.send(block_ids).view(torch.int64))
+        return self.gather(self._caches(), self.staging.send_bytes(block_ids).view(torch.int64))
 
     def _scatter(self, buffer: np.ndarray, bucket: int) -> None:
         """Write a `_load_buffer` into the caches: one transfer, one graph."""
-        block_ids, pages = self._split(self.staging.send(buffer), bucket)
+        block_ids, pages = self._split(self.staging.send_bytes(buffer), bucket)
         self.scatter(self._caches(), block_ids, pages)
 
     def _load_buffer(self, bucket: int) -> np.ndarray:

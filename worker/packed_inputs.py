@@ -54,26 +54,32 @@ class StagingBuffers:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._buffers: dict[tuple[str, Layout], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, Layout | int], torch.Tensor] = {}
         self._lock = threading.Lock()  # the device thread and a background compile may add buffers at once
 
     def send(self, packed: Packed) -> list[torch.Tensor]:
         """The packed arrays on the device, in one transfer that does not wait for the device: each a view of
         this thread's buffer for the layout, with its dtype and shape."""
-        key = (threading.current_thread().name, packed.layout)
-        staging = self._buffers.get(key)
-        if staging is None:
-            with self._lock:
-                staging = self._buffers.setdefault(
-                    key, torch.empty(len(packed.buffer), dtype=torch.uint8, device=self.device)
-                )
-        neuron_device.copy_to_device(staging, packed.buffer)
+        staging = self.send_bytes(packed.buffer, packed.layout)
         return [
             staging[offset : offset + int(np.prod(shape)) * dtype.itemsize]
             .view(_TORCH_DTYPES[dtype])
             .view(shape)
             for offset, dtype, shape in packed.layout
         ]
+
+    def send_bytes(self, buffer: np.ndarray, layout: Layout | None = None) -> torch.Tensor:
+        """A host byte buffer (any dtype, viewed as bytes) on the device, in one transfer that does not wait
+        for the device, into this thread's buffer for `layout` (default: the buffer's size)."""
+        key = (threading.current_thread().name, layout or buffer.nbytes)
+        staging = self._buffers.get(key)
+        if staging is None:
+            with self._lock:
+                staging = self._buffers.setdefault(
+                    key, torch.empty(buffer.nbytes, dtype=torch.uint8, device=self.device)
+                )
+        neuron_device.copy_to_device(staging, buffer.view(np.uint8))
+        return staging
 
     @property
     def nbytes(self) -> int:
