@@ -74,22 +74,29 @@ class ServerProcess:
         log_path: Path,
         *extra: str,
         step_trace: Path | None = None,
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
     ) -> None:
+        """`env`: variables to set for the server (None: unset)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.step_trace = step_trace
-        env = {**os.environ, **(env or {})}
+        # The CLI must pick CPU mode by itself, unless `env` says otherwise; the engine core runs in its own
+        # (spawned) process.
+        environment = {**os.environ}
+        environment.pop("VLLM_NEURON_DEVICE", None)
+        environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        for name, value in (env or {}).items():
+            if value is None:
+                environment.pop(name, None)
+            else:
+                environment[name] = value
         if step_trace is not None:
-            env["VLLM_NEURON_STEP_TRACE"] = str(step_trace)
-        # The CLI must pick CPU mode by itself; the engine core runs in its own (spawned) process.
-        env.pop("VLLM_NEURON_DEVICE", None)
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            environment["VLLM_NEURON_STEP_TRACE"] = str(step_trace)
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(
                 serve_command(model_dir, self.port, *extra),
-                env=env,
+                env=environment,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -3,9 +3,11 @@
 127.0.0.1; the decode server gives HF's greedy tokens without computing the prompt, and neither server
 compiles after warm-up. The pages NIXL moves are the blocks of the plugin's head-major cache, copied whole
 by compiled graphs (worker/nixl_blocks.py, tests/test_nixl_blocks.py); peers whose pages differ are
-refused."""
+refused. Both servers run in Neuron mode on fake TorchNeuron: the block copies break none of its runtime
+rules."""
 
 import json
+from pathlib import Path
 
 import pytest
 from vllm.config import KVTransferConfig
@@ -14,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from tests.conftest import FEW_BUCKETS
 from tests.helpers import engine_config, hf_greedy, random_prompt
 from tests.serving import ServerProcess, complete, free_port, http
+from tests.test_neuron_startup import fake_neuron_environment
 from tests.test_server import metric_values
 from vllm_neuron.upstream import vllm_nixl
 from worker.nixl import HostStagedNixlConnector, page_layout_mismatch
@@ -43,26 +46,37 @@ def test_peers_with_other_pages_are_refused():
     assert "tensor-parallel size 1 and block size 16" in page_layout_mismatch(1, 1, 32, 16)
 
 
-def nixl_server(model_dir, log, role: str) -> ServerProcess:
+def nixl_server(model_dir, folder: Path, role: str) -> ServerProcess:
+    """A server of `role` in Neuron mode on fake TorchNeuron (tests/fake_neuron), which records what it saw
+    under `folder`/`role`."""
     transfer = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
+    (folder / role).mkdir()
+    env = fake_neuron_environment(folder / role, folder / f"{role}-cache")
     # Each server's NIXL side channel: its own port on the loopback (vLLM's default is one port per host).
-    channel = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
     return ServerProcess(
         model_dir,
-        log,
+        folder / f"{role}.log",
         "--kv-transfer-config",
         transfer,
         "--additional-config",
         json.dumps(FEW_BUCKETS),
-        env=channel,
+        env=env,
     )
+
+
+def fake_record(folder: Path) -> dict:
+    """What fake TorchNeuron saw in a server's engine process (the one that compiled)."""
+    (facts,) = [fact for path in folder.iterdir() if (fact := json.loads(path.read_text()))["compiles"]]
+    return facts
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("nixl")
-    prefill = nixl_server(tiny_model_dir, folder / "prefill.log", "kv_producer")
-    decode = nixl_server(tiny_model_dir, folder / "decode.log", "kv_consumer")
+    prefill = nixl_server(tiny_model_dir, folder, "kv_producer")
+    decode = nixl_server(tiny_model_dir, folder, "kv_consumer")
+    prefill.folder, decode.folder = folder / "kv_producer", folder / "kv_consumer"
     try:
         prefill.wait_healthy()
         decode.wait_healthy()
@@ -96,3 +110,10 @@ def test_prefill_then_decode_over_nixl_gives_hf_greedy_tokens(servers, hf_model)
     assert [metric(server, "vllm_neuron:compiled_graphs") for server in servers] == graphs
     for server in servers:
         assert metric(server, "vllm_neuron:unexpected_recompiles_total") == 0
+        # Fake TorchNeuron's rules: the block copies ran no eager kernel and wrote no strided device view
+        # (k, l), no transfer to the device waited (j), and the device thread never synchronized.
+        facts = fake_record(server.folder)
+        assert facts["eager_kernels"] == facts["host_round_trips"] == facts["host_reads"] == []
+        assert facts["eager_compiles"] == [] and facts["blocking_to_device"] == {}
+        assert "neuron-device_0" not in facts["synchronize"]
+        assert facts["graph_runs"]["neuron-device_0"] > 0
