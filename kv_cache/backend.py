@@ -87,6 +87,17 @@ class NeuronAttentionMetadata:
         return replace(self, table=table, paged=paged)
 
 
+def drop_masks(attn_metadata: dict[str, NeuronAttentionMetadata]) -> None:
+    """Forget the masks a call's layers built and shared, at the end of the traced forward: left on the
+    call's metadata (an input of the graph), dynamo would return each as an output of the graph, which
+    TorchNeuron allocates for every call and the call's inputs keep until its step ends (a prefill chunk's
+    mask is [1, rows, query heads per KV head x queries, context])."""
+    for metadata in attn_metadata.values():
+        for queries in (metadata.table, metadata.paged):
+            if queries is not None:
+                queries.masks.clear()
+
+
 class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMetadata]):
     """Required by vLLM's interface; the Neuron model runner builds padded metadata itself."""
 

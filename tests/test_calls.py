@@ -1,9 +1,10 @@
 """vllm_neuron.calls: a call as a value, and how a step's decode rows and prefill chunks become calls."""
 
+import random
 from dataclasses import replace
 
 from vllm_neuron.buckets import BucketConfig
-from vllm_neuron.calls import Call, CallPlan, plan_step
+from vllm_neuron.calls import Call, CallPlan, most_calls_per_step, plan_step
 
 BLOCK_SIZE = 32
 # The suite's engine buckets (tests/conftest.py), mixed calls for batch buckets 1 and 2 with 64-token chunks.
@@ -125,3 +126,28 @@ def test_a_fresh_graph_not_ready_yet_leaves_the_chunk_to_the_packed_calls():
     assert [
         p.call.graph for p in plan_step([], [(0, 40)], FRESH, BLOCK_SIZE, {*ready, ("prefill", 64, 0)})
     ] == [("prefill", 64, 0)]
+
+
+def test_a_step_makes_at_most_the_calls_the_bound_says_whatever_graphs_are_ready():
+    # 4 requests at most and 96 tokens: each request a call, and 92 tokens more in calls of 32 (the smallest
+    # prefill bucket): 3 rows decoded one a call and a chunk of 93 tokens in three, with the minimal graphs.
+    bound = most_calls_per_step(BUCKETS, max_num_seqs=4, max_num_batched_tokens=96)
+    assert bound == 4 + 92 // 32
+    minimal = BUCKETS.minimal_graphs()
+    assert len(plan_step([100, 120, 200], [(0, 93)], BUCKETS, BLOCK_SIZE, minimal)) == bound
+    generator = random.Random(0)
+    for buckets in [BUCKETS, FRESH] * 150:  # FRESH: a first chunk may take a fresh call and packed ones
+        graphs, minimal = buckets.graphs(), buckets.minimal_graphs()
+        ready = minimal + generator.sample(graphs, generator.randrange(len(graphs)))
+        requests = generator.randint(1, 4)
+        decode = generator.randint(0, requests)
+        contexts = [generator.randint(1, 256) for _ in range(decode)]
+        tokens = 96 - decode
+        chunks = []
+        for left in range(requests - decode, 0, -1):
+            length = generator.randint(1, tokens - (left - 1))
+            start = generator.randint(0, 256 - length)
+            chunks.append((start, length))
+            tokens -= length
+        plans = plan_step(contexts, chunks, buckets, BLOCK_SIZE, ready)
+        assert len(plans) <= bound, (contexts, chunks, ready)

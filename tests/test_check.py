@@ -106,8 +106,17 @@ def test_a_supported_model_serves_with_every_figure(three_layer_llama):
     # Every TP row, the suggestion, the roofline and the cost, as the capacity model gives them.
     # The graph reserve derived from the lowered graphs (docs/check.md#graph-reserve), recorded for serve.
     reserve = report["graph_reserve"]
-    derived = graph_memory.derive(lowering["graphs"])
+    # Each of --max-num-seqs 2 requests a call, the tokens beyond them in calls of the smallest prefill
+    # bucket; every graph's inputs staged for the engine and device threads and 8 compile workers (trn2's
+    # most by default: the check cannot know the host's).
+    tokens = plan["max_num_batched_tokens"]
+    calls = 2 + (tokens - 2) // buckets["prefill_buckets"][0]
+    derived = graph_memory.derive(lowering["graphs"], calls, compile_workers=8)
     assert reserve == {"bytes": derived.total, "source": "derived", "derived": derived.as_dict()}
+    assert derived.calls_per_step == calls and derived.calling_threads == 10 and derived.compiled == 0
+    # Every call returns one row's float32 logits at least, and is handed inputs of its own.
+    assert all(graph["output_bytes"] >= config.vocab_size * 4 for graph in lowering["graphs"])
+    assert all(graph["input_bytes"] > 0 for graph in lowering["graphs"])
     assert report["trn2"]["graph_reserve_bytes"] == derived.total < 4 * GIB
     settings = KVSettings(
         kv_cache_fraction=0.3, gpu_memory_utilization=0.9, graph_reserve_bytes=derived.total

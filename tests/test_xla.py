@@ -152,7 +152,7 @@ def test_every_warm_up_graph_of_the_engine_runs_through_xla_with_its_caches_in_p
 def test_a_compiled_module_is_kept_in_the_compile_cache_folder_and_loaded_from_it(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_XLA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(xla, "_executables", {})  # as a new process starts
-    xla.compile(_SCATTER, {0: 1})
+    compiled = xla.compile(_SCATTER, {0: 1})
     (kept,) = tmp_path.iterdir()
     monkeypatch.setattr(xla, "_executables", {})
     program = xla.compile(_SCATTER, {0: 1})  # loaded from the folder
@@ -162,3 +162,8 @@ def test_a_compiled_module_is_kept_in_the_compile_cache_folder_and_loaded_from_i
     (doubled,) = program.run([cache, torch.tensor([[3], [60]]), updates])
     torch.testing.assert_close(doubled, updates * 2)
     torch.testing.assert_close(cache[[3, 60]], updates)
+    # The size the graph reserve counts for the executable, compiled, loaded, or reused in the process, is
+    # the file's.
+    reused = xla.compile(_SCATTER, {0: 1})
+    sizes = {compiled.serialized_bytes, program.serialized_bytes, reused.serialized_bytes}
+    assert sizes == {kept.stat().st_size} and kept.stat().st_size > 0

@@ -219,6 +219,16 @@ def plan_step(
     return plans
 
 
+def most_calls_per_step(buckets: BucketConfig, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """A bound on the calls plan_step makes of one step, whatever graphs are ready. Each scheduled request may
+    take a call of its own (a decode row when only the smallest batch bucket is ready, a chunk whose context
+    fills a prefill call), and a chunk of L tokens takes at most 1 + (L - 1) // T calls, T the largest ready
+    prefill bucket, at least the smallest (always ready). With k requests, each of at least one token, that
+    is k + (tokens - k) // smallest bucket, largest at k = min(max_num_seqs, max_num_batched_tokens)."""
+    requests = min(max_num_seqs, max_num_batched_tokens)
+    return requests + (max_num_batched_tokens - requests) // buckets.prefill_buckets[0]
+
+
 def fresh_calls(
     chunks: list[tuple[int, int, int]], fresh: set[int], prefill_buckets: Sequence[int]
 ) -> list[CallPlan]:

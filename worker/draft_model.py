@@ -19,6 +19,7 @@ import torch
 from vllm.forward_context import ForwardContext
 from vllm.v1.outputs import DraftTokenIds
 
+from kv_cache.backend import drop_masks
 from vllm_neuron import device as neuron_device
 from vllm_neuron.calls import Call, plan_step
 from vllm_neuron.sampling import greedy_tokens
@@ -58,6 +59,7 @@ class DraftForward(torch.nn.Module):
         with override_forward_context(forward_context):
             hidden = self.model(input_ids=input_ids, positions=positions)
             logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        drop_masks(forward_context.attn_metadata)
         return greedy_tokens(logits)
 
 

@@ -10,7 +10,7 @@ from vllm.forward_context import ForwardContext
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 
-from kv_cache.backend import NeuronAttentionMetadata
+from kv_cache.backend import NeuronAttentionMetadata, drop_masks
 from vllm_neuron import envs, fused_moe, sampling
 from vllm_neuron.compiler import compile as neuron_compile
 from vllm_neuron.lora.punica import LORA_ROWS, LORA_SLOTS
@@ -57,6 +57,7 @@ class ForwardAndSample(torch.nn.Module):
         with override_forward_context(forward_context):
             hidden = self.model(input_ids=input_ids, positions=positions)
             logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        drop_masks(forward_context.attn_metadata)
         sampled = sampling.sample(logits, sampling_params)
         token_slots.index_copy_(0, token_keep, sampled.token_ids)
         outputs = (

@@ -9,6 +9,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, trn2
+from vllm_neuron.calls import most_calls_per_step
 from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.quantization import fp8
@@ -127,19 +128,45 @@ class NeuronWorker(WorkerBase):
         return CompilationTimes(language_model=seconds, encoder=0.0)
 
     def _derive_graph_reserve(self) -> None:
-        """Where warm-up lowered every graph (the lowering backends; the `neuron` backend hands TorchNeuron
-        the graphs unseen): the reserve they need, recorded for the next start, and a warning where less was
-        kept. A warning, not a failure: the graphs are loaded by now, so a reserve too small for them would
-        already have failed their load; the figure is an estimate, and the next start uses it."""
-        lowered = self.model_runner.lowered_graphs()
-        if not lowered or self.model_runner.compile_progress()["graphs_pending"]:
+        """Once warm-up compiled every graph: the reserve they need, recorded for the next start, and a
+        warning where less was kept. Derived from the graphs where warm-up lowered them (the lowering
+        backends), else (the `neuron` backend hands TorchNeuron the graphs unseen) the recorded derivation;
+        with the graphs' size as the compiler wrote them in place of the estimate, where it wrote any. A
+        warning, not a failure: the graphs are loaded by now, so a reserve too small for them would already
+        have failed their load; the figure is an estimate, and the next start uses it."""
+        runner = self.model_runner
+        if runner.compile_progress()["graphs_pending"]:
             return
-        derived = graph_memory.derive(lowered)
+        lowered, compiled = runner.lowered_graphs(), self._compiled_bytes()
+        if lowered:
+            scheduler = self.vllm_config.scheduler_config
+            calls_per_step = most_calls_per_step(
+                runner.buckets, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+            )
+            derived = graph_memory.derive(lowered, calls_per_step, runner.readiness.compile_workers)
+        else:
+            derived = graph_memory.recorded(self.cache_fields) if compiled else None
+        if derived is None:
+            return
+        if compiled:
+            derived = derived.with_compiled(*compiled)
         graph_memory.record(self.cache_fields, derived)
-        logger.info("Graphs lowered; their reserve on a NeuronCore: %s", derived.describe())
+        logger.info("Graph reserve on a NeuronCore, recorded for the next start: %s", derived.describe())
         short = self.graph_reserve and graph_memory.shortfall(self.graph_reserve, derived)
         if short:
             logger.warning("Graph reserve: %s", short)
+
+    def _compiled_bytes(self) -> tuple[int, str] | None:
+        """Bytes the compiler wrote for the graphs, and what they are: the NEFFs of this configuration's cache
+        folder (the `neuron` backend), XLA's executables (`xla`); None where nothing is written."""
+        backend = NeuronConfig.of(self.vllm_config).compile_backend
+        if backend == "neuron":
+            size = compile_cache.neff_bytes()
+            return (size, graph_memory.NEFF) if size else None
+        if backend == "xla":
+            graphs = self.model_runner.recorder.lowering.graphs
+            return sum(graph.program.serialized_bytes for graph in graphs), graph_memory.XLA_EXECUTABLE
+        return None
 
     def graph_reserve_info(self) -> dict[str, object] | None:
         """The graph reserve the KV cache was sized beside (collective_rpc("graph_reserve_info")); None in CPU

@@ -142,6 +142,17 @@ def artefact_count(folder: Path) -> int:
     return sum(1 for name in CACHE_VARIABLES for path in (folder / name).rglob("*") if path.is_file())
 
 
+def neff_bytes() -> int:
+    """Bytes of the NEFFs in TorchNeuron's cache folder (sharded as ab/cd/<key>.neff): this configuration's
+    graphs, and the eager operations' it compiled there, where prepare() chose the folder; a folder the user
+    chose may hold other configurations' too (then this errs high)."""
+    value = os.environ.get(CACHE_VARIABLES["neff"])
+    folder = Path(value) if value else None
+    if folder is None or not folder.is_dir():
+        return 0
+    return sum(path.stat().st_size for path in folder.rglob("*.neff") if path.is_file())
+
+
 # Key fields that describe the host a folder was compiled on rather than the configuration: what a CPU
 # checking a Trainium configuration cannot know, so they are left out of the match and reported instead.
 HOST_FIELDS = ("device_mode", "compile_backend", "versions", "tensor_parallel_rank", "neuron_cc_flags")

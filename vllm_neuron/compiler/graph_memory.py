@@ -3,19 +3,22 @@ from the graphs' lowered StableHLO by the rule AWS documents ("Neuron Device Mem
 
 - one scratchpad shared by every loaded NEFF, the size of the largest one's, rounded up to scratchpad pages;
 - per graph, for as long as it is loaded: its code, its constants and its DMA rings;
-- per NeuronCore: the runtime's micro-code and bookkeeping.
+- per NeuronCore: the runtime's micro-code and bookkeeping;
+and beside those, TorchNeuron's allocations for the calls: each call's inputs and outputs (logits among
+them), for every call of the steps in flight, and the staging buffers the calls' inputs are packed into.
 
 A graph's scratchpad is estimated as the peak of its live intermediates with the StableHLO's ops run in order
-(`scratchpad_bytes`); inputs, outputs (IO tensors: TorchNeuron allocations, counted with the weights and the
-KV cache) and constants are not in it. neuronx-cc fuses, tiles and reorders, so this is an estimate of the
-right order and growth (it grows with the buckets), not neuronx-cc's figure. The per-graph and fixed figures
-below are not derivable on a CPU; each says where it comes from. docs/check.md#graph-reserve says all this
-for users.
+(`scratchpad_bytes`); inputs, outputs and constants are not in it. neuronx-cc fuses, tiles and reorders, so
+this is an estimate of the right order and growth (it grows with the buckets), not neuronx-cc's figure. A
+graph's own size is what the compiler wrote once it has compiled (the NEFFs on Trainium), PER_GRAPH_BYTES
+before. The fixed figures below are not derivable on a CPU; each says where it comes from.
+docs/check.md#graph-reserve says all this for users.
 
 The KV cache is sized before warm-up compiles anything, so start-up uses a figure derived earlier for the same
 configuration: `record` keeps one in the compile cache root whenever every graph was lowered (`vllm-neuron
-check`, or a start-up whose backend lowers), and `planned` reads it back. VLLM_NEURON_GRAPH_RESERVE_BYTES,
-where set, wins; with neither, the cold default.
+check`, or a start-up whose backend lowers) or compiled on Trainium (the NEFFs' size in place of the
+estimate), and `planned` reads it back. VLLM_NEURON_GRAPH_RESERVE_BYTES, where set, wins; with neither, the
+cold default.
 """
 
 import json
@@ -23,7 +26,8 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 from vllm_neuron import envs, trn2
@@ -43,6 +47,19 @@ PER_GRAPH_BYTES = 44 * MIB
 # Per rank: the runtime's fixed 72 MiB (the fork's measurement) and AWS's documented 96 MB of micro-code per
 # physical NeuronCore, LNC of them per rank (whether the fork's 72 MiB already held it is not known).
 RUNTIME_BYTES = 72 * MIB + trn2.LNC * 96 * 10**6
+# The runtime's own per loaded graph (the fork's reading), beside what the compiler wrote for it.
+PER_GRAPH_RUNTIME_BYTES = 4 * MIB
+# Async scheduling (vLLM's default) keeps two steps' calls on the device: the one running and the one before,
+# whose outputs the engine has not taken yet. Without it one: two errs high.
+STEPS_IN_FLIGHT = 2
+# Threads that send calls, each with a staging buffer per input layout: the engine thread and the device
+# thread, beside the background compile workers.
+CALLING_THREADS = 2
+# Background compile workers where the host's are not known (`vllm-neuron check` on a CPU for a trn2): the
+# most worker/background.compile_workers starts by default on Trainium.
+DEFAULT_COMPILE_WORKERS = 8
+# What the compiler wrote, by backend; a trn2 start-up takes only a NEFF's size (planned).
+NEFF, XLA_EXECUTABLE = "NEFF", "XLA executable"
 
 # Values that name an operand's buffer rather than make one (hlo_text's views), and constants (the NEFF's).
 _NO_BUFFER = {"stablehlo.reshape", "stablehlo.bitcast_convert", "stablehlo.constant"}
@@ -89,12 +106,21 @@ def page_bytes() -> int:
 
 @dataclass(frozen=True)
 class GraphReserve:
-    """The reserve a set of lowered graphs needs on one rank, and what it is made of."""
+    """The reserve a set of lowered graphs needs on one rank, and what it is made of. The fields after `page`
+    default for records written before them: such a record reads with no call IO or staging (its other terms
+    still hold, and are nearer the need than the cold default) until the graphs are lowered again."""
 
     graphs: int
     largest_scratchpad: int  # the largest graph's scratchpad estimate
     largest_call: str  # the call whose graph that is
     page: int
+    largest_io: int = 0  # the largest call's inputs and outputs (input_bytes + output_bytes)
+    largest_io_call: str = ""
+    calls_per_step: int = 0  # calls.most_calls_per_step
+    inputs: int = 0  # every graph's input_bytes: one staging buffer each, per calling thread
+    calling_threads: int = 0
+    compiled: int = 0  # bytes the compiler wrote for the graphs; 0: not compiled yet, PER_GRAPH_BYTES each
+    compiled_by: str = ""  # NEFF or XLA_EXECUTABLE
 
     @property
     def scratchpad(self) -> int:
@@ -102,18 +128,41 @@ class GraphReserve:
 
     @property
     def resident(self) -> int:
+        if self.compiled:
+            return self.compiled + self.graphs * PER_GRAPH_RUNTIME_BYTES
         return self.graphs * PER_GRAPH_BYTES
 
     @property
+    def in_flight(self) -> int:
+        """The calls' inputs and outputs on the device at once: each call of the steps in flight counted at
+        the largest call's."""
+        return self.largest_io * STEPS_IN_FLIGHT * self.calls_per_step
+
+    @property
+    def staging(self) -> int:
+        return self.inputs * self.calling_threads
+
+    @property
     def total(self) -> int:
-        return self.scratchpad + self.resident + RUNTIME_BYTES
+        return self.scratchpad + self.resident + self.in_flight + self.staging + RUNTIME_BYTES
+
+    def _describe_resident(self) -> str:
+        if self.compiled:
+            return (
+                f"{self.graphs} graphs' {self.compiled_by}s {self.compiled / MIB:.1f} MiB + {self.graphs} x "
+                f"{PER_GRAPH_RUNTIME_BYTES / MIB:.0f} MiB"
+            )
+        return f"{self.graphs} graphs x {PER_GRAPH_BYTES / MIB:.0f} MiB (not compiled yet: an estimate)"
 
     def describe(self) -> str:
         return (
             f"{self.total / trn2.GIB:.2f} GiB = shared scratchpad {self.scratchpad / MIB:.0f} MiB (largest "
             f"graph's live intermediates {self.largest_scratchpad / MIB:.1f} MiB, {self.largest_call}, in "
-            f"{self.page / MIB:.0f} MiB pages) + {self.graphs} graphs x {PER_GRAPH_BYTES / MIB:.0f} MiB + "
-            f"runtime {RUNTIME_BYTES / MIB:.0f} MiB"
+            f"{self.page / MIB:.0f} MiB pages) + {self._describe_resident()} + calls' IO "
+            f"{self.in_flight / MIB:.1f} MiB (largest {self.largest_io / MIB:.2f} MiB, "
+            f"{self.largest_io_call}, x {STEPS_IN_FLIGHT} steps x {self.calls_per_step} calls) + staging "
+            f"{self.staging / MIB:.1f} MiB (inputs {self.inputs / MIB:.2f} MiB x {self.calling_threads} "
+            f"calling threads) + runtime {RUNTIME_BYTES / MIB:.0f} MiB"
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -122,15 +171,44 @@ class GraphReserve:
             "scratchpad": self.scratchpad,
             "per_graph": PER_GRAPH_BYTES,
             "resident": self.resident,
+            "steps_in_flight": STEPS_IN_FLIGHT,
+            "in_flight": self.in_flight,
+            "staging": self.staging,
             "runtime": RUNTIME_BYTES,
             "total": self.total,
         }
 
+    def with_compiled(self, compiled: int, compiled_by: str) -> "GraphReserve":
+        """This reserve with the graphs' size as the compiler wrote them in place of the estimate."""
+        return replace(self, compiled=compiled, compiled_by=compiled_by)
 
-def derive(graphs: Sequence[dict[str, object]]) -> GraphReserve:
-    """The reserve of every graph a rank loads, from their summaries (LoweredGraph.summary)."""
+
+def derive(
+    graphs: Sequence[dict[str, object]], calls_per_step: int, compile_workers: int = DEFAULT_COMPILE_WORKERS
+) -> GraphReserve:
+    """The reserve of every graph a rank loads, from their summaries (LoweredGraph.summary); calls_per_step:
+    calls.most_calls_per_step of the configuration; compile_workers: the background compiles that send calls
+    beside the engine and device threads."""
     largest = max(graphs, key=lambda graph: graph["scratchpad_bytes"])
-    return GraphReserve(len(graphs), int(largest["scratchpad_bytes"]), str(largest["call"]), page_bytes())
+    io = max(graphs, key=_io_bytes)
+    return GraphReserve(
+        len(graphs),
+        int(largest["scratchpad_bytes"]),
+        str(largest["call"]),
+        page_bytes(),
+        largest_io=_io_bytes(io),
+        largest_io_call=str(io["call"]),
+        calls_per_step=calls_per_step,
+        inputs=sum(int(graph["input_bytes"]) for graph in graphs),
+        calling_threads=CALLING_THREADS + compile_workers,
+    )
+
+
+def _io_bytes(graph: dict[str, object]) -> int:
+    return int(graph["input_bytes"]) + int(graph["output_bytes"])
+
+
+_FIELDS = [field.name for field in dataclass_fields(GraphReserve)]
 
 
 EXPLICIT = "VLLM_NEURON_GRAPH_RESERVE_BYTES"
@@ -179,7 +257,8 @@ def record(fields: dict[str, object], reserve: GraphReserve) -> Path:
 def recorded(fields: dict[str, object]) -> GraphReserve | None:
     path = _record_path(compile_cache.cache_root(), fields)
     try:
-        return GraphReserve(**json.loads(path.read_text()))
+        values = json.loads(path.read_text())
+        return GraphReserve(**{name: values[name] for name in _FIELDS if name in values})
     except (OSError, ValueError, TypeError):
         return None
 
@@ -191,6 +270,8 @@ def planned(fields: dict[str, object]) -> Reserve:
     if explicit is not None:
         return Reserve(explicit, EXPLICIT)
     derived = recorded(fields)
+    if derived is not None and derived.compiled_by not in ("", NEFF):
+        derived = derived.with_compiled(0, "")  # an executable XLA compiled for a CPU says nothing of a NEFF
     if derived is not None:
         return Reserve(derived.total, "derived", derived)
     return Reserve(trn2.COLD_GRAPH_RESERVE_BYTES, "cold default")

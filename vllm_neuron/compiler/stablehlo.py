@@ -63,6 +63,8 @@ class LoweredGraph:
     written: list[Alias]  # every input the graph writes, as TorchNeuron's executor binds it
     largest_tensor: tuple[tuple[int, ...], str]  # shape and dtype of the largest intermediate
     scratchpad_bytes: int  # peak of live intermediates (graph_memory.scratchpad_bytes)
+    input_bytes: int = 0  # the call's own inputs (call_io_bytes)
+    output_bytes: int = 0  # the values it returns beside its in-place writes (call_io_bytes)
     xla_stablehlo: str = ""  # the module after XLA's preparation (what the `xla` backend compiles)
     broken_rules: list[Violation] = field(default_factory=list)  # neuronx-cc's rules it breaks
     flash_attention: int = 0  # attentions TorchNeuron hands its flash kernel (decompositions.FLASH_CALLS)
@@ -88,6 +90,8 @@ class LoweredGraph:
             "stablehlo_ops": self.op_count,
             "largest_tensor": {"shape": list(shape), "dtype": dtype, "bytes": self.largest_tensor_bytes},
             "scratchpad_bytes": self.scratchpad_bytes,
+            "input_bytes": self.input_bytes,
+            "output_bytes": self.output_bytes,
             "flash_attention": self.flash_attention,
             "aliased_inputs": [alias.parameter for alias in self.aliases],
             "written_inputs": [alias.parameter for alias in self.written],
@@ -133,6 +137,35 @@ def _largest_tensor(
 _OP = re.compile(r"=\s+(?:\"?)((?:stablehlo|chlo|func|tensor|arith)\.[\w.]+)")
 
 
+# Dynamo's names of what the model holds rather than what a call passes: parameters, buffers, and the tensors
+# its modules keep as attributes (KV caches, LoRA slots), all reached through `self`.
+_MODEL_STATE = re.compile(r"^l_self_|_parameters_|_buffers_")
+
+
+def model_state(gm: torch.fx.GraphModule) -> set[int]:
+    """Positions of the dynamo graph's inputs that the model holds (_MODEL_STATE); AOTAutograd keeps the
+    order."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    return {index for index, node in enumerate(placeholders) if _MODEL_STATE.search(node.name)}
+
+
+def call_io_bytes(gm: torch.fx.GraphModule, written: list[Alias], state: set[int]) -> tuple[int, int]:
+    """Bytes of a call's own inputs (not the model's state, not the inputs it writes) and of the values it
+    returns beside those writes: the device tensors TorchNeuron takes and allocates for each call."""
+
+    def size(node: object) -> int:
+        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    skipped = state | {alias.parameter for alias in written}
+    inputs = sum(size(node) for index, node in enumerate(placeholders) if index not in skipped)
+    output = next(node for node in gm.graph.nodes if node.op == "output")
+    writes = {alias.output for alias in written}
+    outputs = sum(size(node) for index, node in enumerate(output.args[0]) if index not in writes)
+    return inputs, outputs
+
+
 def op_histogram(stablehlo: str) -> dict[str, int]:
     counts = collections.Counter(_OP.findall(stablehlo))
     return dict(counts.most_common())
@@ -149,11 +182,12 @@ def lower(
     label: str,
     analysed: list[Alias],
     flash_calls: list[tuple[int, int, bool]] | None = None,
+    state: set[int] | None = None,
 ) -> LoweredGraph:
     """TorchNeuron's stages after AOTAutograd: its copy_ pass, torch-mlir's import, the alias attribute from
     its analysis of the dynamo graph (`analysed`, aliasing.analyse); then neuronx-cc's rules, and XLA's
     preparation of a copy. flash_calls: the graph's attentions as its decompositions recorded them
-    (decompositions.FLASH_CALLS)."""
+    (decompositions.FLASH_CALLS); state: the inputs the model holds (model_state of the dynamo graph)."""
     from torch_mlir import ir
 
     flash_calls = flash_calls or []
@@ -175,6 +209,7 @@ def lower(
     except NotStableHLOError as error:
         raise LoweringError(f"{label}: {error}", call=label, op=str(error).split(": ", 1)[-1]) from error
     restore_top_k(module)
+    input_bytes, output_bytes = call_io_bytes(gm, written, state or set())
     return LoweredGraph(
         label=label,
         seconds=time.perf_counter() - start,
@@ -183,6 +218,8 @@ def lower(
         written=written,
         largest_tensor=_largest_tensor(gm, written, _flash_shapes(flash_calls)),
         scratchpad_bytes=graph_memory.scratchpad_bytes(text),
+        input_bytes=input_bytes,
+        output_bytes=output_bytes,
         xla_stablehlo=str(module),
         broken_rules=broken,
         flash_attention=sum(takes for *_, takes in flash_calls),
@@ -303,10 +340,11 @@ class StableHLOBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         label, call = self.label or f"graph {len(self.graphs)}", self.call
         analysed = aliasing.analyse(gm)  # before AOTAutograd, on dynamo's graph, as TorchNeuron does
+        state = model_state(gm)  # dynamo's names say which inputs the model holds
 
         def fw_compiler(aot_gm: torch.fx.GraphModule, aot_inputs: list[Any]) -> Callable:
             fx_text = aot_gm.print_readable(print_output=False)
-            lowered = lower(aot_gm, label, analysed, list(FLASH_CALLS.calls))
+            lowered = lower(aot_gm, label, analysed, list(FLASH_CALLS.calls), state)
             self.graphs.append(lowered)
             if self.dump_dir is not None:
                 self._dump(len(self.graphs) - 1, lowered, fx_text)

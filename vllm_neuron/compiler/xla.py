@@ -27,7 +27,8 @@ import torch
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
-_executables: dict[str, Any] = {}  # sha256 of a module's text -> its loaded executable
+# sha256 of a module's text -> its loaded executable and the size of its serialized form
+_executables: dict[str, tuple[Any, int]] = {}
 
 
 def _jax() -> Any:
@@ -116,9 +117,13 @@ class Program:
     one comes back as. Other inputs are DLPack views, kept between calls while the tensor is the same
     memory (weights, persistent input buffers)."""
 
-    def __init__(self, executable: Any, donated: dict[int, int]) -> None:
+    def __init__(self, executable: Any, donated: dict[int, int], serialized_bytes: int = 0) -> None:
         self._executable = executable
         self._donated = donated
+        # The executable as XLA serializes it (what the compile cache keeps): its code and constants, the
+        # CPU's stand-in for a NEFF's size. Taken at compile time: XLA refuses to serialize some executables
+        # once they have run.
+        self.serialized_bytes = serialized_bytes
         self._views: dict[int, tuple[tuple[int, tuple[int, ...], torch.dtype], Any]] = {}
         # Inputs jax copied instead of viewing (memory not aligned as XLA needs: a slice of a step's input
         # buffer), position -> address, at their last call.
@@ -209,25 +214,27 @@ def compile(stablehlo: str, donated: dict[int, int]) -> Program:  # noqa: A001 (
 
     key = hashlib.sha256("\n".join([stablehlo, *_host()]).encode()).hexdigest()
     with _lock:
-        executable = _executables.get(key)
-    if executable is not None:
-        return Program(executable, donated)
+        known = _executables.get(key)
+    if known is not None:
+        return Program(known[0], donated, known[1])
     client, options = _client(), xla_client.CompileOptions()
     devices = client.devices()[:1]
     folder = os.environ.get("VLLM_NEURON_XLA_CACHE_DIR")
     path = Path(folder) / f"{key}.xla" if folder else None
     if path is not None and path.is_file():
-        executable = client.deserialize_executable(path.read_bytes(), devices, options)
+        serialized = path.read_bytes()
+        executable = client.deserialize_executable(serialized, devices, options)
     else:
         executable = client.compile_and_load(stablehlo, devices, options)
+        serialized = client.serialize_executable(executable)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             written = path.with_suffix(f".{os.getpid()}.tmp")  # whole or absent, for processes sharing it
-            written.write_bytes(client.serialize_executable(executable))
+            written.write_bytes(serialized)
             os.replace(written, path)
     with _lock:
-        _executables[key] = executable
-    return Program(executable, donated)
+        _executables[key] = (executable, len(serialized))
+    return Program(executable, donated, len(serialized))
 
 
 def _host() -> tuple[str, ...]:
