@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` importab
 FAKE_RULES = ("eager_compiles", "eager_kernels", "host_round_trips", "host_reads")  # fake TorchNeuron's
 
 
-def fake_neuron_facts() -> dict[str, list] | None:
-    """What fake TorchNeuron recorded so far of rules (f), (k) and (l), where it serves this engine (the
-    engine core runs in this process)."""
+def fake_neuron_facts(worker: object = None) -> dict[str, list] | None:
+    """What fake TorchNeuron recorded so far of rules (f), (k) and (l) in a worker's process, where it serves
+    the engine (run through collective_rpc: each rank's)."""
     fake = sys.modules.get("torch_neuronx")
     if fake is None:
         return None
@@ -59,7 +59,7 @@ def main() -> None:
         for lora_id, (name, path) in enumerate(request["adapters"].items(), start=1)
     }
     before = llm.collective_rpc("compile_stats")
-    started = fake_neuron_facts()
+    started = llm.collective_rpc(fake_neuron_facts)
     calls_before = calls_by_phase()
 
     def generate(cases: list[tuple[list[int], str | None]]) -> list[list[int]]:
@@ -97,11 +97,13 @@ def main() -> None:
     for metric in llm.get_metrics() if metrics else []:
         if metric.name in metrics:
             metrics[metric.name] += metric.value
-    fake, served = None, fake_neuron_facts()
-    if served is not None:
-        fake = {"start_up": started, "after": {key: served[key][len(started[key]) :] for key in FAKE_RULES}}
+    fake = [
+        {"start_up": start, "after": {key: now[key][len(start[key]) :] for key in FAKE_RULES}}
+        for start, now in zip(started, llm.collective_rpc(fake_neuron_facts), strict=True)
+        if now is not None
+    ]
     result = {
-        "fake_neuron": fake,
+        "fake_neuron": fake,  # each rank's, on fake TorchNeuron
         "load_unload": load_unload,
         "metrics": metrics,
         "built": dataclasses.asdict(built),

@@ -143,13 +143,15 @@ def test_an_adapter_the_slots_cannot_hold_is_refused_by_name(lora_run):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_adapter_loads_on_trainium_compile_nothing_and_never_cross_the_host(
-    tiny_model_dir, adapters, hf_model, tmp_path
+    tiny_model_dir, adapters, hf_model, tmp_path, ranks
 ):
-    """Neuron mode on fake TorchNeuron: load the adapter of the maximum rank, serve, unload, load one of a
-    lower rank into the freed slot (vLLM's own writes of it would go through the host: rule (l)), serve. No
-    eager kernel is compiled once the engine has started (rule (k): vLLM's reset of a slot would be a fill),
-    nothing crosses the host (rule (l)), and the tokens are HF+peft's."""
+    """Neuron mode on fake TorchNeuron, one rank or two (each rank's slice of the slots): load the adapter of
+    the maximum rank, serve, unload, load one of a lower rank into the freed slot (vLLM's own writes of it
+    would go through the host: rule (l)), serve. No eager kernel is compiled once the engine has started
+    (rule (k): vLLM's reset of a slot would be a fill), nothing crosses the host (rule (l)), and the tokens
+    are HF+peft's."""
     order = ["all", "qv"]
     assert ADAPTERS["qv"][0] < MAX_RANK == ADAPTERS["all"][0]
     extra = {
@@ -162,18 +164,23 @@ def test_adapter_loads_on_trainium_compile_nothing_and_never_cross_the_host(
     }
     small = {"prefill_buckets": [64], "decode_batch_buckets": [2], "context_buckets": [256]}
     engine = ENGINE | {"max_num_seqs": 2, "additional_config": small}
-    env = fake_neuron_environment(tmp_path / "fake_neuron.json", tmp_path / "compile-cache")
+    (tmp_path / "fake_neuron").mkdir()  # a record per process
+    env = fake_neuron_environment(tmp_path / "fake_neuron", tmp_path / "compile-cache")
+    if ranks > 1:
+        engine |= {"tensor_parallel_size": ranks, "distributed_executor_backend": "mp"}
+        env |= {"NEURON_RT_ROOT_COMM_ID": None, "MASTER_ADDR": None}
     result = run_engine(
         tiny_model_dir, engine, env, max_tokens=MAX_TOKENS, extra=extra, script="lora_in_subprocess.py"
     )
     models = references(adapters, hf_model)
     assert result["mixed"] == [hf_greedy(models[None], SHORT, MAX_TOKENS)]
     assert result["load_unload"] == [hf_greedy(models[name], SHORT, MAX_TOKENS) for name in order]
-    fake = result["fake_neuron"]
-    seen = {"eager_kernels after start-up": len(fake["after"]["eager_kernels"])}
-    for rule in ("host_round_trips", "host_reads", "eager_compiles"):
-        seen[rule] = len(fake["start_up"][rule]) + len(fake["after"][rule])
-    assert seen == dict.fromkeys(seen, 0), fake
+    assert len(result["fake_neuron"]) == ranks
+    for fake in result["fake_neuron"]:
+        seen = {"eager_kernels after start-up": len(fake["after"]["eager_kernels"])}
+        for rule in ("host_round_trips", "host_reads", "eager_compiles"):
+            seen[rule] = len(fake["start_up"][rule]) + len(fake["after"][rule])
+        assert seen == dict.fromkeys(seen, 0), fake
 
 
 @pytest.mark.parametrize(
