@@ -349,10 +349,10 @@ def _register() -> None:
         runtime.count("to_host")  # rule (i)
         return to_host(tensor)
 
-    def copying_to_device(destination: torch.Tensor, array: Any) -> None:
+    def copying_to_device(destination: torch.Tensor, source: torch.Tensor) -> None:
         runtime.count("to_device")  # rule (i)
         with HostToDeviceCopies() as copies:
-            copy_to_device(destination, array)
+            copy_to_device(destination, source)
         for _ in range(copies.blocking):  # rule (j)
             runtime.count("blocking_to_device")
             runtime.synchronize()
