@@ -10,8 +10,8 @@ each generated alone with "prompt", twice round: eviction and reload), "load_unl
 loaded with add_lora, generated alone with "prompt", then removed), "refused" (adapter names whose add_lora
 must fail: their error messages), "max_tokens", "metrics" (counters of llm.get_metrics() to sum). The result
 also carries `vllm-neuron check`'s measure of the built model ("built"), and on fake TorchNeuron
-(tests/fake_neuron) its eager ops by rules (f), (k) and (l), those of start-up and those after. Adapter ids
-follow the order of "adapters".
+(tests/fake_neuron) its eager ops by rules (f), (k) and (l), those of start-up and those after, and its
+blocking transfers to the device (j). Adapter ids follow the order of "adapters".
 """
 
 import dataclasses
@@ -24,14 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` importab
 FAKE_RULES = ("eager_compiles", "eager_kernels", "host_round_trips", "host_reads")  # fake TorchNeuron's
 
 
-def fake_neuron_facts(worker: object = None) -> dict[str, list] | None:
+def fake_neuron_facts(worker: object = None) -> dict[str, object] | None:
     """What fake TorchNeuron recorded so far of rules (f), (k) and (l) in a worker's process, where it serves
-    the engine (run through collective_rpc: each rank's)."""
+    the engine (run through collective_rpc: each rank's), and its blocking transfers to the device per
+    thread (rule (j))."""
     fake = sys.modules.get("torch_neuronx")
     if fake is None:
         return None
     with fake.runtime.lock:
-        return {key: list(fake.runtime.facts[key]) for key in FAKE_RULES}
+        facts = fake.runtime.facts
+        return {key: list(facts[key]) for key in FAKE_RULES} | {"blocking": dict(facts["blocking_to_device"])}
 
 
 def calls_by_phase() -> Counter:
@@ -98,7 +100,11 @@ def main() -> None:
         if metric.name in metrics:
             metrics[metric.name] += metric.value
     fake = [
-        {"start_up": start, "after": {key: now[key][len(start[key]) :] for key in FAKE_RULES}}
+        {
+            "start_up": start,
+            "after": {key: now[key][len(start[key]) :] for key in FAKE_RULES},
+            "blocking_to_device": now["blocking"],
+        }
         for start, now in zip(started, llm.collective_rpc(fake_neuron_facts), strict=True)
         if now is not None
     ]

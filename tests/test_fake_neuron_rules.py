@@ -26,12 +26,19 @@ def step(kv, stacked, x):
     return kv + stacked.sum() + x
 
 out = step(kv, stacked, torch.ones(4, 8))
+host_scalar = torch.ones(())
 facts, seen = torch_neuronx.runtime.facts, {}
+
+def waits():
+    return facts["synchronize"].get("MainThread", 0)
 
 def tag(name, op):
     before = {key: len(facts[key]) for key in ("eager_kernels", "host_round_trips", "host_reads")}
+    synchronized = waits()
     op()
     seen[name] = {key: facts[key][before[key]:] for key in before}
+    if waits() > synchronized:
+        seen[name]["synchronize"] = waits() - synchronized
 
 tag("graph", lambda: step(kv, stacked, out))
 tag("reset slot", lambda: stacked.__setitem__(1, 0))
@@ -48,6 +55,18 @@ tag("index", lambda: kv[torch.tensor([0, 1])])
 tag("index_put", lambda: kv.__setitem__(torch.tensor([0]), 1.0))
 tag("view", lambda: kv[1:, 2])
 tag("read to host", lambda: torch.empty(4, 8).copy_(kv))
+tag("read to host, non-blocking", lambda: torch.empty(4, 8).copy_(kv, non_blocking=True))
+tag("item", lambda: kv[0, 0].item())
+tag("tolist", lambda: out.tolist())
+tag("bool", lambda: bool(kv[0, 0]))
+tag("int and float", lambda: (int(kv[0, 0]), float(kv[0, 0])))
+tag("cpu copy", lambda: kv.cpu().fill_(7))
+tag("host scalars", lambda: (host_scalar.item(), bool(host_scalar), host_scalar.cpu().tolist()))
+try:
+    kv.numpy()
+    numpy_refused = None
+except torch_neuronx.FakeNeuronRuleError as error:
+    numpy_refused = str(error)
 host = torch.zeros(4, 8)
 ops = (lambda: host.fill_(1), lambda: host.t().copy_(torch.ones(8, 4)), lambda: host[torch.tensor([0])])
 tag("host ops", lambda: [op() for op in ops])
@@ -56,7 +75,9 @@ array = np.zeros(4, dtype=np.float32)
 first = torch.from_numpy(array)
 torch_neuronx.eager.storages.add([first])
 tag("same address, another storage", lambda: torch.from_numpy(array).fill_(1))
-print("RESULT " + json.dumps({"seen": seen, "first_held": torch_neuronx.eager.storages.holds(first)}))
+held = torch_neuronx.eager.storages.holds(first)
+result = {"seen": seen, "first_held": held, "numpy_refused": numpy_refused, "kv_kept": bool((kv != 7).all())}
+print("RESULT " + json.dumps(result))
 """
 
 
@@ -71,6 +92,8 @@ def seen(tmp_path_factory) -> dict:
     [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     result = json.loads(line.removeprefix("RESULT "))
     assert result["first_held"]
+    # numpy() of a device tensor raises on Trainium; a cpu() copy written on the host leaves the device's.
+    assert "numpy() of a device tensor" in result["numpy_refused"] and result["kv_kept"]
     return result["seen"]
 
 
@@ -81,7 +104,7 @@ def kernels(seen: dict, name: str) -> list[tuple]:
 def test_ops_in_a_graph_and_on_host_tensors_are_not_eager_device_ops(seen):
     """The graph's own writes (its in-place input included), host tensors, a view, to_host's copy, and a host
     tensor at a device storage's address: nothing recorded."""
-    quiet = ("graph", "view", "host ops", "to_host copy", "same address, another storage")
+    quiet = ("graph", "view", "host ops", "to_host copy", "same address, another storage", "host scalars")
     for name in quiet:
         assert seen[name] == {"eager_kernels": [], "host_round_trips": [], "host_reads": []}, name
 
@@ -122,3 +145,21 @@ def test_rule_l_a_permutation_of_the_whole_storage_is_a_compiled_transpose(seen)
 def test_a_device_tensor_copied_into_a_host_one_is_a_read(seen):
     [read] = seen["read to host"]["host_reads"]
     assert (read["op"], read["shape"], read["bytes"]) == ("copy_", [4, 8], 4 * 8 * 4)
+    assert seen["read to host"]["synchronize"] == 1  # blocking: the stream must be idle first
+    [read] = seen["read to host, non-blocking"]["host_reads"]
+    assert read["op"] == "copy_" and "synchronize" not in seen["read to host, non-blocking"]
+
+
+def test_scalars_lists_and_cpu_copies_of_a_device_tensor_are_blocking_reads(seen):
+    """item(), bool/int/float, tolist() and cpu() each copy to the host and wait for the stream."""
+    expected = {
+        "item": [("item", [])],
+        "tolist": [("tolist", [4, 8])],
+        "bool": [("__bool__", [])],
+        "int and float": [("__int__", []), ("__float__", [])],
+        "cpu copy": [("cpu", [4, 8])],
+    }
+    for name, reads in expected.items():
+        assert [(read["op"], read["shape"]) for read in seen[name]["host_reads"]] == reads, name
+        assert seen[name]["synchronize"] == len(reads), name
+        assert seen[name]["eager_kernels"] == seen[name]["host_round_trips"] == [], name

@@ -150,8 +150,8 @@ def test_adapter_loads_on_trainium_compile_nothing_and_never_cross_the_host(
     """Neuron mode on fake TorchNeuron, one rank or two (each rank's slice of the slots): load the adapter of
     the maximum rank, serve, unload, load one of a lower rank into the freed slot (vLLM's own writes of it
     would go through the host: rule (l)), serve. No eager kernel is compiled once the engine has started
-    (rule (k): vLLM's reset of a slot would be a fill), nothing crosses the host (rule (l)), and the tokens
-    are HF+peft's."""
+    (rule (k): vLLM's reset of a slot would be a fill), nothing crosses the host (rule (l)), no write to the
+    device waits (rule (j)), and the tokens are HF+peft's."""
     order = ["all", "qv"]
     assert ADAPTERS["qv"][0] < MAX_RANK == ADAPTERS["all"][0]
     extra = {
@@ -181,6 +181,7 @@ def test_adapter_loads_on_trainium_compile_nothing_and_never_cross_the_host(
         for rule in ("host_round_trips", "host_reads", "eager_compiles"):
             seen[rule] = len(fake["start_up"][rule]) + len(fake["after"][rule])
         assert seen == dict.fromkeys(seen, 0), fake
+        assert fake["blocking_to_device"] == {}  # rule (j): the slot writes wait for no graph
 
 
 @pytest.mark.parametrize(

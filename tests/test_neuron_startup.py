@@ -141,7 +141,7 @@ for address in ("localhost", "127.0.0.1", "10.0.0.5"):
 
 
 BLOCKING = """
-import numpy as np, torch, torch_neuronx
+import torch, torch_neuronx
 from vllm_neuron import device
 with torch_neuronx.HostToDeviceCopies() as copies:
     held = torch.zeros(4)
@@ -151,19 +151,28 @@ with torch_neuronx.HostToDeviceCopies() as copies:
     torch.ones(4).to("cpu")
     held[:1].copy_(torch.ones(1))  # one element: the bounce buffer, no wait
 print(copies.blocking)
-device.copy_to_device(torch.zeros(8, dtype=torch.uint8), np.arange(8, dtype=np.uint8))
-print(torch_neuronx.runtime.facts["synchronize"], torch_neuronx.runtime.facts["to_device"])
+slot = torch.zeros(8, dtype=torch.bfloat16)  # a host tensor numpy cannot hold
+device.copy_to_device(slot, torch.arange(8, dtype=torch.bfloat16))
+print(torch_neuronx.runtime.facts["synchronize"], torch_neuronx.runtime.facts["to_device"], slot.tolist())
+try:
+    device.copy_to_device(torch.zeros(4, 2).t(), torch.ones(2, 4))
+except ValueError as error:
+    print("refused:", error)
 """
 
 
 def test_a_blocking_transfer_to_the_device_is_a_synchronize():
-    """Fake rule (j) sees each copy's non_blocking, and the plugin's transfer seam waits for nothing."""
+    """Fake rule (j) sees each copy's non_blocking, and the plugin's transfer seam waits for nothing, takes
+    any host tensor (bfloat16 too) and refuses a non-contiguous destination (a round trip through the
+    host)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAKE_NEURON), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
         [sys.executable, "-c", BLOCKING], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:2] == ["2", "{} {'MainThread': 1}"]
+    blocking, seam, refused = done.stdout.strip().split("\n")
+    assert (blocking, seam) == ("2", "{} {'MainThread': 1} [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]")
+    assert refused.startswith("refused:") and "non-contiguous" in refused
 
 
 def test_tensor_parallel_rank_one_reads_its_own_cores_memory(tmp_path):

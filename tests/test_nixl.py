@@ -4,7 +4,7 @@
 compiles after warm-up. The pages NIXL moves are the blocks of the plugin's head-major cache, copied whole
 by compiled graphs (worker/nixl_blocks.py, tests/test_nixl_blocks.py); peers whose pages differ are
 refused. Both servers run in Neuron mode on fake TorchNeuron: the block copies break none of its runtime
-rules."""
+rules. With an FP8 KV cache on both, its uint8 pages move as they are."""
 
 import json
 from pathlib import Path
@@ -14,8 +14,10 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 from tests.conftest import FEW_BUCKETS
+from tests.fp8_reference import hf_with_weights, round_kv_through_fp8
 from tests.helpers import engine_config, hf_greedy, random_prompt
 from tests.serving import ServerProcess, complete, free_port, http
+from tests.test_fp8_kv import UNIT_SCALES
 from tests.test_neuron_startup import fake_neuron_environment
 from tests.test_server import metric_values
 from vllm_neuron.upstream import vllm_nixl
@@ -46,9 +48,9 @@ def test_peers_with_other_pages_are_refused():
     assert "tensor-parallel size 1 and block size 16" in page_layout_mismatch(1, 1, 32, 16)
 
 
-def nixl_server(model_dir, folder: Path, role: str) -> ServerProcess:
+def nixl_server(model_dir, folder: Path, role: str, *extra: str) -> ServerProcess:
     """A server of `role` in Neuron mode on fake TorchNeuron (tests/fake_neuron), which records what it saw
-    under `folder`/`role`."""
+    under `folder`/`role`; `extra`: more of the server's arguments."""
     transfer = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
     (folder / role).mkdir()
     env = fake_neuron_environment(folder / role, folder / f"{role}-cache")
@@ -61,6 +63,7 @@ def nixl_server(model_dir, folder: Path, role: str) -> ServerProcess:
         transfer,
         "--additional-config",
         json.dumps(FEW_BUCKETS),
+        *extra,
         env=env,
     )
 
@@ -117,3 +120,35 @@ def test_prefill_then_decode_over_nixl_gives_hf_greedy_tokens(servers, hf_model)
         assert facts["eager_compiles"] == [] and facts["blocking_to_device"] == {}
         assert "neuron-device_0" not in facts["synchronize"]
         assert facts["graph_runs"]["neuron-device_0"] > 0
+
+
+@pytest.mark.slow
+def test_an_fp8_cache_moves_over_nixl_as_it_is(tiny_model_dir, tmp_path):
+    """--kv-cache-dtype fp8 on both servers: uint8 caches and host buffers, whose bytes NIXL registers and
+    moves like any other's. The scales are not moved: they are the model's (here vLLM's default 1.0), and
+    vLLM pairs only servers of the same model and cache dtype (compute_nixl_compatibility_hash). The decode
+    server gives HF's greedy tokens over the same FP8-rounded keys and values, without computing the
+    prompts."""
+    reference = round_kv_through_fp8(hf_with_weights(tiny_model_dir, {}), UNIT_SCALES)
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[5]]  # within a block, several blocks, several steps
+    fp8 = ("--kv-cache-dtype", "fp8")
+    prefill = nixl_server(tiny_model_dir, tmp_path, "kv_producer", *fp8)
+    decode = nixl_server(tiny_model_dir, tmp_path, "kv_consumer", *fp8)
+    try:
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        for prompt in prompts:
+            expected = hf_greedy(reference, prompt, MAX_TOKENS)
+            handed = complete(prefill, prompt, 1, **HANDSHAKE, kv_transfer_params={"do_remote_decode": True})
+            assert handed["choices"][0]["token_ids"] == expected[:1]
+            params = handed["kv_transfer_params"]
+            answer = complete(decode, prompt, MAX_TOKENS, **HANDSHAKE, kv_transfer_params=params)
+            assert answer["choices"][0]["token_ids"] == expected, len(prompt)
+        assert metric(decode, "vllm:external_prefix_cache_hits_total") == sum(map(len, prompts))
+        for role in ("kv_producer", "kv_consumer"):
+            facts = fake_record(tmp_path / role)
+            assert facts["eager_kernels"] == facts["host_round_trips"] == facts["host_reads"] == []
+            assert facts["blocking_to_device"] == {}
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -1,8 +1,12 @@
 """NIXL's block copies as compiled graphs (worker/nixl_blocks.py): each moves whole blocks between the
 head-major caches and NIXL's block-major host buffers exactly as indexing the views would, for any block
 count (padded to a bucket, or split past the largest), compiles only at warm-up, and touches the caches only
-inside its graphs."""
+inside its graphs. For a float32 cache and an FP8 one (`--kv-cache-dtype fp8`: uint8 e4m3 bits,
+kv_cache/fp8.py), whose every byte value, NaN and -0 bits included, must move unchanged. An FP8 cache's
+per-layer scales are not moved: they are the model's (1.0, or the checkpoint's), and NIXL pairs only
+servers of the same model and cache dtype (vLLM's compute_nixl_compatibility_hash)."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -25,11 +29,12 @@ class Caches(SimpleNamespace):
         return self.tensors
 
 
-@pytest.fixture(scope="module")
-def copier():
+# The cache dtypes: vLLM allocates `--kv-cache-dtype fp8` as uint8 (STR_DTYPE_TO_TORCH_DTYPE).
+@pytest.fixture(scope="module", params=[torch.float32, torch.uint8], ids=["float32", "fp8"])
+def copier(request):
     recorder = CompileRecorder("xla", strict=True)
     tensors = {
-        name: layout.allocate(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, torch.float32, None, recorder.zeros)
+        name: layout.allocate(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, request.param, None, recorder.zeros)
         for name in LAYERS
     }
     caches = Caches(tensors=tensors, device=torch.device("cpu"))
@@ -39,18 +44,26 @@ def copier():
     return copier
 
 
+def random(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Random values; for FP8 bits every byte value, each as often (e4m3's NaNs 0x7f and 0xff, -0 0x80)."""
+    if dtype == torch.uint8:
+        return (torch.randperm(math.prod(shape), generator=generator) % 256).to(dtype).view(shape)
+    return torch.randn(shape, generator=generator, dtype=dtype)
+
+
 def fill(copier: BlockCopier, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     for cache in copier.caches.by_layer().values():
-        cache.copy_(torch.randn(cache.shape, generator=generator))
+        cache.copy_(random(cache.shape, copier.dtype, generator))
     return {name: cache.clone() for name, cache in copier.caches.by_layer().items()}
 
 
-def host_buffers(seed: int) -> dict[str, torch.Tensor]:
-    """NIXL's host buffers: each layer's block-major view's shape, contiguous."""
+def host_buffers(copier: BlockCopier, seed: int) -> dict[str, torch.Tensor]:
+    """NIXL's host buffers: each layer's block-major view's shape and the cache's dtype, contiguous (vLLM's
+    initialize_host_xfer_buffer)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (BLOCKS, 2 * KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
-    return {name: torch.randn(shape, generator=generator) for name in LAYERS}
+    return {name: random(shape, copier.dtype, generator) for name in LAYERS}
 
 
 def test_buckets_are_powers_of_two_up_to_a_requests_blocks_within_the_byte_budget():
@@ -68,7 +81,7 @@ def test_save_copies_blocks_to_the_host_buffers_as_the_views_would(copier, count
     cache_ids = (torch.randperm(BLOCKS - 1, generator=generator)[:count] + 1).tolist()  # never the null block
     host_ids = torch.randperm(BLOCKS, generator=generator)[:count].tolist()
     caches = fill(copier, count)
-    host = host_buffers(count)
+    host = host_buffers(copier, count)
     expected = {name: buffer.clone() for name, buffer in host.items()}
     for name in LAYERS:
         expected[name][host_ids] = layout.block_major(caches[name])[cache_ids]
@@ -85,7 +98,7 @@ def test_load_writes_blocks_into_the_caches_in_place_as_the_views_would(copier, 
     host_ids = torch.randperm(BLOCKS, generator=generator)[:count].tolist()
     cache_ids = (torch.randperm(BLOCKS - 1, generator=generator)[:count] + 1).tolist()
     before = fill(copier, 100 + count)
-    host = host_buffers(100 + count)
+    host = host_buffers(copier, 100 + count)
     expected = {name: cache.clone() for name, cache in before.items()}
     for name in LAYERS:
         layout.block_major(expected[name])[cache_ids] = host[name][host_ids]
@@ -102,9 +115,29 @@ def test_load_writes_blocks_into_the_caches_in_place_as_the_views_would(copier, 
         assert caches[name][:, layout.NULL_BLOCK].isfinite().all()
 
 
+def test_blocks_saved_then_loaded_elsewhere_arrive_bit_for_bit(copier):
+    """A prefill server's save into its host buffer, NIXL's read of those bytes into the decode server's,
+    and its load into other blocks (every block but the null one, in three copies): each block's bytes as
+    they were (FP8: every byte value among them)."""
+    generator = torch.Generator().manual_seed(11)
+    saved, loaded = ((torch.randperm(BLOCKS - 1, generator=generator) + 1).tolist() for _ in range(2))
+    before = fill(copier, 11)
+    views = {name: layout.block_major(cache) for name, cache in copier.caches.by_layer().items()}
+    host = host_buffers(copier, 11)
+    copier(views, host, saved, list(range(len(saved))), "d2h")
+    remote = {name: buffer.clone() for name, buffer in host.items()}  # NIXL moves the buffers' bytes
+    copier(remote, views, list(range(len(saved))), loaded, "h2d")
+    values = set()
+    for name, cache in copier.caches.by_layer().items():
+        moved, original = layout.block_major(cache)[loaded], layout.block_major(before[name])[saved]
+        assert moved.view(torch.uint8).equal(original.view(torch.uint8))
+        values |= set(original.view(torch.uint8).unique().tolist())
+    assert copier.dtype != torch.uint8 or len(values) == 256
+
+
 def test_nothing_to_copy_copies_nothing(copier):
     before = fill(copier, 7)
-    copier(host_buffers(7), dict(before), [], [], "h2d")
+    copier(host_buffers(copier, 7), dict(before), [], [], "h2d")
     for name, cache in copier.caches.by_layer().items():
         assert cache.equal(before[name])
 
@@ -144,7 +177,7 @@ def test_a_copy_touches_the_caches_only_inside_its_graphs(copier, direction, mon
         )
     caches = copier.caches.by_layer()
     views = {name: layout.block_major(cache) for name, cache in caches.items()}
-    host = host_buffers(3)
+    host = host_buffers(copier, 3)
     ids = [5, 1, 2, 9, 3, 7]  # two copies: 4 blocks, then 2
     with CacheOps(list(caches.values())) as recorded:
         if direction == "d2h":

@@ -11,7 +11,6 @@ import os
 from functools import cache
 from typing import Literal
 
-import numpy as np
 import torch
 
 from vllm_neuron import envs, trn2
@@ -307,14 +306,22 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if mode() == "cpu" else tensor.to("cpu")
 
 
-def copy_to_device(destination: torch.Tensor, array: np.ndarray) -> None:
-    """One host-to-device transfer of a host array's bytes into a contiguous device tensor of as many (a
-    call's packed inputs, worker/packed_inputs.py), without waiting for the device. Non-blocking, TorchNeuron
+def copy_to_device(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """One host-to-device transfer of a host tensor into a contiguous device tensor of its shape and dtype
+    (a call's packed inputs, worker/packed_inputs.py; a LoRA slot's image, worker/lora_images.py), without
+    waiting for the device: every host-to-device write on the serving path. Non-blocking, TorchNeuron
     copies the host bytes to a bounce buffer at once and queues the write on the stream, behind the graphs
-    already submitted; blocking, it then waits until the stream is idle (copy_cpu_to_neuron,
-    csrc/utils/CopyUtils.cpp; KernelExecution.cpp, AllocateBounceBuffer). Every thread's current stream is
-    the device's default stream (c10/neuron/NeuronStream.cpp). In CPU mode, a copy in host memory."""
-    destination.copy_(torch.from_numpy(array), non_blocking=True)
+    already submitted, so the source may be reused at once; blocking, it then waits until the stream is idle
+    (copy_cpu_to_neuron, csrc/utils/CopyUtils.cpp; KernelExecution.cpp, AllocateBounceBuffer). Every
+    thread's current stream is the device's default stream (c10/neuron/NeuronStream.cpp). A non-contiguous
+    destination would instead round-trip its whole storage through the host (python_ops/cast_policy.py),
+    so it is refused. In CPU mode, a copy in host memory."""
+    if not destination.is_contiguous():
+        raise ValueError(
+            f"copy_to_device into a non-contiguous tensor (shape {list(destination.shape)}, stride "
+            f"{list(destination.stride())}): TorchNeuron would copy its whole storage through the host"
+        )
+    destination.copy_(source, non_blocking=True)
 
 
 def manual_seed_all(seed: int) -> None:

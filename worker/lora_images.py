@@ -18,6 +18,7 @@ import copy
 
 import torch
 
+from vllm_neuron import device as neuron_device
 from vllm_neuron.upstream.vllm_lora import STACKS
 
 
@@ -49,8 +50,7 @@ class SlotImages:
         return self._stand_ins
 
     def write(self, index: int) -> None:
-        """The images into vLLM's slot `index`. Non-blocking: TorchNeuron copies the host tensor into a
-        buffer of its own when the write is submitted (CopyUtils.cpp), ordered after the calls before it, so
-        the images may be rewritten at once."""
+        """The images into vLLM's slot `index`, each through the device's host-to-device seam: a write that
+        waits for no graph, after which the images may be rewritten at once."""
         for stacked, image in self._slots:
-            stacked[index].copy_(image, non_blocking=True)
+            neuron_device.copy_to_device(stacked[index], image)

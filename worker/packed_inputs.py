@@ -78,7 +78,7 @@ class StagingBuffers:
                 staging = self._buffers.setdefault(
                     key, torch.empty(buffer.nbytes, dtype=torch.uint8, device=self.device)
                 )
-        neuron_device.copy_to_device(staging, buffer.view(np.uint8))
+        neuron_device.copy_to_device(staging, torch.from_numpy(buffer.view(np.uint8)))
         return staging
 
     @property

@@ -53,8 +53,10 @@ Modelled and recorded, not raised:
 (l) a write into a non-contiguous device view copies the whole storage to the host and back, blocking, unless
     the view permutes the whole storage (a compiled transpose, rule (k)): each is recorded
     (`host_round_trips`: op, shape, stride, storage offset, dtype, the storage's bytes, thread), and so is a
-    `copy_` from a device tensor into a host one (`host_reads`). Device tensors are those a compiled graph
-    read or wrote (eager_ops.py says how they are told apart, and what TorchNeuron runs for each op).
+    device tensor read to the host past the to_host seam (`host_reads`: `copy_` into a host tensor, `cpu`,
+    `tolist`, `item`, `bool`, `int`, `float`), each blocking one a synchronize (g); `numpy()` of a device
+    tensor raises, as torch does on Trainium. Device tensors are those a compiled graph read or wrote
+    (eager_ops.py says how they are told apart, and what TorchNeuron runs for each op).
 
 Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the fake saw is written as JSON
 to FAKE_NEURON_RECORD (when set; where it is a folder, to <pid>.json in it, a file per process: tensor
@@ -349,10 +351,10 @@ def _register() -> None:
         runtime.count("to_host")  # rule (i)
         return to_host(tensor)
 
-    def copying_to_device(destination: torch.Tensor, array: Any) -> None:
+    def copying_to_device(destination: torch.Tensor, source: torch.Tensor) -> None:
         runtime.count("to_device")  # rule (i)
         with HostToDeviceCopies() as copies:
-            copy_to_device(destination, array)
+            copy_to_device(destination, source)
         for _ in range(copies.blocking):  # rule (j)
             runtime.count("blocking_to_device")
             runtime.synchronize()

@@ -25,8 +25,15 @@ What TorchNeuron runs for each (parmoham-aws/test-repo-parmoham@98154b8, torch_n
   stacked rank, fails the device copy's size check; a broadcast skips the transpose) copies the WHOLE storage
   to the host and back: from a host source, four blocking transfers (copy.py's temporary, its read-back, the
   storage down and up);
-- a device tensor copied into a host tensor with `copy_` is a device-to-host read that bypasses the to_host
-  seam: recorded too (`host_reads`).
+- a device-to-host read that bypasses the to_host seam: recorded too (`host_reads`), and, unless
+  non-blocking, counted as a synchronize (rule (g)): copy_neuron_to_cpu (csrc/utils/CopyUtils.cpp:73-118)
+  waits until the stream is idle, every graph queued before it included. `copy_` from a device tensor into
+  a host one (python_ops/copy.py, case B); `cpu()` and `tolist()` (aten::_to_copy to the CPU, blocking:
+  python_ops/to_copy.py, cast_policy.py copy_neuron_to_cpu; torch's tensor_to_list converts to the CPU
+  first); `item()` and the scalar conversions (`bool`, `int`, `float`: aten::_local_scalar_dense, which
+  TorchNeuron runs as `self.cpu()`, csrc/aten/NeuronNativeFunctions.cpp:344-360). `cpu()` hands back a host
+  copy of its own, as on Trainium. `numpy()` of a device tensor raises on Trainium (torch converts only CPU
+  tensors): FakeNeuronRuleError here.
 """
 
 import functools
@@ -130,15 +137,34 @@ class EagerRules:
 
     # ---- the intercepted methods: each sees the operands before the op runs ----
 
-    def copy_(self, dst: torch.Tensor, src: Any, *_: Any, **__: Any) -> None:
+    def copy_(self, dst: torch.Tensor, src: Any, *args: Any, **kwargs: Any) -> None:
         if self.storages.holds(dst):
             if self.storages.holds(src):
                 self.kernel("copy_", [src, dst])
             self.write_view("copy_", dst)
         elif self.storages.holds(src):
-            self._append(
-                "host_reads",
-                {"op": "copy_", "shape": list(src.shape), "dtype": str(src.dtype), "bytes": src.nbytes},
+            self.read("copy_", src, waits=not kwargs.get("non_blocking", bool(args and args[0])))
+
+    def read(self, op: str, source: torch.Tensor, waits: bool = True) -> bool:
+        """A device-to-host read past the to_host seam, if `source` is the device's (returns whether); a
+        blocking one synchronizes."""
+        if not self.storages.holds(source):
+            return False
+        self._append(
+            "host_reads",
+            {"op": op, "shape": list(source.shape), "dtype": str(source.dtype), "bytes": source.nbytes},
+        )
+        if waits:
+            self.runtime.synchronize()
+        return True
+
+    def numpy(self, source: torch.Tensor, *_: Any, **__: Any) -> None:
+        if self.storages.holds(source):
+            from torch_neuronx import FakeNeuronRuleError
+
+            raise FakeNeuronRuleError(
+                f"numpy() of a device tensor (shape {list(source.shape)}): torch converts only CPU tensors "
+                "(bring it to the host through vllm_neuron.device.to_host first)"
             )
 
     def fill_(self, dst: torch.Tensor, value: Any, *_: Any, **__: Any) -> None:
@@ -182,12 +208,17 @@ def _parts(index: Any) -> tuple:
 _ORIGINALS: dict[str, Callable] = {}
 
 
+def _outside_graphs() -> bool:
+    """Neither a compiled graph running in this thread nor dynamo tracing: an eager op."""
+    return not getattr(_in_graph, "running", False) and not torch.compiler.is_compiling()
+
+
 def _intercept(name: str, rule: Callable[..., None]) -> None:
     original = _ORIGINALS.setdefault(name, getattr(torch.Tensor, name))
 
     @functools.wraps(original)
     def checked(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(_in_graph, "running", False) and not torch.compiler.is_compiling():
+        if _outside_graphs():
             rule(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
@@ -196,8 +227,9 @@ def _intercept(name: str, rule: Callable[..., None]) -> None:
 
 def install(runtime: Any) -> EagerRules:
     """Rules (k) and (l) on `runtime`: its compiles and graph runs register the device storages, the tensor
-    methods are intercepted, and `vllm_neuron.device.to_host` hands back a host copy of its own, as on
-    Trainium (the fake's `.to("cpu")` of a host tensor is the tensor itself: the device's storage)."""
+    methods are intercepted, and `vllm_neuron.device.to_host` and `cpu()` hand back a host copy of their
+    own, as on Trainium (the fake's `.to("cpu")` of a host tensor is the tensor itself: the device's
+    storage)."""
     rules = EagerRules(runtime)
     compile_graph = runtime.compile
 
@@ -219,10 +251,21 @@ def install(runtime: Any) -> EagerRules:
         return running
 
     runtime.compile = compiling
-    for name in ("copy_", "fill_", "zero_", "index_put_"):
+    for name in ("copy_", "fill_", "zero_", "index_put_", "numpy"):
         _intercept(name, getattr(rules, name))
     _intercept("__setitem__", rules.setitem)
     _intercept("__getitem__", rules.getitem)
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        _intercept(name, lambda tensor, *_, op=name, **__: rules.read(op, tensor))
+    original_cpu = _ORIGINALS.setdefault("cpu", torch.Tensor.cpu)
+
+    @functools.wraps(original_cpu)
+    def cpu(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        host = original_cpu(tensor, *args, **kwargs)
+        # The fake's device tensor is a host one: the read hands back a copy of its own, as on Trainium.
+        return host.clone() if _outside_graphs() and rules.read("cpu", tensor) else host
+
+    torch.Tensor.cpu = cpu
 
     import vllm_neuron.device
 
