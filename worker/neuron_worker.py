@@ -121,7 +121,7 @@ class NeuronWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         with set_current_vllm_config(self.vllm_config):
-            seconds = self.model_runner.kv_transfer.warm_up() + self.model_runner.warm_up()
+            seconds = self.model_runner.warm_up()
         # Warm-up consumed random numbers; serving starts from the configured seed.
         vllm_engine.set_random_seed(self.model_config.seed)
         self._derive_graph_reserve()
