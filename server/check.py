@@ -37,7 +37,6 @@ from server.options import add_neuron_options
 from server.serve_args import parse_serve_args, platform_message, resolve_engine_config, serve_parser
 from vllm_neuron import envs, trn2
 from vllm_neuron.buckets import ceil_div
-from vllm_neuron.calls import most_calls_per_step
 from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig, NeuronConfigError, engine_limits
 from vllm_neuron.graph_plan import copy_buckets, max_copy_blocks
@@ -152,7 +151,7 @@ def run(parsed: argparse.Namespace) -> Report:
     heads = model_config.model_arch_config.total_num_attention_heads
     report.figures = checked.model.figures(model_config.served_model_name, layers, heads)
     report.plan = replace(report.plan, copy_buckets=_copy_buckets(vllm_config, report.figures))
-    report.reserve = _graph_reserve(vllm_config, report.plan, checked.graphs)
+    report.reserve = _graph_reserve(vllm_config, checked.graphs)
     report.settings = trn2.KVSettings(
         kv_cache_fraction=envs.VLLM_NEURON_KV_CACHE_FRACTION,
         gpu_memory_utilization=vllm_config.cache_config.gpu_memory_utilization,
@@ -164,15 +163,15 @@ def run(parsed: argparse.Namespace) -> Report:
     return report
 
 
-def _graph_reserve(vllm_config, plan: Plan, graphs: list[dict[str, object]]) -> graph_memory.Reserve:
+def _graph_reserve(vllm_config, graphs: list[dict[str, object]]) -> graph_memory.Reserve:
     """The reserve the lowered graphs need, recorded in the compile cache root for `serve`'s start-up on trn2
     (the check lowers one rank's graphs at TP=1: at a larger TP each rank's intermediates are smaller, so the
     figure errs high); VLLM_NEURON_GRAPH_RESERVE_BYTES, where set, is what the fit uses. The trn2 host's
     compile workers are not known here: VLLM_NEURON_COMPILE_WORKERS, else the most it starts by default."""
-    calls_per_step = most_calls_per_step(plan.neuron.buckets, plan.max_num_seqs, plan.max_num_batched_tokens)
     workers = envs.VLLM_NEURON_COMPILE_WORKERS or graph_memory.DEFAULT_COMPILE_WORKERS
-    derived = graph_memory.derive(graphs, calls_per_step, workers)
-    graph_memory.record(compile_cache.key_fields(vllm_config, NeuronConfig.of(vllm_config)), derived)
+    fields = compile_cache.key_fields(vllm_config, NeuronConfig.of(vllm_config))
+    derived = graph_memory.derive_for(vllm_config, graphs, workers)
+    graph_memory.record(fields, derived)
     explicit = envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
     if explicit is not None:
         return graph_memory.Reserve(explicit, graph_memory.EXPLICIT, derived)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, model_runner
+from tests.helpers import engine_config
 from vllm_neuron import trn2
 from vllm_neuron.calls import most_calls_per_step
 from vllm_neuron.compiler import compile_cache, graph_memory
@@ -157,6 +158,31 @@ def test_every_graphs_inputs_are_staged_once_per_calling_thread(monkeypatch):
     assert graph_memory.derive(summaries, CALLS).calling_threads == 2 + 8
 
 
+def test_a_configurations_calls_count_its_readiness_its_draft_model_and_its_steps_in_flight(tiny_model_dir):
+    """derive_for: each configuration's most calls a step, steps in flight and calling threads."""
+    few = {"prefill_buckets": [32, 64], "decode_batch_buckets": [1, 4], "context_buckets": [256]}
+    base = dict(max_num_batched_tokens=96, additional_config=few)
+    lowered = graphs(MIB, inputs=MIB, outputs=MIB)
+
+    def derived(**overrides) -> graph_memory.GraphReserve:
+        config = engine_config(tiny_model_dir, **base, **overrides)
+        return graph_memory.derive_for(config, lowered, compile_workers=3)
+
+    # One rank may stage its graphs: a step may find only the minimal ones (calls of 32 tokens, one row).
+    plain = derived()
+    assert (plain.calls_per_step, plain.steps_in_flight, plain.calling_threads) == (4 + 92 // 32, 2, 5)
+    # A KV connector compiles every graph first: calls of 64 tokens, 4 rows.
+    connector = derived(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"})
+    assert connector.calls_per_step == 4 + 92 // 64
+    # A draft model of 2 tokens: beside each call of the model, then 2 passes over 4 rows a row a call; its
+    # engine schedules without async scheduling, so one step is in flight.
+    speculative = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
+    draft = derived(speculative_config=speculative)
+    assert (draft.calls_per_step, draft.steps_in_flight) == (2 * (4 + 92 // 32) + 2 * 4, 1)
+    assert draft.in_flight == 2 * MIB * (2 * (4 + 92 // 32) + 2 * 4)
+    assert "x 1 steps x 20 calls" in draft.describe()
+
+
 FIELDS = {"model": "tiny", "max_model_len": 256, "device_mode": "cpu", "versions": {"torch": "x"}}
 
 
@@ -263,8 +289,9 @@ def test_the_engines_graphs_give_a_reserve_that_grows_with_the_prefill_bucket(ll
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     # At most 4 requests a step, and 96 - 4 tokens more in calls of the smallest prefill bucket, 32.
     scheduled = (ENGINE_KWARGS["max_num_seqs"], ENGINE_KWARGS["max_num_batched_tokens"])
-    assert most_calls_per_step(runner.buckets, *scheduled) == 4 + 92 // 32
-    derived = graph_memory.derive(lowered, 4 + 92 // 32, runner.readiness.compile_workers)
+    assert most_calls_per_step(runner.buckets, *scheduled, staged=True) == 4 + 92 // 32
+    steps = 2 if worker.vllm_config.scheduler_config.async_scheduling else 1
+    derived = graph_memory.derive(lowered, 4 + 92 // 32, runner.readiness.compile_workers, steps)
     # Under `xla` the graphs' size is their executables' (test_xla: the files the compile cache keeps).
     executables = sum(graph.program.serialized_bytes for graph in runner.recorder.lowering.graphs)
     assert executables > 0

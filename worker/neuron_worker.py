@@ -9,7 +9,6 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, trn2
-from vllm_neuron.calls import most_calls_per_step
 from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.quantization import fp8
@@ -139,11 +138,7 @@ class NeuronWorker(WorkerBase):
             return
         lowered, compiled = runner.lowered_graphs(), self._compiled_bytes()
         if lowered:
-            scheduler = self.vllm_config.scheduler_config
-            calls_per_step = most_calls_per_step(
-                runner.buckets, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
-            )
-            derived = graph_memory.derive(lowered, calls_per_step, runner.readiness.compile_workers)
+            derived = graph_memory.derive_for(self.vllm_config, lowered, runner.readiness.compile_workers)
         else:
             derived = graph_memory.recorded(self.cache_fields) if compiled else None
         if derived is None:
