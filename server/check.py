@@ -166,12 +166,12 @@ def run(parsed: argparse.Namespace) -> Report:
 def _graph_reserve(vllm_config, graphs: list[dict[str, object]]) -> graph_memory.Reserve:
     """The reserve the lowered graphs need, recorded in the compile cache root for `serve`'s start-up on trn2
     (the check lowers one rank's graphs at TP=1: at a larger TP each rank's intermediates are smaller, so the
-    figure errs high); VLLM_NEURON_GRAPH_RESERVE_BYTES, where set, is what the fit uses. The trn2 host's
-    compile workers are not known here: VLLM_NEURON_COMPILE_WORKERS, else the most it starts by default."""
+    figure errs high), with the NEFFs' size where a trn2 start measured them; VLLM_NEURON_GRAPH_RESERVE_BYTES,
+    where set, is what the fit uses. The trn2 host's compile workers are not known here:
+    VLLM_NEURON_COMPILE_WORKERS, else the most it starts by default."""
     workers = envs.VLLM_NEURON_COMPILE_WORKERS or graph_memory.DEFAULT_COMPILE_WORKERS
     fields = compile_cache.key_fields(vllm_config, NeuronConfig.of(vllm_config))
-    derived = graph_memory.derive_for(vllm_config, graphs, workers)
-    graph_memory.record(fields, derived)
+    derived = graph_memory.record(fields, graph_memory.derive_for(vllm_config, graphs, workers))
     explicit = envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
     if explicit is not None:
         return graph_memory.Reserve(explicit, graph_memory.EXPLICIT, derived)

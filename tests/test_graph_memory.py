@@ -208,7 +208,9 @@ def test_start_up_takes_the_setting_else_the_recorded_derivation_else_the_cold_d
 def test_a_record_written_before_the_io_terms_reads_with_its_own_terms(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv("VLLM_NEURON_GRAPH_RESERVE_BYTES", raising=False)
-    path = graph_memory.record(FIELDS, graph_memory.derive(graphs(10 * MIB), CALLS))
+    graph_memory.record(FIELDS, graph_memory.derive(graphs(10 * MIB), CALLS))
+    path = tmp_path / "graph-reserve" / f"{compile_cache.configuration_key(FIELDS)}.json"
+    assert path.is_file()
     old = {"graphs": 15, "largest_scratchpad": 600 * MIB, "largest_call": "prefill", "page": 512 * MIB}
     path.write_text(json.dumps(old))
     planned = graph_memory.planned(FIELDS)
@@ -230,9 +232,26 @@ def test_the_compilers_product_replaces_the_estimate_and_a_trn2_start_takes_only
     graph_memory.record(FIELDS, compiled)
     assert graph_memory.planned(FIELDS).bytes == compiled.total
     # A CPU's XLA executables are recorded, but say nothing of a NEFF: a trn2 start-up takes the estimate.
-    graph_memory.record(FIELDS, estimated.with_compiled(MIB, graph_memory.XLA_EXECUTABLE))
-    assert graph_memory.recorded(FIELDS).compiled == MIB
-    assert graph_memory.planned(FIELDS).bytes == estimated.total
+    on_cpu = {**FIELDS, "max_model_len": 512}
+    graph_memory.record(on_cpu, estimated.with_compiled(MIB, graph_memory.XLA_EXECUTABLE))
+    assert graph_memory.recorded(on_cpu).compiled == MIB
+    assert graph_memory.planned(on_cpu).bytes == estimated.total
+
+
+def test_a_derivation_recorded_after_a_trn2_start_keeps_its_neffs_size(tmp_path, monkeypatch):
+    """`vllm-neuron check` run again, or a start that lowers (XLA's executables), after a trn2 start measured
+    the NEFFs: the new derivation's terms, with the NEFFs in place of its per-graph estimate."""
+    monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("VLLM_NEURON_GRAPH_RESERVE_BYTES", raising=False)
+    measured = graph_memory.derive(graphs(100 * MIB, 30 * MIB), CALLS).with_compiled(900 * MIB, "NEFF")
+    graph_memory.record(FIELDS, measured)
+    rederived = graph_memory.derive(graphs(100 * MIB, 30 * MIB, outputs=MIB), CALLS + 4)
+    kept = graph_memory.record(FIELDS, rederived)
+    assert kept == rederived.with_compiled(900 * MIB, graph_memory.NEFF) == graph_memory.recorded(FIELDS)
+    assert graph_memory.planned(FIELDS).bytes == kept.total > measured.total
+    assert graph_memory.record(FIELDS, rederived.with_compiled(MIB, graph_memory.XLA_EXECUTABLE)) == kept
+    # A newer measurement replaces the older.
+    assert graph_memory.record(FIELDS, measured.with_compiled(800 * MIB, "NEFF")).compiled == 800 * MIB
 
 
 def test_after_warm_up_on_trainium_the_neffs_replace_the_estimate_for_the_next_start(tmp_path, monkeypatch):
@@ -257,6 +276,7 @@ def test_after_warm_up_on_trainium_the_neffs_replace_the_estimate_for_the_next_s
     worker._derive_graph_reserve()
     assert graph_memory.planned(FIELDS).bytes == checked.total - 2 * 44 * MIB + 8 * MIB + 2 * 4 * MIB
     # Before any NEFF is written (or with a backend that writes none), the estimate stays.
+    monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path / "other-root"))
     monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", str(tmp_path / "empty"))
     graph_memory.record(FIELDS, checked)
     worker._derive_graph_reserve()

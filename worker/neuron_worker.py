@@ -145,7 +145,7 @@ class NeuronWorker(WorkerBase):
             return
         if compiled:
             derived = derived.with_compiled(*compiled)
-        graph_memory.record(self.cache_fields, derived)
+        derived = graph_memory.record(self.cache_fields, derived)
         logger.info("Graph reserve on a NeuronCore, recorded for the next start: %s", derived.describe())
         short = self.graph_reserve and graph_memory.shortfall(self.graph_reserve, derived)
         if short:

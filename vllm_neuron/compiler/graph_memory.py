@@ -275,15 +275,20 @@ def _record_path(root: Path, fields: dict[str, object]) -> Path:
     return root / "graph-reserve" / f"{compile_cache.configuration_key(fields)}.json"
 
 
-def record(fields: dict[str, object], reserve: GraphReserve) -> Path:
+def record(fields: dict[str, object], reserve: GraphReserve) -> GraphReserve:
     """Keep a derived reserve under the compile cache root for the configuration `fields` describes
-    (compile_cache.key_fields), whatever host lowered it. Written atomically: pods may share the root."""
+    (compile_cache.key_fields), whatever host lowered it, and return what was kept: where a trn2 start
+    recorded its NEFFs' size and `reserve` has none, `reserve` with that measurement in place of its estimate
+    (the same configuration compiles the same graphs). Written atomically: pods may share the root."""
+    previous = recorded(fields)
+    if previous is not None and previous.compiled_by == NEFF and reserve.compiled_by != NEFF:
+        reserve = reserve.with_compiled(previous.compiled, NEFF)
     path = _record_path(compile_cache.cache_root(), fields)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(asdict(reserve)))
     partial.replace(path)
-    return path
+    return reserve
 
 
 def recorded(fields: dict[str, object]) -> GraphReserve | None:
