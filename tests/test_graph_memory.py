@@ -171,9 +171,12 @@ def test_a_configurations_calls_count_its_readiness_its_draft_model_and_its_step
     # One rank may stage its graphs: a step may find only the minimal ones (calls of 32 tokens, one row).
     plain = derived()
     assert (plain.calls_per_step, plain.steps_in_flight, plain.calling_threads) == (4 + 92 // 32, 2, 5)
-    # A KV connector compiles every graph first: calls of 64 tokens, 4 rows.
+    # A KV connector, or tensor parallelism, compiles every graph first: calls of 64 tokens, 4 rows; with
+    # several ranks no compile worker sends calls.
     connector = derived(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"})
-    assert connector.calls_per_step == 4 + 92 // 64
+    assert (connector.calls_per_step, connector.calling_threads) == (4 + 92 // 64, 5)
+    ranks = derived(tensor_parallel_size=2)
+    assert (ranks.calls_per_step, ranks.calling_threads) == (4 + 92 // 64, 2)
     # A draft model of 2 tokens: beside each call of the model, then 2 passes over 4 rows a row a call; its
     # engine schedules without async scheduling, so one step is in flight.
     speculative = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
