@@ -14,8 +14,11 @@ invocation.
 """
 
 import argparse
+import contextlib
 import os
+import sys
 import tempfile
+from dataclasses import replace
 
 from server import check_engine
 from server.check_report import (
@@ -33,10 +36,12 @@ from server.check_report import (
 from server.options import add_neuron_options
 from server.serve_args import parse_serve_args, platform_message, resolve_engine_config, serve_parser
 from vllm_neuron import envs, trn2
-from vllm_neuron.calls import most_calls_per_step
+from vllm_neuron.buckets import ceil_div
 from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig, NeuronConfigError, engine_limits
-from vllm_neuron.refusals import speculative_method
+from vllm_neuron.graph_plan import copy_buckets, max_copy_blocks
+from vllm_neuron.planning.capacity import ModelFigures
+from vllm_neuron.refusals import NIXL_CONNECTORS, speculative_method
 
 USAGE = "vllm-neuron check [MODEL] [any `vllm serve` option] [--json] [check options]"
 DEFAULT_LAYERS = 2
@@ -96,7 +101,9 @@ def check(argv: list[str]) -> int:
         VLLM_NEURON_DEVICE="cpu", VLLM_NEURON_COMPILE_BACKEND="lower-only", VLLM_NEURON_READINESS="full"
     )
     command.validate(parsed)
-    report = run(parsed)
+    # What the engine's libraries print goes to stderr too (NIXL's logger writes to stdout).
+    with contextlib.redirect_stdout(sys.stderr):
+        report = run(parsed)
     if parsed.check_json:
         import json
 
@@ -143,7 +150,8 @@ def run(parsed: argparse.Namespace) -> Report:
     report.lowering = Lowering(checked_layers, layers, weights, checked.graphs, checked.seconds)
     heads = model_config.model_arch_config.total_num_attention_heads
     report.figures = checked.model.figures(model_config.served_model_name, layers, heads)
-    report.reserve = _graph_reserve(vllm_config, report.plan, checked.graphs)
+    report.plan = replace(report.plan, copy_buckets=_copy_buckets(vllm_config, report.figures))
+    report.reserve = _graph_reserve(vllm_config, checked.graphs)
     report.settings = trn2.KVSettings(
         kv_cache_fraction=envs.VLLM_NEURON_KV_CACHE_FRACTION,
         gpu_memory_utilization=vllm_config.cache_config.gpu_memory_utilization,
@@ -155,19 +163,31 @@ def run(parsed: argparse.Namespace) -> Report:
     return report
 
 
-def _graph_reserve(vllm_config, plan: Plan, graphs: list[dict[str, object]]) -> graph_memory.Reserve:
+def _graph_reserve(vllm_config, graphs: list[dict[str, object]]) -> graph_memory.Reserve:
     """The reserve the lowered graphs need, recorded in the compile cache root for `serve`'s start-up on trn2
     (the check lowers one rank's graphs at TP=1: at a larger TP each rank's intermediates are smaller, so the
-    figure errs high); VLLM_NEURON_GRAPH_RESERVE_BYTES, where set, is what the fit uses. The trn2 host's
-    compile workers are not known here: VLLM_NEURON_COMPILE_WORKERS, else the most it starts by default."""
-    calls_per_step = most_calls_per_step(plan.neuron.buckets, plan.max_num_seqs, plan.max_num_batched_tokens)
+    figure errs high), with the NEFFs' size where a trn2 start measured them; VLLM_NEURON_GRAPH_RESERVE_BYTES,
+    where set, is what the fit uses. The trn2 host's compile workers are not known here:
+    VLLM_NEURON_COMPILE_WORKERS, else the most it starts by default."""
     workers = envs.VLLM_NEURON_COMPILE_WORKERS or graph_memory.DEFAULT_COMPILE_WORKERS
-    derived = graph_memory.derive(graphs, calls_per_step, workers)
-    graph_memory.record(compile_cache.key_fields(vllm_config, NeuronConfig.of(vllm_config)), derived)
+    fields = compile_cache.key_fields(vllm_config, NeuronConfig.of(vllm_config))
+    derived = graph_memory.record(fields, graph_memory.derive_for(vllm_config, graphs, workers))
     explicit = envs.VLLM_NEURON_GRAPH_RESERVE_BYTES
     if explicit is not None:
         return graph_memory.Reserve(explicit, graph_memory.EXPLICIT, derived)
     return graph_memory.Reserve(derived.total, "derived", derived)
+
+
+def _copy_buckets(vllm_config, figures: ModelFigures) -> tuple[int, ...]:
+    """NIXL's block-copy buckets on a rank at the TP given (worker/nixl_blocks.py): a block's pages of every
+    layer are its KV bytes per token on the rank, block_size times; () without NIXL."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None or transfer.kv_connector not in NIXL_CONNECTORS:
+        return ()
+    block_size = vllm_config.cache_config.block_size
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    blocks = ceil_div(vllm_config.model_config.max_model_len, block_size)
+    return tuple(copy_buckets(max_copy_blocks(blocks, figures.kv_bytes_per_token(tp) * block_size)))
 
 
 def _fresh_engine_args(parsed: argparse.Namespace):

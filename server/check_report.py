@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from vllm_neuron import trn2
 from vllm_neuron.compiler.graph_memory import Reserve
 from vllm_neuron.config import NeuronConfig
+from vllm_neuron.graph_plan import GraphPlan
 from vllm_neuron.planning import capacity
 from vllm_neuron.planning.capacity import ModelFigures, RankCapacity, Throughput
 from vllm_neuron.planning.pricing import (
@@ -46,17 +47,13 @@ class Plan:
     tensor_parallel_size: int
     neuron: NeuronConfig
     draft_model: bool = False  # speculative decoding with a draft model: a draft graph for each shape
+    # NIXL's block-copy buckets at the TP given (a gather and a scatter graph each), known once the model's
+    # KV bytes are measured; () without NIXL.
+    copy_buckets: tuple[int, ...] = ()
 
     @property
     def graphs(self) -> dict[str, int]:
-        buckets = self.neuron.buckets
-        graphs = {
-            "prefill": len(buckets.prefill_shapes()) + len(buckets.fresh_shapes()),
-            "decode": len(buckets.decode_shapes()),
-            "mixed": len(buckets.mixed_shapes()),
-            "verify": len(buckets.verify_shapes()),
-        }
-        return graphs | ({"draft": buckets.num_graphs} if self.draft_model else {})
+        return GraphPlan(self.neuron.buckets, self.draft_model, self.copy_buckets).by_kind()
 
     @property
     def largest_batch(self) -> int:

@@ -131,7 +131,7 @@ def test_a_fresh_graph_not_ready_yet_leaves_the_chunk_to_the_packed_calls():
 def test_a_step_makes_at_most_the_calls_the_bound_says_whatever_graphs_are_ready():
     # 4 requests at most and 96 tokens: each request a call, and 92 tokens more in calls of 32 (the smallest
     # prefill bucket): 3 rows decoded one a call and a chunk of 93 tokens in three, with the minimal graphs.
-    bound = most_calls_per_step(BUCKETS, max_num_seqs=4, max_num_batched_tokens=96)
+    bound = most_calls_per_step(BUCKETS, max_num_seqs=4, max_num_batched_tokens=96, staged=True)
     assert bound == 4 + 92 // 32
     minimal = BUCKETS.minimal_graphs()
     assert len(plan_step([100, 120, 200], [(0, 93)], BUCKETS, BLOCK_SIZE, minimal)) == bound
@@ -151,3 +151,35 @@ def test_a_step_makes_at_most_the_calls_the_bound_says_whatever_graphs_are_ready
             tokens -= length
         plans = plan_step(contexts, chunks, buckets, BLOCK_SIZE, ready)
         assert len(plans) <= bound, (contexts, chunks, ready)
+
+
+def test_with_every_graph_ready_the_bound_is_the_largest_prefill_buckets_and_a_step_reaches_it():
+    # Each request a call still (one-token chunks past half the largest context, 256, fill a call each), the
+    # 92 tokens beyond them in calls of 64: one of 64 and one of 29 for the chunk of 93.
+    bound = most_calls_per_step(BUCKETS, max_num_seqs=4, max_num_batched_tokens=96, staged=False)
+    assert bound == 4 + 92 // 64
+    assert len(plan_step([], [(200, 1), (210, 1), (220, 1), (0, 93)], BUCKETS, BLOCK_SIZE)) == bound
+    generator = random.Random(1)
+    for _ in range(300):
+        requests = generator.randint(1, 4)
+        decode = generator.randint(0, requests)
+        contexts = [generator.randint(1, 256) for _ in range(decode)]
+        tokens, chunks = 96 - decode, []
+        for left in range(requests - decode, 0, -1):
+            length = generator.randint(1, min(tokens - (left - 1), 256))
+            chunks.append((generator.randint(0, 256 - length), length))
+            tokens -= length
+        assert len(plan_step(contexts, chunks, BUCKETS, BLOCK_SIZE)) <= bound, (contexts, chunks)
+
+
+def test_a_draft_model_doubles_the_calls_and_adds_a_decode_pass_a_draft_token():
+    # 2 draft tokens (verify rows of 3 queries): the draft runs beside each call of the model, then 2 passes
+    # over the 4 rows, in calls of the smallest batch bucket (1) with the minimal graphs, else the largest.
+    verify = replace(BUCKETS, verify_tokens=3)
+    minimal = verify.minimal_graphs()
+    rows = [200, 120, 60, 250]
+    assert len(plan_step(rows, [], verify, BLOCK_SIZE, minimal)) == 4
+    assert len(plan_step(rows, [], verify, BLOCK_SIZE)) == 1
+    staged = most_calls_per_step(verify, 4, 96, staged=True, draft_model=True)
+    assert staged == 2 * (4 + 92 // 32) + 2 * 4
+    assert most_calls_per_step(verify, 4, 96, staged=False, draft_model=True) == 2 * (4 + 92 // 64) + 2 * 1

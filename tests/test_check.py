@@ -196,6 +196,32 @@ def test_a_graph_that_cannot_lower_exits_non_zero_naming_the_op_and_line(tmp_pat
     assert report["plan"]["graphs"]["total"] > 0 and "model_figures" not in report
 
 
+@pytest.mark.slow
+def test_nixl_block_copies_are_in_the_plan_and_lowered_under_their_names(three_layer_llama, monkeypatch):
+    """With a NixlConnector, the plan counts its gather and scatter graphs as the worker compiles them, and
+    the report stays JSON on stdout (NIXL's logger writes to stdout)."""
+    from tests.serving import free_port
+
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+    transfer = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    code, report, stderr = check(
+        str(three_layer_llama),
+        *("--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "2"),
+        *("--kv-transfer-config", transfer),
+    )
+    assert code == 0, stderr
+    plan, lowering = report["plan"], report["lowering"]
+    # A request's 8 blocks of 32 tokens, far within a copy's 256 MiB: buckets of 1, 2, 4 and 8 blocks.
+    buckets = (1, 2, 4, 8)
+    assert plan["graphs"]["nixl"] == 2 * len(buckets)
+    assert lowering["graphs_lowered"] == plan["graphs"]["total"] == report["compile_estimate"]["graphs"]
+    labels = [graph["call"] for graph in lowering["graphs"]]
+    copies = [f"NIXL {graph} of {n} blocks: bucket {n}" for n in buckets for graph in ("gather", "scatter")]
+    assert labels[: len(copies)] == copies
+    assert not [label for label in labels if label.startswith("graph ")]
+
+
 # ---- the table ----------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, model_runner
+from tests.helpers import engine_config
 from vllm_neuron import trn2
 from vllm_neuron.calls import most_calls_per_step
 from vllm_neuron.compiler import compile_cache, graph_memory
@@ -157,6 +158,34 @@ def test_every_graphs_inputs_are_staged_once_per_calling_thread(monkeypatch):
     assert graph_memory.derive(summaries, CALLS).calling_threads == 2 + 8
 
 
+def test_a_configurations_calls_count_its_readiness_its_draft_model_and_its_steps_in_flight(tiny_model_dir):
+    """derive_for: each configuration's most calls a step, steps in flight and calling threads."""
+    few = {"prefill_buckets": [32, 64], "decode_batch_buckets": [1, 4], "context_buckets": [256]}
+    base = dict(max_num_batched_tokens=96, additional_config=few)
+    lowered = graphs(MIB, inputs=MIB, outputs=MIB)
+
+    def derived(**overrides) -> graph_memory.GraphReserve:
+        config = engine_config(tiny_model_dir, **base, **overrides)
+        return graph_memory.derive_for(config, lowered, compile_workers=3)
+
+    # One rank may stage its graphs: a step may find only the minimal ones (calls of 32 tokens, one row).
+    plain = derived()
+    assert (plain.calls_per_step, plain.steps_in_flight, plain.calling_threads) == (4 + 92 // 32, 2, 5)
+    # A KV connector, or tensor parallelism, compiles every graph first: calls of 64 tokens, 4 rows; with
+    # several ranks no compile worker sends calls.
+    connector = derived(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"})
+    assert (connector.calls_per_step, connector.calling_threads) == (4 + 92 // 64, 5)
+    ranks = derived(tensor_parallel_size=2)
+    assert (ranks.calls_per_step, ranks.calling_threads) == (4 + 92 // 64, 2)
+    # A draft model of 2 tokens: beside each call of the model, then 2 passes over 4 rows a row a call; its
+    # engine schedules without async scheduling, so one step is in flight.
+    speculative = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
+    draft = derived(speculative_config=speculative)
+    assert (draft.calls_per_step, draft.steps_in_flight) == (2 * (4 + 92 // 32) + 2 * 4, 1)
+    assert draft.in_flight == 2 * MIB * (2 * (4 + 92 // 32) + 2 * 4)
+    assert "x 1 steps x 20 calls" in draft.describe()
+
+
 FIELDS = {"model": "tiny", "max_model_len": 256, "device_mode": "cpu", "versions": {"torch": "x"}}
 
 
@@ -182,7 +211,9 @@ def test_start_up_takes_the_setting_else_the_recorded_derivation_else_the_cold_d
 def test_a_record_written_before_the_io_terms_reads_with_its_own_terms(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv("VLLM_NEURON_GRAPH_RESERVE_BYTES", raising=False)
-    path = graph_memory.record(FIELDS, graph_memory.derive(graphs(10 * MIB), CALLS))
+    graph_memory.record(FIELDS, graph_memory.derive(graphs(10 * MIB), CALLS))
+    path = tmp_path / "graph-reserve" / f"{compile_cache.configuration_key(FIELDS)}.json"
+    assert path.is_file()
     old = {"graphs": 15, "largest_scratchpad": 600 * MIB, "largest_call": "prefill", "page": 512 * MIB}
     path.write_text(json.dumps(old))
     planned = graph_memory.planned(FIELDS)
@@ -204,9 +235,26 @@ def test_the_compilers_product_replaces_the_estimate_and_a_trn2_start_takes_only
     graph_memory.record(FIELDS, compiled)
     assert graph_memory.planned(FIELDS).bytes == compiled.total
     # A CPU's XLA executables are recorded, but say nothing of a NEFF: a trn2 start-up takes the estimate.
-    graph_memory.record(FIELDS, estimated.with_compiled(MIB, graph_memory.XLA_EXECUTABLE))
-    assert graph_memory.recorded(FIELDS).compiled == MIB
-    assert graph_memory.planned(FIELDS).bytes == estimated.total
+    on_cpu = {**FIELDS, "max_model_len": 512}
+    graph_memory.record(on_cpu, estimated.with_compiled(MIB, graph_memory.XLA_EXECUTABLE))
+    assert graph_memory.recorded(on_cpu).compiled == MIB
+    assert graph_memory.planned(on_cpu).bytes == estimated.total
+
+
+def test_a_derivation_recorded_after_a_trn2_start_keeps_its_neffs_size(tmp_path, monkeypatch):
+    """`vllm-neuron check` run again, or a start that lowers (XLA's executables), after a trn2 start measured
+    the NEFFs: the new derivation's terms, with the NEFFs in place of its per-graph estimate."""
+    monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("VLLM_NEURON_GRAPH_RESERVE_BYTES", raising=False)
+    measured = graph_memory.derive(graphs(100 * MIB, 30 * MIB), CALLS).with_compiled(900 * MIB, "NEFF")
+    graph_memory.record(FIELDS, measured)
+    rederived = graph_memory.derive(graphs(100 * MIB, 30 * MIB, outputs=MIB), CALLS + 4)
+    kept = graph_memory.record(FIELDS, rederived)
+    assert kept == rederived.with_compiled(900 * MIB, graph_memory.NEFF) == graph_memory.recorded(FIELDS)
+    assert graph_memory.planned(FIELDS).bytes == kept.total > measured.total
+    assert graph_memory.record(FIELDS, rederived.with_compiled(MIB, graph_memory.XLA_EXECUTABLE)) == kept
+    # A newer measurement replaces the older.
+    assert graph_memory.record(FIELDS, measured.with_compiled(800 * MIB, "NEFF")).compiled == 800 * MIB
 
 
 def test_after_warm_up_on_trainium_the_neffs_replace_the_estimate_for_the_next_start(tmp_path, monkeypatch):
@@ -231,6 +279,7 @@ def test_after_warm_up_on_trainium_the_neffs_replace_the_estimate_for_the_next_s
     worker._derive_graph_reserve()
     assert graph_memory.planned(FIELDS).bytes == checked.total - 2 * 44 * MIB + 8 * MIB + 2 * 4 * MIB
     # Before any NEFF is written (or with a backend that writes none), the estimate stays.
+    monkeypatch.setenv("VLLM_NEURON_CACHE_ROOT", str(tmp_path / "other-root"))
     monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", str(tmp_path / "empty"))
     graph_memory.record(FIELDS, checked)
     worker._derive_graph_reserve()
@@ -263,8 +312,9 @@ def test_the_engines_graphs_give_a_reserve_that_grows_with_the_prefill_bucket(ll
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     # At most 4 requests a step, and 96 - 4 tokens more in calls of the smallest prefill bucket, 32.
     scheduled = (ENGINE_KWARGS["max_num_seqs"], ENGINE_KWARGS["max_num_batched_tokens"])
-    assert most_calls_per_step(runner.buckets, *scheduled) == 4 + 92 // 32
-    derived = graph_memory.derive(lowered, 4 + 92 // 32, runner.readiness.compile_workers)
+    assert most_calls_per_step(runner.buckets, *scheduled, staged=True) == 4 + 92 // 32
+    steps = 2 if worker.vllm_config.scheduler_config.async_scheduling else 1
+    derived = graph_memory.derive(lowered, 4 + 92 // 32, runner.readiness.compile_workers, steps)
     # Under `xla` the graphs' size is their executables' (test_xla: the files the compile cache keeps).
     executables = sum(graph.program.serialized_bytes for graph in runner.recorder.lowering.graphs)
     assert executables > 0

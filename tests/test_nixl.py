@@ -13,7 +13,7 @@ import pytest
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-from tests.conftest import FEW_BUCKETS
+from tests.conftest import FEW_BUCKETS, FEW_BUCKETS_GRAPHS
 from tests.fp8_reference import hf_with_weights, round_kv_through_fp8
 from tests.helpers import engine_config, hf_greedy, random_prompt
 from tests.serving import ServerProcess, complete, free_port, http
@@ -113,6 +113,11 @@ def test_prefill_then_decode_over_nixl_gives_hf_greedy_tokens(servers, hf_model)
     assert [metric(server, "vllm_neuron:compiled_graphs") for server in servers] == graphs
     for server in servers:
         assert metric(server, "vllm_neuron:unexpected_recompiles_total") == 0
+        # Readiness's plan holds every graph compiled at start-up: the model's 3 and the block copies' 8
+        # (buckets of 1, 2, 4 and 8 blocks, a request's 256 tokens in blocks of 32).
+        progress = json.loads(http("GET", server.base + "/v1/neuron/info")[1])["compile"]
+        assert progress["graphs_total"] == progress["graphs_ready"] == FEW_BUCKETS_GRAPHS + 2 * 4
+        assert progress["graphs_total"] == metric(server, "vllm_neuron:compiled_graphs")
         # Fake TorchNeuron's rules: the block copies ran no eager kernel and wrote no strided device view
         # (k, l), no transfer to the device waited (j), and the device thread never synchronized.
         facts = fake_record(server.folder)

@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from kv_cache import layout
 from vllm_neuron.compiler.compile import CompileRecorder
-from worker.nixl_blocks import BlockCopier, copy_buckets, max_copy_blocks
+from vllm_neuron.graph_plan import copy_buckets, max_copy_blocks
+from worker.nixl_blocks import BlockCopier
 
 BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 12, 4, 2, 3
 LAYERS = ("layers.0", "layers.1", "layers.2")
@@ -73,6 +74,21 @@ def test_buckets_are_powers_of_two_up_to_a_requests_blocks_within_the_byte_budge
     assert max_copy_blocks(64, 1024) == 64
     assert max_copy_blocks(64, 16 << 20) == 16  # 256 MiB at most per copy
     assert max_copy_blocks(64, 1 << 30) == 1
+
+
+def test_each_copy_graph_is_labelled_and_counts_only_its_own_inputs_and_outputs(copier):
+    """Named as a model call's graph is: what it does, its blocks and bucket; the caches it reads or writes
+    are the worker's, not a copy's inputs (the graph reserve counts a call's own)."""
+    page = copier.block_bytes  # every layer's page of one block
+    lowered = [graph.summary() for graph in copier.recorder.lowering.graphs]
+    assert [(graph["call"], graph["input_bytes"], graph["output_bytes"]) for graph in lowered] == [
+        entry
+        for bucket in copy_buckets(MAX_BLOCKS)
+        for entry in (
+            (f"NIXL gather of {bucket} blocks: bucket {bucket}", bucket * 8, bucket * page),
+            (f"NIXL scatter of {bucket} blocks: bucket {bucket}", bucket * (8 + page), 0),
+        )
+    ]
 
 
 @pytest.mark.parametrize("count", [1, 3, 4, 7, 9])  # a bucket, padded, the largest, split, split and padded

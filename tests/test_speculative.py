@@ -284,6 +284,9 @@ def test_a_draft_model_of_random_weights_still_gives_the_targets_greedy_tokens(
     assert near_greedy_tokens == [hf_greedy(hf_model, p, 24) for p in prompts[1:3]]
     [stats] = result["compile_stats"]
     assert (stats["graphs"], stats["unexpected_recompiles"]) == (2 * 3, 0)  # prefill, decode, verify
+    # Readiness counts the draft's graphs as the plan does (vllm_neuron/graph_plan.py).
+    progress = result["compile_progress"]
+    assert progress["graphs_total"] == progress["graphs_ready"] == stats["graphs"]
     metrics = result["metrics"]
     drafted = metrics["vllm:spec_decode_num_draft_tokens"]
     assert drafted > 0 and metrics["vllm:spec_decode_num_accepted_tokens"] < 0.2 * drafted

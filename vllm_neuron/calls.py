@@ -219,14 +219,36 @@ def plan_step(
     return plans
 
 
-def most_calls_per_step(buckets: BucketConfig, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """A bound on the calls plan_step makes of one step, whatever graphs are ready. Each scheduled request may
-    take a call of its own (a decode row when only the smallest batch bucket is ready, a chunk whose context
-    fills a prefill call), and a chunk of L tokens takes at most 1 + (L - 1) // T calls, T the largest ready
-    prefill bucket, at least the smallest (always ready). With k requests, each of at least one token, that
-    is k + (tokens - k) // smallest bucket, largest at k = min(max_num_seqs, max_num_batched_tokens)."""
+def most_calls_per_step(
+    buckets: BucketConfig,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    *,
+    staged: bool,
+    draft_model: bool = False,
+) -> int:
+    """The most compiled calls one step makes: plan_step's, and with a draft model the draft's. `staged`:
+    graphs may still compile while serving (staged readiness), so a step may find only the minimal ones
+    ready; else every graph is.
+
+    Each scheduled request may take a call of its own: a decode row (with only the smallest batch bucket
+    ready), a chunk whose context leaves no room in a prefill call for the next one's. A chunk of L tokens
+    takes at most 1 + (L - 1) // T calls, T the largest ready prefill bucket over the largest context: the
+    smallest under staged readiness, else the largest. With k requests, each of at least one token, that is
+    k + (tokens - k) // T, the most at k = min(max_num_seqs, max_num_batched_tokens). The most over the steps
+    the scheduler may form, reached where the KV cache holds every scheduled request past half the largest
+    context (each chunk then fills a call's context); with fewer blocks a step makes fewer.
+
+    A draft model runs beside each call of the model, then proposes a token a pass for each of its
+    verify_tokens - 1 passes, in decode calls of at most max_num_seqs rows: as many as the smallest batch
+    bucket takes under staged readiness, else the largest."""
     requests = min(max_num_seqs, max_num_batched_tokens)
-    return requests + (max_num_batched_tokens - requests) // buckets.prefill_buckets[0]
+    token_bucket = buckets.prefill_buckets[0] if staged else buckets.prefill_buckets[-1]
+    calls = requests + (max_num_batched_tokens - requests) // token_bucket
+    if not draft_model:
+        return calls
+    batch = buckets.decode_batch_buckets[0] if staged else buckets.decode_batch_buckets[-1]
+    return 2 * calls + (buckets.verify_tokens - 1) * ceil_div(max_num_seqs, batch)
 
 
 def fresh_calls(

@@ -91,6 +91,11 @@ class KVTransfer:
             )
             connector.set_host_xfer_buffer_ops(self.copier)
 
+    @property
+    def copy_buckets(self) -> tuple[int, ...]:
+        """The block copies' buckets (NIXL), each a gather and a scatter graph; () without."""
+        return tuple(self.copier.buckets) if self.copier is not None else ()
+
     def warm_up(self) -> float:
         """Compile the block copies' graphs, before the step graphs (whose warm-up arms the recompile
         guard); returns the seconds it took."""

@@ -25,6 +25,7 @@ from vllm_neuron.buckets import GraphKey
 from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call
 from vllm_neuron.config import NeuronConfig
+from vllm_neuron.graph_plan import GraphPlan
 from vllm_neuron.upstream.vllm_runner import Sampler, strip_speculative_padding
 from worker import draft_model, sampling_rows, speculation, token_slots, warmup
 from worker.async_steps import DeviceThread, StepOutput
@@ -140,15 +141,17 @@ class NeuronModelRunner:
         self.compiled.attention_layers = self.kv_cache.layers
 
     def warm_up(self) -> float:
-        """Compile the graphs serving needs (worker/readiness.py); returns the seconds until serving may
-        start."""
-        seconds = self.readiness.warm_up(
+        """Compile a KV connector's block copies, then the graphs serving needs (worker/readiness.py); returns
+        the seconds until serving may start."""
+        plan = GraphPlan(self.buckets, self.compiled.draft is not None, self.kv_transfer.copy_buckets)
+        seconds = self.kv_transfer.warm_up() + self.readiness.warm_up(
             self.compiled.recorder,
             self._warm_up_step,
             self._compile_in_background,
             max_model_len=self.model_config.max_model_len,
             block_size=self.block_size,
             one_rank=self.vllm_config.parallel_config.tensor_parallel_size == 1,
+            plan=plan,
         )
         if self.lora is not None:
             self.lora.warm_up()

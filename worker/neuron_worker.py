@@ -9,7 +9,6 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, trn2
-from vllm_neuron.calls import most_calls_per_step
 from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.quantization import fp8
@@ -121,7 +120,7 @@ class NeuronWorker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         with set_current_vllm_config(self.vllm_config):
-            seconds = self.model_runner.kv_transfer.warm_up() + self.model_runner.warm_up()
+            seconds = self.model_runner.warm_up()
         # Warm-up consumed random numbers; serving starts from the configured seed.
         vllm_engine.set_random_seed(self.model_config.seed)
         self._derive_graph_reserve()
@@ -139,18 +138,14 @@ class NeuronWorker(WorkerBase):
             return
         lowered, compiled = runner.lowered_graphs(), self._compiled_bytes()
         if lowered:
-            scheduler = self.vllm_config.scheduler_config
-            calls_per_step = most_calls_per_step(
-                runner.buckets, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
-            )
-            derived = graph_memory.derive(lowered, calls_per_step, runner.readiness.compile_workers)
+            derived = graph_memory.derive_for(self.vllm_config, lowered, runner.readiness.compile_workers)
         else:
             derived = graph_memory.recorded(self.cache_fields) if compiled else None
         if derived is None:
             return
         if compiled:
             derived = derived.with_compiled(*compiled)
-        graph_memory.record(self.cache_fields, derived)
+        derived = graph_memory.record(self.cache_fields, derived)
         logger.info("Graph reserve on a NeuronCore, recorded for the next start: %s", derived.describe())
         short = self.graph_reserve and graph_memory.shortfall(self.graph_reserve, derived)
         if short:

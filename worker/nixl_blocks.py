@@ -3,7 +3,7 @@
 vLLM's own copy (copy_kv_blocks) indexes each layer's block-major view with index tensors on the device: on
 Neuron every aten::index / index_put_ is an eager kernel compiled per input shape (a new compile for each
 block count), and the write into the permuted view rewrites the whole cache. Here a copy of n blocks is, per
-bucket of n (`copy_buckets`), one graph over every layer:
+bucket of n (vllm_neuron/graph_plan.py: copy_buckets), one graph over every layer:
 - save (d2h, the prefill server): `GatherPages` takes every cache and the block ids, and returns the blocks'
   block-major pages of every layer as one flat tensor, brought to the host in one transfer and put into the
   host buffers there (host indexing);
@@ -23,34 +23,35 @@ import torch
 
 from kv_cache.layout import NULL_BLOCK, page_rows, page_table
 from vllm_neuron import device as neuron_device
-from vllm_neuron.buckets import pick_bucket, powers_of_two
+from vllm_neuron.buckets import pick_bucket
 from vllm_neuron.compiler import compile as neuron_compile
+from vllm_neuron.graph_plan import copy_buckets, max_copy_blocks
 from worker.packed_inputs import StagingBuffers
 
 if TYPE_CHECKING:
     from worker.kv_caches import KVCaches
 
-# The most bytes one copy moves (every layer's pages): its graph's output or input lives in device memory
-# beside the caches. Copies of more run as several.
-COPY_BYTES = 256 << 20
 _INDEX = np.dtype(np.int64)
+
+# Both graphs take the caches as `kv_caches`: the lowering counts what dynamo names l_kv_caches_* as state the
+# worker holds, not a copy's own inputs (vllm_neuron/compiler/stablehlo.py: model_state).
 
 
 class GatherPages(torch.nn.Module):
     """Every cache's pages of block_ids [n], block-major, one layer after another: [sum of n * page]."""
 
-    def forward(self, caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
         return torch.cat(
-            [page_table(cache).index_select(0, page_rows(cache, block_ids)).view(-1) for cache in caches]
+            [page_table(cache).index_select(0, page_rows(cache, block_ids)).view(-1) for cache in kv_caches]
         )
 
 
 class ScatterPages(torch.nn.Module):
     """Write `pages` (GatherPages's layout) at block_ids [n] of every cache, in place."""
 
-    def forward(self, caches: list[torch.Tensor], block_ids: torch.Tensor, pages: torch.Tensor) -> None:
+    def forward(self, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, pages: torch.Tensor) -> None:
         offset = 0
-        for cache in caches:
+        for cache in kv_caches:
             table = page_table(cache)
             rows = page_rows(cache, block_ids)
             size = rows.shape[0] * table.shape[1]
@@ -58,14 +59,10 @@ class ScatterPages(torch.nn.Module):
             offset += size
 
 
-def copy_buckets(max_blocks: int) -> list[int]:
-    """Block counts a copy is padded to: 1, 2, 4, ... below max_blocks, then max_blocks."""
-    return powers_of_two(1, max_blocks)
-
-
-def max_copy_blocks(blocks_per_request: int, block_bytes: int) -> int:
-    """The largest bucket: a request's blocks (vLLM copies a request's blocks at once), within COPY_BYTES."""
-    return max(1, min(blocks_per_request, COPY_BYTES // block_bytes))
+def copy_label(graph: str, blocks: int, bucket: int) -> str:
+    """A copy as its graph's label and a recompile's message name it: as a model call's name does
+    (vllm_neuron/calls.py), what it does, its real size and its bucket."""
+    return f"NIXL {graph} of {blocks} blocks: bucket {bucket}"
 
 
 class BlockCopier:
@@ -101,10 +98,9 @@ class BlockCopier:
         """Compile each bucket's two graphs (null-block copies: zeros written to the null block); returns
         the graphs compiled."""
         before = self.recorder.num_graphs
-        self.recorder.current_call = None
         for bucket in self.buckets:
-            self._gather(np.full(bucket, NULL_BLOCK, dtype=_INDEX))
-            self._scatter(self._load_buffer(bucket), bucket)
+            self._gather(np.full(bucket, NULL_BLOCK, dtype=_INDEX), bucket)
+            self._scatter(self._load_buffer(bucket), bucket, bucket)
         neuron_device.synchronize()
         return self.recorder.num_graphs - before
 
@@ -140,7 +136,8 @@ class BlockCopier:
     ) -> None:
         padded = np.full(bucket, NULL_BLOCK, dtype=_INDEX)
         padded[: len(cache_ids)] = cache_ids
-        pages = neuron_device.to_host(self._gather(padded))  # the one device-to-host transfer
+        # The one device-to-host transfer.
+        pages = neuron_device.to_host(self._gather(padded, len(cache_ids)))
         rows = torch.tensor(host_ids, dtype=torch.int64)
         for buffer, layer_pages in zip(buffers, self._per_layer(pages, bucket), strict=True):
             buffer.index_copy_(0, rows, layer_pages[: len(host_ids)])
@@ -154,14 +151,17 @@ class BlockCopier:
         rows = torch.tensor(host_ids, dtype=torch.int64)
         for host, layer_pages in zip(buffers, self._per_layer(pages, bucket), strict=True):
             torch.index_select(host, 0, rows, out=layer_pages[: len(host_ids)])
-        self._scatter(buffer, bucket)
+        self._scatter(buffer, bucket, len(cache_ids))
 
-    def _gather(self, block_ids: np.ndarray) -> torch.Tensor:
-        """Every layer's pages of block_ids (a bucket's worth), on the device: one transfer, one graph."""
+    def _gather(self, block_ids: np.ndarray, blocks: int) -> torch.Tensor:
+        """Every layer's pages of block_ids (a bucket's worth, `blocks` of them real), on the device: one
+        transfer, one graph."""
+        self.recorder.current_call = copy_label("gather", blocks, len(block_ids))
         return self.gather(self._caches(), self.staging.send_bytes(block_ids).view(torch.int64))
 
-    def _scatter(self, buffer: np.ndarray, bucket: int) -> None:
-        """Write a `_load_buffer` into the caches: one transfer, one graph."""
+    def _scatter(self, buffer: np.ndarray, bucket: int, blocks: int) -> None:
+        """Write a `_load_buffer` (`blocks` of its bucket real) into the caches: one transfer, one graph."""
+        self.recorder.current_call = copy_label("scatter", blocks, bucket)
         block_ids, pages = self._split(self.staging.send_bytes(buffer), bucket)
         self.scatter(self._caches(), block_ids, pages)
 

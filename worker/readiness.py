@@ -1,7 +1,9 @@
 """Readiness: the graphs steps may use. Warm-up compiles the graphs serving needs by running synthetic steps
 through the runner (VLLM_NEURON_READINESS=full: every graph; staged, the default: the bucket set's minimal
 graphs, which serve every step), arms the recompile guard, and with staged readiness compiles the others in
-background threads (worker/background.py) while serving, each usable once it has run."""
+background threads (worker/background.py) while serving, each usable once it has run. Its progress counts
+every graph of the plan (vllm_neuron/graph_plan.py): a draft model's beside each of the model's, NIXL's
+block copies (compiled before it starts)."""
 
 import threading
 import time
@@ -15,6 +17,7 @@ from vllm_neuron.buckets import BucketConfig, GraphKey
 from vllm_neuron.call_costs import CallCosts
 from vllm_neuron.calls import CallPlan
 from vllm_neuron.compiler import compile as neuron_compile
+from vllm_neuron.graph_plan import GraphPlan, staging_refused
 from worker.background import BackgroundCompiler, CompileProgress, ServingActivity
 from worker.warmup import WarmupStep, warmup_steps
 
@@ -37,11 +40,12 @@ class Readiness:
         self._recorder: neuron_compile.CompileRecorder | None = None
         self._compile_graph: Callable[[GraphKey], None] | None = None
         self._warmup_started = self._seconds_per_graph = 0.0
+        self._per_shape = 1  # graphs a bucket shape's step compiles (GraphPlan.per_shape, set at warm-up)
 
     @property
     def staging(self) -> bool:
         """Graphs are still compiling in the background: steps plan with the ready ones only."""
-        return self.background is not None and len(self.ready_graphs) < self.progress.total
+        return self.background is not None and len(self.ready_graphs) < self.buckets.num_graphs
 
     def warm_up(
         self,
@@ -51,21 +55,19 @@ class Readiness:
         max_model_len: int,
         block_size: int,
         one_rank: bool,
+        plan: GraphPlan,
     ) -> float:
         """Compile the graphs serving needs with `run_step` (a synthetic scheduler step through the runner),
         arm the recompile guard, and (staged readiness) start compiling the others in the background with
-        `compile_graph`. Returns the seconds until serving may start."""
+        `compile_graph`. `plan`: every graph of the rank, its block copies compiled already. Returns the
+        seconds until serving may start."""
         start = time.perf_counter()
         self._recorder, self._compile_graph = recorder, compile_graph
+        self._per_shape = plan.per_shape
         staged = envs.VLLM_NEURON_READINESS == "staged"
-        if staged and not one_rank:
-            # Every rank must plan the same calls, so they must agree on the ready graphs at each step.
-            logger.info("Staged readiness needs one rank; with tensor parallelism every graph compiles first")
-            staged = False
-        if staged and has_kv_transfer_group():
-            # A background trace of vLLM's attention op would see a serving step's KV connector metadata, and
-            # trace the connector's per-layer hooks (worker/kv_transfer.py).
-            logger.info("Staged readiness is off with a KV connector: every graph compiles first")
+        refused = staging_refused(one_rank, has_kv_transfer_group())
+        if staged and refused:
+            logger.info("Staged readiness is off (%s): every graph compiles first", refused)
             staged = False
         # Full readiness with several compiles at once: the minimal graphs through warm-up's steps, then the
         # others in the background threads, all before serving. One rank only: ranks running graphs in
@@ -74,14 +76,15 @@ class Readiness:
         buckets = self.buckets
         first = buckets.minimal_graphs() if staged or parallel else buckets.graphs()
         pending = [graph for graph in buckets.graphs() if graph not in first]
-        self.progress = CompileProgress(total=buckets.num_graphs, ready=0, pending=buckets.num_graphs)
+        copies = plan.block_copies
+        self.progress = CompileProgress(total=plan.total, ready=copies, pending=plan.total - copies)
         self._publish_progress()
         logger.info(
             "Graph plan: %d graphs (%s); %d before serving%s",
-            buckets.num_graphs,
-            ", ".join(f"{phase} {count}" for phase, count in _by_phase(buckets.graphs()).items()),
-            len(first) if staged else buckets.num_graphs,
-            f", {len(pending)} in the background" if staged and pending else "",
+            plan.total,
+            ", ".join(f"{kind} {count}" for kind, count in plan.by_kind().items() if count),
+            copies + len(first) * plan.per_shape if staged else plan.total,
+            f", {len(pending) * plan.per_shape} in the background" if staged and pending else "",
         )
         seconds, graphs = self._warm_up_graphs(first, run_step, max_model_len, block_size)
         self.ready_graphs = frozenset(first)
@@ -131,8 +134,8 @@ class Readiness:
             seconds[item.phase] += time.perf_counter() - start
             compiled[item.phase] += recorder.num_graphs - before
             _log_lowered(lowered_graphs(recorder)[before:])
-            self.progress.ready += 1
-            self.progress.pending -= 1
+            self.progress.ready += self._per_shape
+            self.progress.pending -= self._per_shape
             self._publish_progress()
             logger.info(
                 "Graph %d/%d ready: %s (%.1f s)",
@@ -161,10 +164,10 @@ class Readiness:
         def on_done(graph: GraphKey, error: str | None) -> None:
             with lock:
                 progress = self.progress
-                progress.pending -= 1
+                progress.pending -= self._per_shape
                 if error is None:
                     self.ready_graphs = self.ready_graphs | {graph}
-                    progress.ready += 1
+                    progress.ready += self._per_shape
                 else:
                     progress.failed.append(f"{_describe(graph)}: {error}")
                 if not progress.pending:

@@ -114,16 +114,19 @@ class CompileRecorder:
             self._unexpected(shapes)
         self.graphs.append(shapes)
         if self.lowering is not None:
-            self.lowering.label = str(self.current_call or f"graph {len(self.graphs) - 1}")
-            self.lowering.call = self.current_call
+            current = self.current_call
+            self.lowering.label = str(current or f"graph {len(self.graphs) - 1}")
+            self.lowering.call = current if isinstance(current, Call) else None
         return self._inner(graph_module, example_inputs)
 
     @property
-    def current_call(self) -> Call | None:
+    def current_call(self) -> Call | str | None:
+        """The model call about to run in this thread, or the label of another graph's run (NIXL's block
+        copies, worker/nixl_blocks.py)."""
         return getattr(self._thread, "call", None)
 
     @current_call.setter
-    def current_call(self, call: Call | None) -> None:
+    def current_call(self, call: Call | str | None) -> None:
         self._thread.call = call
 
     @contextmanager

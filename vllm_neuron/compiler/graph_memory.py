@@ -29,9 +29,17 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm_neuron import envs, trn2
+from vllm_neuron.calls import most_calls_per_step
 from vllm_neuron.compiler import compile_cache, hlo_text
+from vllm_neuron.config import NeuronConfig
+from vllm_neuron.graph_plan import staging_refused
+from vllm_neuron.refusals import speculative_method
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger("vllm.vllm_neuron.compiler.graph_memory")
 
@@ -50,7 +58,7 @@ RUNTIME_BYTES = 72 * MIB + trn2.LNC * 96 * 10**6
 # The runtime's own per loaded graph (the fork's reading), beside what the compiler wrote for it.
 PER_GRAPH_RUNTIME_BYTES = 4 * MIB
 # Async scheduling (vLLM's default) keeps two steps' calls on the device: the one running and the one before,
-# whose outputs the engine has not taken yet. Without it one: two errs high.
+# whose outputs the engine has not taken yet. Without it (a draft model turns it off) one.
 STEPS_IN_FLIGHT = 2
 # Threads that send calls, each with a staging buffer per input layout: the engine thread and the device
 # thread, beside the background compile workers.
@@ -117,6 +125,7 @@ class GraphReserve:
     largest_io: int = 0  # the largest call's inputs and outputs (input_bytes + output_bytes)
     largest_io_call: str = ""
     calls_per_step: int = 0  # calls.most_calls_per_step
+    steps_in_flight: int = STEPS_IN_FLIGHT  # 1 without async scheduling
     inputs: int = 0  # every graph's input_bytes: one staging buffer each, per calling thread
     calling_threads: int = 0
     compiled: int = 0  # bytes the compiler wrote for the graphs; 0: not compiled yet, PER_GRAPH_BYTES each
@@ -136,7 +145,7 @@ class GraphReserve:
     def in_flight(self) -> int:
         """The calls' inputs and outputs on the device at once: each call of the steps in flight counted at
         the largest call's."""
-        return self.largest_io * STEPS_IN_FLIGHT * self.calls_per_step
+        return self.largest_io * self.steps_in_flight * self.calls_per_step
 
     @property
     def staging(self) -> int:
@@ -160,9 +169,9 @@ class GraphReserve:
             f"graph's live intermediates {self.largest_scratchpad / MIB:.1f} MiB, {self.largest_call}, in "
             f"{self.page / MIB:.0f} MiB pages) + {self._describe_resident()} + calls' IO "
             f"{self.in_flight / MIB:.1f} MiB (largest {self.largest_io / MIB:.2f} MiB, "
-            f"{self.largest_io_call}, x {STEPS_IN_FLIGHT} steps x {self.calls_per_step} calls) + staging "
-            f"{self.staging / MIB:.1f} MiB (inputs {self.inputs / MIB:.2f} MiB x {self.calling_threads} "
-            f"calling threads) + runtime {RUNTIME_BYTES / MIB:.0f} MiB"
+            f"{self.largest_io_call}, x {self.steps_in_flight} steps x {self.calls_per_step} calls) + "
+            f"staging {self.staging / MIB:.1f} MiB (inputs {self.inputs / MIB:.2f} MiB x "
+            f"{self.calling_threads} calling threads) + runtime {RUNTIME_BYTES / MIB:.0f} MiB"
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -171,7 +180,6 @@ class GraphReserve:
             "scratchpad": self.scratchpad,
             "per_graph": PER_GRAPH_BYTES,
             "resident": self.resident,
-            "steps_in_flight": STEPS_IN_FLIGHT,
             "in_flight": self.in_flight,
             "staging": self.staging,
             "runtime": RUNTIME_BYTES,
@@ -183,8 +191,31 @@ class GraphReserve:
         return replace(self, compiled=compiled, compiled_by=compiled_by)
 
 
+def derive_for(
+    vllm_config: "VllmConfig", graphs: Sequence[dict[str, object]], compile_workers: int
+) -> GraphReserve:
+    """`derive` for a configuration: the most calls of a step (calls.most_calls_per_step, under staged
+    readiness where the configuration allows it, whatever VLLM_NEURON_READINESS says now: the record serves
+    every start of it), the steps in flight (async scheduling), and compile_workers, which send calls only
+    where graphs compile in background threads (one rank)."""
+    scheduler = vllm_config.scheduler_config
+    one_rank = vllm_config.parallel_config.tensor_parallel_size == 1
+    calls = most_calls_per_step(
+        NeuronConfig.of(vllm_config).buckets,
+        scheduler.max_num_seqs,
+        scheduler.max_num_batched_tokens,
+        staged=staging_refused(one_rank, vllm_config.kv_transfer_config is not None) is None,
+        draft_model=speculative_method(vllm_config) == "draft_model",
+    )
+    steps = STEPS_IN_FLIGHT if scheduler.async_scheduling else 1
+    return derive(graphs, calls, compile_workers if one_rank else 0, steps)
+
+
 def derive(
-    graphs: Sequence[dict[str, object]], calls_per_step: int, compile_workers: int = DEFAULT_COMPILE_WORKERS
+    graphs: Sequence[dict[str, object]],
+    calls_per_step: int,
+    compile_workers: int = DEFAULT_COMPILE_WORKERS,
+    steps_in_flight: int = STEPS_IN_FLIGHT,
 ) -> GraphReserve:
     """The reserve of every graph a rank loads, from their summaries (LoweredGraph.summary); calls_per_step:
     calls.most_calls_per_step of the configuration; compile_workers: the background compiles that send calls
@@ -199,6 +230,7 @@ def derive(
         largest_io=_io_bytes(io),
         largest_io_call=str(io["call"]),
         calls_per_step=calls_per_step,
+        steps_in_flight=steps_in_flight,
         inputs=sum(int(graph["input_bytes"]) for graph in graphs),
         calling_threads=CALLING_THREADS + compile_workers,
     )
@@ -243,15 +275,20 @@ def _record_path(root: Path, fields: dict[str, object]) -> Path:
     return root / "graph-reserve" / f"{compile_cache.configuration_key(fields)}.json"
 
 
-def record(fields: dict[str, object], reserve: GraphReserve) -> Path:
+def record(fields: dict[str, object], reserve: GraphReserve) -> GraphReserve:
     """Keep a derived reserve under the compile cache root for the configuration `fields` describes
-    (compile_cache.key_fields), whatever host lowered it. Written atomically: pods may share the root."""
+    (compile_cache.key_fields), whatever host lowered it, and return what was kept: where a trn2 start
+    recorded its NEFFs' size and `reserve` has none, `reserve` with that measurement in place of its estimate
+    (the same configuration compiles the same graphs). Written atomically: pods may share the root."""
+    previous = recorded(fields)
+    if previous is not None and previous.compiled_by == NEFF and reserve.compiled_by != NEFF:
+        reserve = reserve.with_compiled(previous.compiled, NEFF)
     path = _record_path(compile_cache.cache_root(), fields)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(asdict(reserve)))
     partial.replace(path)
-    return path
+    return reserve
 
 
 def recorded(fields: dict[str, object]) -> GraphReserve | None:
