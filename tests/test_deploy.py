@@ -257,10 +257,11 @@ def test_dockerfile_pins_match_the_project():
     assert extras["default-model"]["gguf"].specifier.contains(args["GGUF_VERSION"])
 
 
-# Neuron SDK 2.33.1. torch-neuronx, nki and neuronx-cc are 2.33.0's (torch-neuronx 2.13.3.0.* for torch 2.13.0:
-# https://github.com/aws-neuron/torch-neuronx/releases/tag/v2.33.0; components:
-# https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/release-notes/components/index.html); 2.33.1 updates
-# runtime-lib and collectives (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/release-notes/2.33.1.html).
+# Neuron SDK 2.33.1. torch-neuronx, nki and neuronx-cc are 2.33.0's: torch-neuronx 2.13.3.0.* for torch
+# 2.13.0 (https://github.com/aws-neuron/torch-neuronx/releases/tag/v2.33.0), the components list
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/release-notes/components/index.html). 2.33.1
+# updates runtime-lib and collectives
+# (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/release-notes/2.33.1.html).
 NEURON_SDK = "2.33.1"
 NEURON_SDK_PIP = {"torch-neuronx": "==2.13.3.0.*", "nki": "==0.7.0", "neuronx-cc": "==2.28.7631.0"}
 # Dockerfile build argument -> (apt package, version).
