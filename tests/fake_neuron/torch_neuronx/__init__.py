@@ -31,9 +31,9 @@ FakeNeuronRuleError:
     --nnodes > 1 at start-up, so a served engine only records it.)
 Modelled and recorded, not raised:
 (f) copying a non-contiguous device tensor to the host makes TorchNeuron run an eager kernel that makes it
-    contiguous on the device first, compiled by neuronx-cc per shape (python_ops/to_copy.py): seconds on the
-    first request of each shape. `vllm_neuron.device.to_host` is where the plugin's device tensors reach the
-    host (the seam); the fake wraps it and records each new shape as an eager compile;
+    contiguous on the device first, compiled by neuronx-cc per shape (cast_policy.py, contiguous_internal):
+    seconds on the first request of each shape. `vllm_neuron.device.to_host` is where the plugin's device
+    tensors reach the host (the seam); the fake wraps it and records each new shape as an eager compile;
 (g) synchronize waits for the device: each call is recorded with its thread;
 (i) each host-to-device copy is a runtime transfer of its own, and each device-to-host copy waits for the
     tensor's producers: `vllm_neuron.device.copy_to_device` and `to_host` (the seams) are counted per thread,

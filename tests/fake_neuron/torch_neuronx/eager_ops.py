@@ -13,7 +13,7 @@ What TorchNeuron runs for each (parmoham-aws/test-repo-parmoham@98154b8, torch_n
 - a host tensor copied into a contiguous device tensor, at any storage offset, is a runtime write
   (python_ops/copy.py, csrc/utils/CopyUtils.cpp copy_cpu_to_neuron): rule (i)'s business, not recorded here;
 - (k) every other op on a device tensor is a kernel neuronx-cc compiles once per new op, input shapes and
-  dtypes (python_ops/torch_mlir/kernel.py, keyed in python_ops/kernels/base.py): `fill_`, `zero_`,
+  dtypes (python_ops/torch_mlir/kernel.py, keyed in kernels/base.py): `fill_`, `zero_`,
   `index_put_`, `__setitem__` with tensor indices or a scalar (a scalar is expanded and copied), `__getitem__`
   with tensor indices (`index`, python_ops/__init__.py), and a device-to-device `copy_`
   (python_ops/torch_mlir/ops/copy.py, `src + 0`; float64 and bool take a runtime copy instead, and a copy
