@@ -173,7 +173,7 @@ class Soak:
 
     async def run(self) -> dict:
         args = self.args
-        limits = httpx.Limits(max_connections=args.concurrency * (1 + args.burst) + 8)
+        limits = httpx.Limits(max_connections=args.concurrency + args.burst + 8)
         samples: list[dict] = []
         start = time.monotonic()
         end = start + args.minutes * 60
@@ -192,7 +192,7 @@ class Soak:
                 while time.monotonic() + args.burst_every < end:
                     await asyncio.sleep(args.burst_every)
                     # A burst far above capacity, all at once: past the admission bound it gets 429.
-                    await asyncio.gather(*(self.one(client) for _ in range(args.concurrency * args.burst)))
+                    await asyncio.gather(*(self.one(client) for _ in range(args.burst)))
 
             await asyncio.gather(sampler(), bursts(), self.clients(client, args.concurrency, end))
             # Idle, then one last request, so the gauges are those of an idle server.
@@ -269,7 +269,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="the server's --api-key, if it has one")
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--concurrency", type=int, help="steady clients (default: the server's max_num_seqs)")
-    p.add_argument("--burst", type=int, default=2, help="a burst is this many times --concurrency requests")
+    p.add_argument(
+        "--burst",
+        type=int,
+        help="requests in a burst (default: twice the server's admission bound, so that some get 429)",
+    )
     p.add_argument("--burst-every", type=float, default=60.0, help="seconds between bursts")
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between /metrics samples")
     p.add_argument("--settle", type=float, default=0.2, help="share of the run before growth is judged")
@@ -297,9 +301,15 @@ def main(argv: list[str] | None = None) -> None:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     models = httpx.get(args.base_url + "/v1/models", headers=headers, timeout=30).json()["data"]
     model, max_model_len = models[0]["id"], models[0].get("max_model_len") or 2048
+    info = httpx.get(args.base_url + "/v1/neuron/info", headers=headers, timeout=30)
+    served = info.json() if info.status_code == 200 else {}
     if args.concurrency is None:
-        info = httpx.get(args.base_url + "/v1/neuron/info", headers=headers, timeout=30)
-        args.concurrency = info.json().get("max_num_seqs", 8) if info.status_code == 200 else 8
+        args.concurrency = served.get("max_num_seqs", 8)
+    if args.burst is None:
+        # Past the bound whatever the steady clients are doing: a burst of the bound alone, arriving between
+        # two steady requests, would be admitted whole (and a fast server empties its queue between bursts).
+        # A server that does not say its bound gets bursts of twice the steady clients.
+        args.burst = 2 * (served.get("admission", {}).get("max_requests_in_flight") or args.concurrency)
     wait_for_graphs(args.base_url, args.graphs_timeout)
     result = asyncio.run(Soak(args, model, max_model_len).run())
     print(summary(result))
