@@ -28,7 +28,12 @@ class HostStagedNixlConnector(vllm_nixl.NixlPullConnector):
     def __init__(
         self, vllm_config: "VllmConfig", role: "KVConnectorRole", kv_cache_config: "KVCacheConfig"
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        # NIXL's progress thread polls with no delay, busy even when idle: a host CPU per rank, and on a small
+        # host the ranks' threads starve the engines until reads wait past the prefill's lease. Without it
+        # NIXL progresses when vLLM polls it: every step of both servers while a transfer is pending (the
+        # prefill server steps until the decode server's read is notified).
+        with vllm_nixl.agents_without_progress_thread():
+            super().__init__(vllm_config, role, kv_cache_config)
         vllm_nixl.stage_through_host_buffer(self)
         vllm_nixl.check_each_remote(self, page_layout_mismatch)
 
