@@ -22,6 +22,7 @@ from tests.serving import ServerProcess, complete, free_port, http, stop_all
 from tests.test_fp8_kv import UNIT_SCALES
 from tests.test_neuron_startup import fake_neuron_environment
 from tests.test_server import metric_values
+from vllm_neuron import refusals
 from vllm_neuron.upstream import vllm_nixl
 from worker.nixl import HostStagedNixlConnector, page_layout_mismatch
 
@@ -71,7 +72,12 @@ def test_peers_with_other_pages_are_refused():
 def nixl_server(model_dir, folder: Path, role: str, pair: Pair, cores: str) -> ServerProcess:
     """A server of `role` of `pair`, on the pod's `cores`, in Neuron mode on fake TorchNeuron
     (tests/fake_neuron), which records what it saw under `folder`/`role`."""
-    transfer = json.dumps({"kv_connector": "NixlConnector", "kv_role": role})
+    # Without nixl's progress threads, which poll with no delay: the TP=2 pair's four starve CI's two cores
+    # until reads wait past the prefill server's lease (docs/disaggregation.md).
+    no_progress_thread = {refusals.NIXL_PROGRESS_THREAD: False}
+    transfer = json.dumps(
+        {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": no_progress_thread}
+    )
     (folder / role).mkdir()
     env = fake_neuron_environment(folder / role, folder / f"{role}-cache")
     # Each server's NIXL side channel: its own port on the loopback (vLLM's default is one port per host).

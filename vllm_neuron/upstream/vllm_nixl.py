@@ -15,7 +15,7 @@ CopyBlocks = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], list[in
 __all__ = [
     "CopyBlocks",
     "NixlPullConnector",
-    "agents_without_progress_thread",
+    "agent_progress_thread",
     "set_copy_operation",
     "stage_through_host_buffer",
 ]
@@ -32,12 +32,12 @@ def stage_through_host_buffer(connector: NixlPullConnector) -> None:
 
 
 @contextmanager
-def agents_without_progress_thread() -> Iterator[None]:
-    """The NIXL agent a connector's worker side creates inside has no progress thread. vLLM 0.32 builds the
-    agent's config in NixlBaseConnectorWorker.__init__ from base_worker's `nixl_agent_config`, whose
-    progress thread nixl's Python API turns on."""
+def agent_progress_thread(enabled: bool) -> Iterator[None]:
+    """Whether the NIXL agent a connector's worker side creates inside runs nixl's progress thread. vLLM 0.32
+    builds the agent's config in NixlBaseConnectorWorker.__init__ from base_worker's `nixl_agent_config`,
+    whose progress thread nixl's Python API turns on."""
     make_config = base_worker.nixl_agent_config
-    if make_config is None:  # NIXL not installed: vLLM raises its own error
+    if enabled or make_config is None:  # vLLM's own agent; without NIXL, vLLM raises its own error
         yield
         return
     base_worker.nixl_agent_config = functools.partial(make_config, enable_prog_thread=False)
