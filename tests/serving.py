@@ -102,6 +102,7 @@ class ServerProcess:
                 start_new_session=True,
             )
         self.health_seen: list[int | str] = []
+        self.terminated = False
 
     def wait_healthy(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
@@ -121,15 +122,35 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def stop(self, timeout: float = 60) -> int:
-        if self.process.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM, once: the server drains and exits (`stop` waits for it)."""
+        if self.process.poll() is None and not self.terminated:
             self.process.send_signal(signal.SIGTERM)
+            self.terminated = True
+
+    def stop(self, timeout: float = 60) -> int:
+        self.terminate()
         try:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
             raise
+
+
+def stop_all(*servers: ServerProcess) -> None:
+    """Stop servers together: their drains and workers' exits overlap. Each is waited for, even if one is
+    not."""
+    for server in servers:
+        server.terminate()
+    failures = []
+    for server in servers:
+        try:
+            server.stop()
+        except subprocess.TimeoutExpired as error:
+            failures.append(error)
+    if failures:
+        raise failures[0]
 
 
 def completion(

@@ -137,6 +137,11 @@ def test_a_step_loads_before_its_calls_and_saves_after_them(monkeypatch):
         ("NixlConnector", {"transfer": {"kv_buffer_device": "cuda"}}, "stages KV through host memory"),
         (
             "NixlConnector",
+            {"transfer": {"kv_connector_extra_config": {"progress_thread": "off"}}},
+            "'progress_thread' is true .* or false .*, not 'off'",
+        ),
+        (
+            "NixlConnector",
             {"transfer": {"kv_connector_module_path": "my.connectors"}},
             "the plugin runs a connector around each step's compiled calls",
         ),

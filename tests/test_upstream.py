@@ -679,7 +679,8 @@ def test_the_nixl_connector_stages_through_host_buffers_by_two_flags():
     """worker/nixl.py: vLLM's pull connector decides host staging in each side's __init__ from the platform's
     device type (never for 'cpu'), saves in wait_for_save and loads in its transfer results only where the
     worker's flag and copy operation are set, ignores the copy operation on 'cpu', and validates each remote
-    engine once (vllm_nixl.check_each_remote)."""
+    engine once (vllm_nixl.check_each_remote); its agent is configured in __init__, where
+    vllm_nixl.agent_progress_thread reaches it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler, base_worker, connector
 
     worker_init = inspect.getsource(base_worker.NixlBaseConnectorWorker.__init__)
@@ -699,6 +700,14 @@ def test_the_nixl_connector_stages_through_host_buffers_by_two_flags():
         "_validate_remote_agent_handshake", "vllm_nixl"
     )
     assert vllm_nixl.NixlPullConnector is connector.NixlConnector
+    # The agent's config: built in the worker side's __init__ from base_worker's nixl_agent_config, which
+    # vllm_nixl.agent_progress_thread(False) replaces while the connector is created.
+    assert "nixl_agent_config(" in worker_init, moved("the NIXL worker's agent config", "vllm_nixl")
+    with vllm_nixl.agent_progress_thread(True):
+        assert base_worker.nixl_agent_config(num_threads=4).enable_pthread is True
+    with vllm_nixl.agent_progress_thread(False):
+        assert base_worker.nixl_agent_config(num_threads=4).enable_pthread is False
+    assert base_worker.nixl_agent_config().enable_pthread is True  # nixl's own default, put back
     # The block copy's calls (worker/nixl_blocks.py): host buffers to the caches' views once a transfer
     # lands, the views to the host buffers on a save; vLLM's copy_kv_blocks's arguments.
     worker = base_worker.NixlBaseConnectorWorker

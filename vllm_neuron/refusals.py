@@ -184,6 +184,8 @@ def _raise_refused(refusals: dict[str, bool]) -> None:
 NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector")
 KV_CONNECTORS = ("ExampleConnector", *NIXL_CONNECTORS)
 NIXL_MODULE = "worker.nixl"
+# kv_connector_extra_config's switch for nixl's progress thread in each rank's NIXL agent (worker/nixl.py).
+NIXL_PROGRESS_THREAD = "progress_thread"
 
 
 def check_kv_transfer(vllm_config: "VllmConfig", neuron_config: NeuronConfig) -> None:
@@ -206,6 +208,10 @@ def _kv_transfer_refusals(vllm_config: "VllmConfig", neuron_config: NeuronConfig
         f"{name} stages KV through host memory on this platform: remove kv_buffer_device "
         f"{transfer.kv_buffer_device!r} from --kv-transfer-config (or set it to 'cpu')": nixl
         and transfer.kv_buffer_device not in ("cpu", neuron_device.device_type()),
+        f"kv_connector_extra_config's {NIXL_PROGRESS_THREAD!r} is true (each rank's NIXL agent runs nixl's "
+        "progress thread, vLLM's default) or false (NIXL progresses when vLLM polls it each step), not "
+        f"{transfer.get_from_extra_config(NIXL_PROGRESS_THREAD, True)!r}": nixl
+        and not isinstance(transfer.get_from_extra_config(NIXL_PROGRESS_THREAD, True), bool),
         "ExampleConnector names its files by layer and prompt only, so the ranks of --tensor-parallel-size "
         "> 1 would overwrite each other's shards: use --tensor-parallel-size 1": name == "ExampleConnector"
         and vllm_config.parallel_config.tensor_parallel_size > 1,

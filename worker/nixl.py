@@ -14,6 +14,7 @@ tensor-parallel size and block size (page_layout_mismatch, docs/disaggregation.m
 
 from typing import TYPE_CHECKING
 
+from vllm_neuron import refusals
 from vllm_neuron.upstream import vllm_nixl
 
 if TYPE_CHECKING:
@@ -28,7 +29,15 @@ class HostStagedNixlConnector(vllm_nixl.NixlPullConnector):
     def __init__(
         self, vllm_config: "VllmConfig", role: "KVConnectorRole", kv_cache_config: "KVCacheConfig"
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        # kv_connector_extra_config's progress_thread (vLLM's default: on) turns off nixl's progress thread,
+        # which polls with no delay: a host CPU per rank, busy even when idle. On a small host the ranks'
+        # threads starve the engines; without them NIXL progresses when vLLM polls it, every step of both
+        # servers while a transfer is pending (docs/disaggregation.md).
+        progress_thread = vllm_config.kv_transfer_config.get_from_extra_config(
+            refusals.NIXL_PROGRESS_THREAD, True
+        )
+        with vllm_nixl.agent_progress_thread(progress_thread):
+            super().__init__(vllm_config, role, kv_cache_config)
         vllm_nixl.stage_through_host_buffer(self)
         vllm_nixl.check_each_remote(self, page_layout_mismatch)
 

@@ -4,16 +4,18 @@ do when one moves. Imported only where a NIXL connector is created.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnector, base_worker
 
 CopyBlocks = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], list[int], list[int], str], None]
 
 __all__ = [
     "CopyBlocks",
     "NixlPullConnector",
+    "agent_progress_thread",
     "set_copy_operation",
     "stage_through_host_buffer",
 ]
@@ -27,6 +29,22 @@ def stage_through_host_buffer(connector: NixlPullConnector) -> None:
     for side in (connector.connector_scheduler, connector.connector_worker):
         if side is not None:
             side.use_host_buffer = True
+
+
+@contextmanager
+def agent_progress_thread(enabled: bool) -> Iterator[None]:
+    """Whether the NIXL agent a connector's worker side creates inside runs nixl's progress thread. vLLM 0.32
+    builds the agent's config in NixlBaseConnectorWorker.__init__ from base_worker's `nixl_agent_config`,
+    whose progress thread nixl's Python API turns on."""
+    make_config = base_worker.nixl_agent_config
+    if enabled or make_config is None:  # vLLM's own agent; without NIXL, vLLM raises its own error
+        yield
+        return
+    base_worker.nixl_agent_config = functools.partial(make_config, enable_prog_thread=False)
+    try:
+        yield
+    finally:
+        base_worker.nixl_agent_config = make_config
 
 
 def set_copy_operation(connector: NixlPullConnector, copy_operation: CopyBlocks) -> None:
