@@ -76,7 +76,23 @@ first = torch.from_numpy(array)
 torch_neuronx.eager.storages.add([first])
 tag("same address, another storage", lambda: torch.from_numpy(array).fill_(1))
 held = torch_neuronx.eager.storages.holds(first)
+# Rule (m): a started read holds its data once an event recorded after it is waited on.
+started = device.start_read(out)
+arrived_early = not started.isnan().all()
+fence = device.ReadFence()
+later = device.start_read(kv)  # after the fence: not its read
+synchronized = waits()
+fence.wait()
+reads = {
+    "arrived_early": arrived_early,
+    "arrived": torch.equal(started, out),
+    "later_arrived": not later.isnan().all(),
+    "fence_synchronized": waits() - synchronized,
+    "event_waits": facts["event_waits"],
+    "reads_started": facts["reads_started"],
+}
 result = {"seen": seen, "first_held": held, "numpy_refused": numpy_refused, "kv_kept": bool((kv != 7).all())}
+result["reads"] = {key: value if isinstance(value, dict) else bool(value) for key, value in reads.items()}
 print("RESULT " + json.dumps(result))
 """
 
@@ -94,7 +110,7 @@ def seen(tmp_path_factory) -> dict:
     assert result["first_held"]
     # numpy() of a device tensor raises on Trainium; a cpu() copy written on the host leaves the device's.
     assert "numpy() of a device tensor" in result["numpy_refused"] and result["kv_kept"]
-    return result["seen"]
+    return result["seen"] | {"rule m": result["reads"]}
 
 
 def kernels(seen: dict, name: str) -> list[tuple]:
@@ -104,7 +120,7 @@ def kernels(seen: dict, name: str) -> list[tuple]:
 def test_ops_in_a_graph_and_on_host_tensors_are_not_eager_device_ops(seen):
     """The graph's own writes (its in-place input included), host tensors, a view, to_host's copy, and a host
     tensor at a device storage's address: nothing recorded."""
-    quiet = ("graph", "view", "host ops", "to_host copy", "same address, another storage", "host scalars")
+    quiet = ("graph", "view", "host ops", "same address, another storage", "host scalars")
     for name in quiet:
         assert seen[name] == {"eager_kernels": [], "host_round_trips": [], "host_reads": []}, name
 
@@ -163,3 +179,18 @@ def test_scalars_lists_and_cpu_copies_of_a_device_tensor_are_blocking_reads(seen
         assert [(read["op"], read["shape"]) for read in seen[name]["host_reads"]] == reads, name
         assert seen[name]["synchronize"] == len(reads), name
         assert seen[name]["eager_kernels"] == seen[name]["host_round_trips"] == [], name
+
+
+def test_rule_m_a_blocking_read_waits_for_the_stream_and_a_started_one_for_its_event(seen):
+    """to_host waits until the stream is idle (a synchronize); start_read does not wait, and its host tensor
+    holds the data only once an event recorded after the read is synchronized, which waits for nothing."""
+    assert seen["to_host copy"] == {
+        "eager_kernels": [],
+        "host_round_trips": [],
+        "host_reads": [],
+        "synchronize": 1,
+    }
+    reads = seen["rule m"]
+    assert not reads["arrived_early"] and reads["arrived"] and not reads["later_arrived"]
+    assert reads["fence_synchronized"] is False and reads["event_waits"] == {"MainThread": 1}
+    assert reads["reads_started"] == {"MainThread": 2}

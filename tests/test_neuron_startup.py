@@ -286,6 +286,12 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
     assert sum(facts["to_device"].values()) == sum(facts["graph_runs"].values())
     serving_calls = facts["graph_runs"]["neuron-device_0"]
     assert serving_calls > 20 and "neuron-device_0" not in facts["to_host"]
+    # Rule (m): no read waits for the whole stream. Each step's outputs start for the host on the device
+    # thread behind its calls, and the engine thread waits for that step's fence only: not for the next
+    # step's calls, which async scheduling has queued by then. Sleep mode's weights too, under one fence.
+    assert facts["to_host"] == {}, facts["to_host"]
+    assert facts["reads_started"]["neuron-device_0"] >= serving_calls
+    assert facts["event_waits"]["MainThread"] >= serving_calls / 2, facts["event_waits"]
     # Fake rules (g) and (j): the engine thread waits for the device once per warm-up step (at most one a
     # graph) and around sleep mode, never per serving step; the device thread never waits: each call's
     # transfer is queued behind the calls before it.

@@ -8,6 +8,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+import time
 from functools import cache
 from typing import Literal
 
@@ -301,9 +302,62 @@ def synchronize() -> None:
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host-memory copy of a device tensor (sleep mode keeps the weights there). In CPU mode host memory is
-    the device: the tensor itself, nothing is copied."""
+    """A host-memory copy of a device tensor, made now: it waits until the device's stream is idle, work that
+    other threads queued after the tensor's producer included (copy_neuron_to_cpu synchronizes the stream
+    unless the copy is non-blocking, csrc/utils/CopyUtils.cpp). Off the serving path, and for rare reads
+    there (a row's logits after a top-p overflow); a step's outputs come by start_read. In CPU mode host
+    memory is the device: the tensor itself, nothing is copied."""
     return tensor if mode() == "cpu" else tensor.to("cpu")
+
+
+def start_read(tensor: torch.Tensor) -> torch.Tensor:
+    """A device-to-host copy of a device tensor, queued behind the work already submitted and not waited for:
+    the host tensor it returns holds the data once a ReadFence made after this call has been waited on
+    (copy_neuron_to_cpu submits the read on the current stream and synchronizes only when the copy is
+    blocking, csrc/utils/CopyUtils.cpp; python_ops/cast_policy.py allocates the host tensor, which the read
+    writes through a raw pointer: keep it until the fence is passed, and synchronize() before dropping it on
+    an error). In TorchNeuron's sync mode (NEURON_LAUNCH_BLOCKING=1) the read is made here. In CPU mode, the
+    tensor itself."""
+    return tensor if mode() == "cpu" else tensor.to("cpu", non_blocking=True)
+
+
+class ReadFence:
+    """A point in the device's stream, behind the work any thread has submitted so far: wait() returns once
+    that work is done, reads started by start_read included, and does not wait for work queued after it. A
+    torch.neuron.Event recorded on the current stream (torch_neuronx/streams.py; NeuronEvent.cpp: record
+    queues a signal unless the stream is idle). wait() polls the event's query() (an atomic flag) rather than
+    calling its synchronize(): that one's condition variable is notified without its mutex held
+    (NeuronEvent.h complete_event), so a wake-up can be lost and the wait never return. Nothing in CPU mode,
+    where the device's work is done when its call returns."""
+
+    def __init__(self) -> None:
+        self._event = None
+        if mode() == "neuron":
+            self._event = torch.neuron.Event()
+            self._event.record()
+
+    def wait(self) -> None:
+        event = self._event
+        if event is None:
+            return
+        pause = 20e-6
+        while not event.query():
+            time.sleep(pause)  # releases the GIL for the device thread
+            pause = min(2 * pause, 200e-6)
+        self._event = None  # passed: later waits return at once
+
+
+def read_now(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of device tensors, every read queued and then one wait, for the work before them only (a
+    blocking read each would wait for the stream to drain, once per tensor)."""
+    hosts: list[torch.Tensor] = []
+    try:
+        hosts = [start_read(tensor) for tensor in tensors]
+        ReadFence().wait()
+    except BaseException:
+        synchronize()  # reads queued into `hosts` must land before it is freed
+        raise
+    return hosts
 
 
 def copy_to_device(destination: torch.Tensor, source: torch.Tensor) -> None:

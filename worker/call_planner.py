@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_neuron import device as neuron_device
 from vllm_neuron import sampling
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import Call, plan_step
@@ -19,7 +18,7 @@ from worker import call_inputs, speculation, token_slots
 from worker.call_inputs import CallInputs, Chunk, HostInputs
 from worker.packed_inputs import StagingBuffers
 from worker.readiness import Readiness
-from worker.step_state import PlannedCall, RunningStep, final_rows
+from worker.step_state import PlannedCall, RunningStep, ToHost, final_rows
 
 Rows = list[tuple[int, Chunk]]  # (batch row, its chunk of tokens)
 
@@ -180,7 +179,7 @@ def fill_previous_tokens(step: RunningStep) -> None:
     tokens: dict[int, int] = {}
     for call_index in sorted({final[row][0] for row in wanted}):
         out = outputs[call_index]
-        sampled = out.real(out.token_ids, neuron_device.to_host).tolist()
+        sampled = out.real("token_ids", ToHost()).tolist()
         tokens |= {row: sampled[j] for j, row in enumerate(out.batch_rows) if final[row][0] == call_index}
     if any(tokens[row] == sampling.NO_TOKEN for row in wanted):
         previous.tokens_ready.wait()

@@ -41,7 +41,7 @@ from worker.outputs import TokenCollector
 from worker.readiness import Readiness, lowered_graphs
 from worker.sleep_mode import SleepMode
 from worker.step_metrics import StepMetrics
-from worker.step_state import CallOutputs, RunningStep, StepFigures, ToHost
+from worker.step_state import CallOutputs, RunningStep, StepFigures, ToHost, start_reads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -349,8 +349,8 @@ class NeuronModelRunner:
         return sampling_rows.parameter_rows(rows, draw_from)
 
     def _run_step(self, step: RunningStep) -> list[CallOutputs]:
-        """Run a step's calls (in the device thread with async scheduling); their outputs stay on the
-        device."""
+        """Run a step's calls (in the device thread with async scheduling), and start the reads of the
+        outputs the step's output needs."""
         if step.previous is not None:
             fill_previous_tokens(step)
         step.device_started = time.perf_counter()
@@ -360,6 +360,7 @@ class NeuronModelRunner:
                 CallOutputs(item.batch_rows, *self._run(item.send(staging), item.call), item.call.queries)
                 for item in step.planned
             ]
+        start_reads(step, outputs)
         step.device_ended = time.perf_counter()
         step.forward_seconds = step.device_ended - step.device_started
         return outputs

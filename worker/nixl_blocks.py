@@ -136,8 +136,9 @@ class BlockCopier:
     ) -> None:
         padded = np.full(bucket, NULL_BLOCK, dtype=_INDEX)
         padded[: len(cache_ids)] = cache_ids
-        # The one device-to-host transfer.
-        pages = neuron_device.to_host(self._gather(padded, len(cache_ids)))
+        # The one device-to-host transfer, waited for here (NIXL reads the host buffers once the save
+        # returns): for the gather and the work queued before it, not for work queued after it.
+        (pages,) = neuron_device.read_now([self._gather(padded, len(cache_ids))])
         rows = torch.tensor(host_ids, dtype=torch.int64)
         for buffer, layer_pages in zip(buffers, self._per_layer(pages, bucket), strict=True):
             buffer.index_copy_(0, rows, layer_pages[: len(host_ids)])

@@ -36,7 +36,7 @@ class TokenCollector:
         rows = len(step.req_ids)
         tokens = np.empty(rows, dtype=np.int64)
         for out in step.outputs:
-            tokens[out.batch_rows] = out.real(out.token_ids, to_host).numpy()
+            tokens[out.batch_rows] = out.real("token_ids", to_host).numpy()
         device_logprobs = _device_logprobs(step, to_host)
         discarded = set(step.partial_prefill_rows)
         overflowed = [
@@ -73,7 +73,7 @@ class TokenCollector:
         (the rows the graph sampled keep its tokens: the caller puts them back)."""
         logits = torch.empty(batch.num_reqs, self.vocab_size, dtype=torch.float32)
         for out in step.outputs:
-            logits[out.batch_rows] = out.real(out.logits, to_host).float()
+            logits[out.batch_rows] = out.real("logits", to_host).float()
         if step.grammar_output is not None:
             apply_grammar_bitmask(step.scheduler_output, step.grammar_output, batch, logits)
         # Generators of the rows whose tokens are not the host's must not advance here: a discarded sample
@@ -99,9 +99,9 @@ def _device_logprobs(step: RunningStep, to_host: ToHost) -> DeviceLogprobs | Non
     ranks = torch.zeros(rows, dtype=torch.int64)
     for out in step.outputs:
         # Every column is copied, then cut on the host (a column slice of a device tensor is strided).
-        ids[out.batch_rows] = out.real(out.logprob_token_ids, to_host)[:, :columns].long()
-        values[out.batch_rows] = out.real(out.logprobs, to_host)[:, :columns]
-        ranks[out.batch_rows] = out.real(out.ranks, to_host).long()
+        ids[out.batch_rows] = out.real("logprob_token_ids", to_host)[:, :columns].long()
+        values[out.batch_rows] = out.real("logprobs", to_host)[:, :columns]
+        ranks[out.batch_rows] = out.real("ranks", to_host).long()
     return ids, values, ranks
 
 
@@ -119,7 +119,7 @@ def _complete_overflowed(
     logits, params = [], []
     for row in rows:
         call_index, j = final[row]
-        logits.append(to_host(step.outputs[call_index].logits[j : j + 1]).float())
+        logits.append(step.outputs[call_index].part("logits", slice(j, j + 1), to_host).float())
         params.append(torch.from_numpy(step.planned[call_index].params[j : j + 1]))
     logits = torch.cat(logits)
     done = sampling.sample(logits, torch.cat(params), candidates=logits.shape[-1])

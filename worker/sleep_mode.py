@@ -58,8 +58,12 @@ class SleepMode:
         for tensor in [*parameters.values(), *buffers]:
             keep = id(tensor) not in discarded
             self._released.append(_ReleasedTensor(tensor, tensor.device, tensor.shape, tensor.stride(), keep))
-            if keep:
-                tensor.data = neuron_device.to_host(tensor.data)
+        kept = [released.tensor for released in self._released if released.kept]
+        hosts = iter(neuron_device.read_now([tensor.data for tensor in kept]))
+        for released in self._released:
+            tensor = released.tensor
+            if released.kept:
+                tensor.data = next(hosts)
             else:
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         self.sleeping.add("weights")

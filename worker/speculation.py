@@ -135,7 +135,7 @@ def accept_drafts(
     for call_index, out in enumerate(step.outputs):
         if out.queries == 1:
             continue
-        targets = to_host(out.all_queries(out.token_ids)).numpy()
+        targets = out.all_queries("token_ids", to_host).numpy()
         draft_probs = None
         for index, row in enumerate(out.batch_rows):
             row_drafts = step.drafts.get(row)
@@ -145,13 +145,13 @@ def accept_drafts(
                 sampled_ids[row] = accepted_tokens(row_drafts, targets[index])
                 continue
             if draft_probs is None:
-                draft_probs = to_host(out.all_queries(out.draft_probs)).numpy()
+                draft_probs = out.all_queries("draft_probs", to_host).numpy()
             row_targets, row_probs = targets[index], draft_probs[index]
             if (row_targets[: len(row_drafts) + 1] == sampling.NO_TOKEN).any():
                 # A top-p cut beyond the graph's candidates: the row's queries again over the whole
                 # vocabulary, with their own parameters and draws.
                 queries = slice(index * out.queries, (index + 1) * out.queries)
-                logits = to_host(out.logits[queries]).float()
+                logits = out.part("logits", queries, to_host).float()
                 params = torch.from_numpy(step.planned[call_index].params[queries])
                 done = sampling.sample(logits, params, candidates=logits.shape[-1])
                 row_targets, row_probs = done.token_ids.numpy(), done.draft_probs.numpy()

@@ -2,7 +2,6 @@
 their outputs on the device, and the figures /metrics and the step trace get."""
 
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,17 +31,62 @@ class CallOutputs:
     ranks: torch.Tensor
     draft_probs: torch.Tensor
     queries: int = 1  # logits rows a batch row has (a verify call's: its last token's, then its drafts')
+    # Outputs whose batch rows are on their way to the host (start_reads), and the fence behind the reads.
+    reads: dict[str, torch.Tensor] = field(default_factory=dict)
+    fence: neuron_device.ReadFence | None = None
 
-    def real(self, tensor: torch.Tensor, to_host: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The batch rows' outputs on the host: of each row's first query (a verify row's last token). The
-        rows' contiguous prefix is copied and stepped through on the host: TorchNeuron makes a strided device
-        view contiguous on the device before it copies, with an eager kernel compiled per shape."""
-        return to_host(tensor[: len(self.batch_rows) * self.queries])[:: self.queries]
+    def rows(self, name: str) -> torch.Tensor:
+        """Output `name`'s rows of the batch rows (every query of each), on the device: a contiguous prefix,
+        as a read to the host needs (TorchNeuron makes a strided device view contiguous first, with an eager
+        kernel compiled per shape)."""
+        return getattr(self, name)[: len(self.batch_rows) * self.queries]
 
-    def all_queries(self, tensor: torch.Tensor) -> torch.Tensor:
-        """[batch rows, queries, ...]: every query's output (a verify call's)."""
-        rows = len(self.batch_rows)
-        return tensor[: rows * self.queries].view(rows, self.queries, *tensor.shape[1:])
+    def host(self, name: str, to_host: "ToHost") -> torch.Tensor:
+        """Output `name`'s rows on the host: the read the device thread started, once the device has passed
+        its fence; else a read now, which waits for all the device has queued."""
+        if name in self.reads:
+            return to_host.arrived(self.reads[name], self.fence)
+        return to_host(self.rows(name))
+
+    def part(self, name: str, rows: slice, to_host: "ToHost") -> torch.Tensor:
+        """Some of output `name`'s rows on the host (a top-p overflow's logits): from the started read where
+        there is one, else read now."""
+        if name in self.reads:
+            return self.host(name, to_host)[rows]
+        return to_host(getattr(self, name)[rows])
+
+    def real(self, name: str, to_host: "ToHost") -> torch.Tensor:
+        """The batch rows' output `name` on the host: of each row's first query (a verify row's last
+        token)."""
+        return self.host(name, to_host)[:: self.queries]
+
+    def all_queries(self, name: str, to_host: "ToHost") -> torch.Tensor:
+        """[batch rows, queries, ...]: every query's output `name` on the host (a verify call's)."""
+        host = self.host(name, to_host)
+        return host.view(len(self.batch_rows), self.queries, *host.shape[1:])
+
+
+def start_reads(step: "RunningStep", outputs: list[CallOutputs]) -> None:
+    """On the device thread, right after a step's calls: the outputs the step's output is made of start for
+    the host (the tokens; logprobs where a row asks; logits where a row samples on the host; a verify call's
+    draft probabilities), and a fence goes behind them. The engine thread then waits for the work before
+    the fence only: a read it started itself would queue behind the next step's calls, which async
+    scheduling has submitted by then, and wait for them too."""
+    names = ["token_ids"]
+    if step.num_logprobs is not None:
+        names += ["logprob_token_ids", "logprobs", "ranks"]
+    if step.host_bound:
+        names.append("logits")
+    try:
+        for out in outputs:
+            for name in [*names, "draft_probs"] if out.queries > 1 else names:
+                out.reads[name] = neuron_device.start_read(out.rows(name))
+        fence = neuron_device.ReadFence()
+    except BaseException:
+        neuron_device.synchronize()  # the reads queued so far must land before their host tensors go
+        raise
+    for out in outputs:
+        out.fence = fence
 
 
 class ToHost:
@@ -54,6 +98,12 @@ class ToHost:
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         self.bytes += tensor.numel() * tensor.element_size()
         return neuron_device.to_host(tensor)
+
+    def arrived(self, host: torch.Tensor, fence: neuron_device.ReadFence) -> torch.Tensor:
+        """A read started earlier, once the device has passed `fence`."""
+        fence.wait()
+        self.bytes += host.numel() * host.element_size()
+        return host
 
 
 @dataclass

@@ -36,9 +36,9 @@ Modelled and recorded, not raised:
     tensors reach the host (the seam); the fake wraps it and records each new shape as an eager compile;
 (g) synchronize waits for the device: each call is recorded with its thread;
 (i) each host-to-device copy is a runtime transfer of its own, and each device-to-host copy waits for the
-    tensor's producers: `vllm_neuron.device.copy_to_device` and `to_host` (the seams) are counted per thread,
-    and so are the compiled graphs' runs, so that a test can bound transfers per call and find a token's round
-    trip through the host between two steps;
+    tensor's producers: `vllm_neuron.device.copy_to_device`, `to_host` and `start_read` (the seams) are
+    counted per thread, and so are the compiled graphs' runs, so that a test can bound transfers per call and
+    find a token's round trip through the host between two steps;
 (j) a blocking host-to-device copy is a synchronize: TorchNeuron's copy_cpu_to_neuron waits until the
     stream is idle after the write unless the copy is non-blocking or of one element
     (csrc/utils/CopyUtils.cpp), and every thread's current stream is the device's default one
@@ -56,7 +56,11 @@ Modelled and recorded, not raised:
     device tensor read to the host past the to_host seam (`host_reads`: `copy_` into a host tensor, `cpu`,
     `tolist`, `item`, `bool`, `int`, `float`), each blocking one a synchronize (g); `numpy()` of a device
     tensor raises, as torch does on Trainium. Device tensors are those a compiled graph read or wrote
-    (eager_ops.py says how they are told apart, and what TorchNeuron runs for each op).
+    (eager_ops.py says how they are told apart, and what TorchNeuron runs for each op);
+(m) a blocking read to the host waits until the stream is idle, work other threads queued after the tensor's
+    producer included: `to_host` is also counted as a synchronize of the calling thread (g). `start_read`
+    queues a read without waiting: its host tensor holds a value no output has until a `torch.neuron.Event`
+    recorded after the read has been queried or synchronized (`event_waits`, per thread; streams.py).
 
 Other settings: FAKE_NEURON_CORES (NeuronCores of the host, default 2). What the fake saw is written as JSON
 to FAKE_NEURON_RECORD (when set; where it is a folder, to <pid>.json in it, a file per process: tensor
@@ -65,11 +69,12 @@ exists, the local rank; what started the runtime, the NEFF cache folder and the 
 whether the process group came first, the root communicator's address (h), each memory query with its
 index (e), per compile whether fallback to eager execution was disabled
 (TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1), NEURON_CC_FLAGS and NEURON_COMPILER_OPT_LEVEL as the compile
-read them (None: unset) and its NEFF, the eager compiles (f), the synchronize calls per thread (g, j), the
-transfers and graph runs per thread (i), the eager kernels (k), and the host round trips and reads (l). The
-`neuron` compile backend runs TorchNeuron's stages up to StableHLO as its source writes them
-(neuron_dynamo_backend.py), writes that StableHLO as the graph's .neff file into the cache folder, records the
-inputs its executor binds in place (`mutated_inputs`), and runs the graph on the host.
+read them (None: unset) and its NEFF, the eager compiles (f), the synchronize calls per thread (g, j, m),
+the transfers, reads started and graph runs per thread (i), the event waits (m), the eager kernels (k), and
+the host round trips and reads (l). The `neuron` compile backend runs TorchNeuron's stages up to StableHLO
+as its source writes them (neuron_dynamo_backend.py), writes that StableHLO as the graph's .neff file into the
+cache folder, records the inputs its executor binds in place (`mutated_inputs`), and runs the graph on the
+host.
 """
 
 import hashlib
@@ -119,6 +124,8 @@ class Runtime:
             "to_device": {},
             "blocking_to_device": {},
             "to_host": {},
+            "reads_started": {},
+            "event_waits": {},
             "graph_runs": {},
         }
 
@@ -329,7 +336,7 @@ class HostToDeviceCopies(TorchFunctionMode):
 def _register() -> None:
     from torch._dynamo import register_backend
 
-    from torch_neuronx import neuron
+    from torch_neuronx import neuron, streams
 
     register_backend(_neuron_backend, name="neuron")
     # Tensors are host tensors, so the group serves the cpu device (gloo underneath).
@@ -349,7 +356,13 @@ def _register() -> None:
     def copying_to_host(tensor: torch.Tensor) -> torch.Tensor:
         runtime.copy_to_host(tensor)  # rule (f)
         runtime.count("to_host")  # rule (i)
+        runtime.synchronize()  # rule (m): a blocking read waits until the stream is idle
         return to_host(tensor)
+
+    def starting_read(tensor: torch.Tensor) -> torch.Tensor:
+        runtime.copy_to_host(tensor)  # rule (f)
+        runtime.count("reads_started")  # rule (i)
+        return streams.stream.start_read(tensor)  # rule (m)
 
     def copying_to_device(destination: torch.Tensor, source: torch.Tensor) -> None:
         runtime.count("to_device")  # rule (i)
@@ -360,6 +373,7 @@ def _register() -> None:
             runtime.synchronize()
 
     vllm_neuron.device.to_host = copying_to_host
+    vllm_neuron.device.start_read = starting_read
     vllm_neuron.device.copy_to_device = copying_to_device
 
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import torch
 
 import torch_neuronx
+from torch_neuronx.streams import Event  # noqa: F401  (torch.neuron.Event, rule (m))
 
 
 def is_available() -> bool:
