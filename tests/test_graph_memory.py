@@ -136,10 +136,7 @@ def test_the_logits_of_the_calls_in_flight_raise_the_reserve(monkeypatch):
     # outputs the engine has not taken); the inputs and the scratchpad's one page unchanged.
     assert raised == rows * (vocab - 8) * 4 * 2 * CALLS
     both = graph_memory.derive([narrow, wide], CALLS)
-    assert (both.largest_io, both.largest_io_call) == (
-        rows * 8 * 4 + rows * 8 + rows * vocab * 4,
-        wide["call"],
-    )
+    assert (both.largest_outputs, both.largest_outputs_call) == (rows * vocab * 4, wide["call"])
     assert f"x 2 steps x {CALLS} calls" in both.describe()
 
 
@@ -152,8 +149,9 @@ def test_every_graphs_inputs_are_staged_once_per_calling_thread(monkeypatch):
     derived = graph_memory.derive(summaries, CALLS, compile_workers=3)
     # The engine thread, the device thread and 3 compile workers each keep a buffer of every graph's inputs.
     assert derived.staging == 6 * MIB * 5
-    assert derived.in_flight == 4 * MIB * 2 * CALLS
-    assert derived.total == 512 * MIB + 3 * PER_GRAPH_BYTES + 30 * MIB + 48 * MIB + RUNTIME_BYTES
+    # A call's inputs are read where they were staged: only its outputs are allocated per call in flight.
+    assert derived.in_flight == MIB * 2 * CALLS
+    assert derived.total == 512 * MIB + 3 * PER_GRAPH_BYTES + 30 * MIB + 12 * MIB + RUNTIME_BYTES
     # Where the host's compile workers are unknown (the check on a CPU): the most trn2 starts by default.
     assert graph_memory.derive(summaries, CALLS).calling_threads == 2 + 8
 
@@ -182,7 +180,7 @@ def test_a_configurations_calls_count_its_readiness_its_draft_model_and_its_step
     speculative = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2}
     draft = derived(speculative_config=speculative)
     assert (draft.calls_per_step, draft.steps_in_flight) == (2 * (4 + 92 // 32) + 2 * 4, 1)
-    assert draft.in_flight == 2 * MIB * (2 * (4 + 92 // 32) + 2 * 4)
+    assert draft.in_flight == MIB * (2 * (4 + 92 // 32) + 2 * 4)
     assert "x 1 steps x 20 calls" in draft.describe()
 
 
@@ -217,7 +215,7 @@ def test_a_record_written_before_the_io_terms_reads_with_its_own_terms(tmp_path,
     old = {"graphs": 15, "largest_scratchpad": 600 * MIB, "largest_call": "prefill", "page": 512 * MIB}
     path.write_text(json.dumps(old))
     planned = graph_memory.planned(FIELDS)
-    # Nearer the need than the cold default: its scratchpad, per-graph and runtime terms, no calls' IO yet.
+    # Nearer the need than the cold default: its scratchpad, per-graph and runtime terms, no calls' outputs.
     assert (planned.source, planned.bytes) == ("derived", 1024 * MIB + 15 * PER_GRAPH_BYTES + RUNTIME_BYTES)
     assert planned.derived.in_flight == planned.derived.staging == 0
     path.write_text(json.dumps([15, 600]))

@@ -4,8 +4,9 @@ from the graphs' lowered StableHLO by the rule AWS documents ("Neuron Device Mem
 - one scratchpad shared by every loaded NEFF, the size of the largest one's, rounded up to scratchpad pages;
 - per graph, for as long as it is loaded: its code, its constants and its DMA rings;
 - per NeuronCore: the runtime's micro-code and bookkeeping;
-and beside those, TorchNeuron's allocations for the calls: each call's inputs and outputs (logits among
-them), for every call of the steps in flight, and the staging buffers the calls' inputs are packed into.
+and beside those, TorchNeuron's allocations for the calls: each call's outputs (logits among them), for
+every call of the steps in flight, and the staging buffers the calls' inputs are packed into (a call reads
+its inputs there: they are not allocated per call).
 
 A graph's scratchpad is estimated as the peak of its live intermediates with the StableHLO's ops run in order
 (`scratchpad_bytes`); inputs, outputs and constants are not in it. neuronx-cc fuses, tiles and reorders, so
@@ -122,8 +123,8 @@ class GraphReserve:
     largest_scratchpad: int  # the largest graph's scratchpad estimate
     largest_call: str  # the call whose graph that is
     page: int
-    largest_io: int = 0  # the largest call's inputs and outputs (input_bytes + output_bytes)
-    largest_io_call: str = ""
+    largest_outputs: int = 0  # the largest call's outputs (output_bytes)
+    largest_outputs_call: str = ""
     calls_per_step: int = 0  # calls.most_calls_per_step
     steps_in_flight: int = STEPS_IN_FLIGHT  # 1 without async scheduling
     inputs: int = 0  # every graph's input_bytes: one staging buffer each, per calling thread
@@ -143,9 +144,9 @@ class GraphReserve:
 
     @property
     def in_flight(self) -> int:
-        """The calls' inputs and outputs on the device at once: each call of the steps in flight counted at
-        the largest call's."""
-        return self.largest_io * self.steps_in_flight * self.calls_per_step
+        """The calls' outputs on the device at once: each call of the steps in flight counted at the largest
+        call's."""
+        return self.largest_outputs * self.steps_in_flight * self.calls_per_step
 
     @property
     def staging(self) -> int:
@@ -167,9 +168,9 @@ class GraphReserve:
         return (
             f"{self.total / trn2.GIB:.2f} GiB = shared scratchpad {self.scratchpad / MIB:.0f} MiB (largest "
             f"graph's live intermediates {self.largest_scratchpad / MIB:.1f} MiB, {self.largest_call}, in "
-            f"{self.page / MIB:.0f} MiB pages) + {self._describe_resident()} + calls' IO "
-            f"{self.in_flight / MIB:.1f} MiB (largest {self.largest_io / MIB:.2f} MiB, "
-            f"{self.largest_io_call}, x {self.steps_in_flight} steps x {self.calls_per_step} calls) + "
+            f"{self.page / MIB:.0f} MiB pages) + {self._describe_resident()} + calls' outputs "
+            f"{self.in_flight / MIB:.1f} MiB (largest {self.largest_outputs / MIB:.2f} MiB, "
+            f"{self.largest_outputs_call}, x {self.steps_in_flight} steps x {self.calls_per_step} calls) + "
             f"staging {self.staging / MIB:.1f} MiB (inputs {self.inputs / MIB:.2f} MiB x "
             f"{self.calling_threads} calling threads) + runtime {RUNTIME_BYTES / MIB:.0f} MiB"
         )
@@ -221,23 +222,19 @@ def derive(
     calls.most_calls_per_step of the configuration; compile_workers: the background compiles that send calls
     beside the engine and device threads."""
     largest = max(graphs, key=lambda graph: graph["scratchpad_bytes"])
-    io = max(graphs, key=_io_bytes)
+    outputs = max(graphs, key=lambda graph: graph["output_bytes"])
     return GraphReserve(
         len(graphs),
         int(largest["scratchpad_bytes"]),
         str(largest["call"]),
         page_bytes(),
-        largest_io=_io_bytes(io),
-        largest_io_call=str(io["call"]),
+        largest_outputs=int(outputs["output_bytes"]),
+        largest_outputs_call=str(outputs["call"]),
         calls_per_step=calls_per_step,
         steps_in_flight=steps_in_flight,
         inputs=sum(int(graph["input_bytes"]) for graph in graphs),
         calling_threads=CALLING_THREADS + compile_workers,
     )
-
-
-def _io_bytes(graph: dict[str, object]) -> int:
-    return int(graph["input_bytes"]) + int(graph["output_bytes"])
 
 
 _FIELDS = [field.name for field in dataclass_fields(GraphReserve)]
