@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         from loadtest.soak import main as soak_main
 
         soak_main(argv[1:])
-        return
-    if command == "info":
+    elif command == "info":
         print(json.dumps(info(), indent=2))
     elif command == "serve":
         serve(argv[1:])

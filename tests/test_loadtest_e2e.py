@@ -1,5 +1,6 @@
-"""The load generator end to end: `python -m loadtest` against a real `vllm-neuron serve` on 127.0.0.1
-(the session's api_server), read back from its JSON report."""
+"""The load generator end to end: the `vllm-neuron loadtest` console script against a real `vllm-neuron
+serve` on 127.0.0.1 (the session's api_server), its exit code checked (0: done, 1: every request failed), and
+read back from its JSON report."""
 
 import json
 import subprocess
@@ -12,11 +13,12 @@ from tests.serving import API_KEY, MODEL_NAME
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
+CONSOLE_SCRIPT = Path(sys.executable).with_name("vllm-neuron")  # the package's, installed beside python
 
 
 def loadtest(base_url: str, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     json_out = out / "run.json"
-    command = [sys.executable, "-m", "loadtest", "--base-url", base_url, "--model", MODEL_NAME]
+    command = [str(CONSOLE_SCRIPT), "loadtest", "--base-url", base_url, "--model", MODEL_NAME]
     command += ["--json-out", str(json_out), "--no-progress", *args]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert json_out.exists(), done.stdout + done.stderr
@@ -32,6 +34,7 @@ def test_chat_run_reports_latencies_and_our_metrics(api_server, tmp_path):
         *("--metrics-interval", "0.2", "--plot-dir", str(tmp_path / "plots")),
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "usage: vllm-neuron" not in done.stdout + done.stderr
     assert doc["target"]["ours"] and doc["target"]["neuron_info"]["device_mode"] == "cpu"
     (level,) = doc["levels"]
     assert (level["concurrency"], level["requests"], level["completed"], level["errors"]) == (4, 12, 12, {})
