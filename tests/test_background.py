@@ -1,4 +1,8 @@
-"""worker.background: the order of staged readiness's background compiles, failures, and how many at once."""
+"""worker.background: the order of staged readiness's background compiles, failures, how many at once, and
+how they stop."""
+
+import threading
+import time
 
 import pytest
 
@@ -49,3 +53,52 @@ def test_a_negative_number_of_workers_is_refused(monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_COMPILE_WORKERS", "-1")
     with pytest.raises(ValueError, match="VLLM_NEURON_COMPILE_WORKERS=-1"):
         _ = envs.VLLM_NEURON_COMPILE_WORKERS
+
+
+def test_shutdown_cancels_a_trace_under_way_and_joins_its_thread():
+    """A compile thread must not outlive the engine: one left running into the interpreter's exit aborts the
+    process (worker/background.py). Dynamo's trace stops at its next instruction."""
+    import torch
+
+    def long_trace(x):  # about 20 s of dynamo's tracing
+        for _ in range(20_000):
+            x = x * 2 + 1
+        return x
+
+    compiled = torch.compile(long_trace, backend="eager", fullgraph=True, dynamic=False)
+    tracing, done, cancelled = threading.Event(), {}, []
+
+    def compile_graph(graph):
+        tracing.set()
+        compiled(torch.ones(3))
+        return 0.0
+
+    graph = GRAPHS[0]
+    compiler = BackgroundCompiler(
+        [graph], compile_graph, done.__setitem__, workers=1, cancel_compiles=lambda: cancelled.append(1)
+    )
+    compiler.start()
+    assert tracing.wait(10)
+    time.sleep(0.5)  # well into the trace
+    start = time.monotonic()
+    assert compiler.shutdown(timeout=10)
+    assert time.monotonic() - start < 5
+    assert not compiler.compiling and cancelled == [1]
+    assert done == {} and compiler.pending == [graph]  # cancelled, not failed: nothing reported
+
+
+def test_pause_lets_the_compile_under_way_finish_and_keeps_the_others():
+    compiled = []
+    started = threading.Event()
+
+    def compile_graph(graph):
+        started.set()
+        time.sleep(0.3)
+        compiled.append(graph)
+        return 0.0
+
+    compiler = BackgroundCompiler(GRAPHS, compile_graph, lambda g, error: None, workers=1)
+    compiler.start()
+    assert started.wait(10)
+    assert compiler.stop(wait=True) == GRAPHS[1:]
+    assert compiled == GRAPHS[:1] and not compiler.compiling

@@ -3,6 +3,8 @@ mutations (the KV cache write) kept, several graphs at once, artefacts reused, n
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import CancelledError
 from concurrent.futures.process import BrokenProcessPool
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from vllm_neuron.compiler.compile import compile_static
-from vllm_neuron.compiler.compile_pool import OutOfProcessInductor
+from vllm_neuron.compiler.compile_pool import OutOfProcessInductor, end_compiler_processes
 
 
 class CacheWrite(torch.nn.Module):
@@ -102,6 +104,35 @@ def test_close_ends_a_compile_under_way(inductor_cache):
     for child in set(multiprocessing.active_children()) - others:
         child.join(timeout=30)
     assert set(multiprocessing.active_children()) <= others
+
+
+def test_cancel_ends_the_compiles_and_refuses_later_ones(inductor_cache):
+    """An engine shutting down (Readiness.stop) starts no compile process again."""
+    module = CacheWrite()
+    others = set(multiprocessing.active_children())
+    _, recorder = compile_static(module, "inductor", expected_graphs=1, compile_workers=1)
+    recorder.cancel()
+    with pytest.raises(RuntimeError, match="cancelled"):
+        recorder.compile_pool(*traced(module, 4))
+    assert set(multiprocessing.active_children()) <= others
+
+
+def test_end_compiler_processes_ends_only_the_named_program(tmp_path):
+    """TorchNeuron's neuronx-cc compiles, found by their program's name among this process's descendants."""
+    compiler = tmp_path / "neuronx-cc"
+    compiler.write_text("import time\ntime.sleep(120)\n")
+    other = tmp_path / "other"
+    other.write_text("import time\ntime.sleep(120)\n")
+    running = subprocess.Popen([sys.executable, str(compiler), "compile"])
+    bystander = subprocess.Popen([sys.executable, str(other)])
+    try:
+        assert end_compiler_processes("neuronx-cc", timeout=10) == 1
+        assert running.wait(timeout=10) is not None
+        assert bystander.poll() is None
+    finally:
+        for process in (running, bystander):
+            process.kill()
+            process.wait()
 
 
 def traced(module: torch.nn.Module, size: int) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:

@@ -23,6 +23,9 @@ from worker.warmup import WarmupStep, warmup_steps
 
 logger = init_logger("vllm.vllm_neuron.readiness")
 
+# How long an engine's shutdown waits for its background compiles to stop (Readiness.stop).
+STOP_SECONDS = 3.0
+
 
 class Readiness:
     def __init__(self, buckets: BucketConfig, compile_workers: int, costs: CallCosts) -> None:
@@ -183,7 +186,13 @@ class Readiness:
             self._publish_progress()
 
         self.background = BackgroundCompiler(
-            pending, self._timed_compile, on_done, workers, neuron_compile.compile_config(), self.activity
+            pending,
+            self._timed_compile,
+            on_done,
+            workers,
+            neuron_compile.compile_config(),
+            self.activity,
+            self._recorder.cancel,
         )
         self.background.start()
 
@@ -219,8 +228,11 @@ class Readiness:
             self._start_background(paused)
 
     def stop(self) -> None:
+        """Engine shutdown: cancel the background compiles and join their threads (worker/background.py
+        says why), for at most STOP_SECONDS: vLLM gives an engine process 5 s after its SIGTERM (an LLM's
+        default) before it kills it. A compile that could not be cancelled in time is waited for at exit."""
         if self.background is not None:
-            self.background.stop()
+            self.background.shutdown(STOP_SECONDS)
 
     def _publish_progress(self) -> None:
         metrics.GRAPHS_READY.set(self.progress.ready)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from vllm_neuron.calls import Call
-from vllm_neuron.compiler.compile_pool import OutOfProcessInductor
+from vllm_neuron.compiler.compile_pool import OutOfProcessInductor, end_compiler_processes
 from vllm_neuron.upstream import torch_compile
 
 logger = logging.getLogger("vllm.vllm_neuron.compiler.compile")
@@ -106,6 +106,14 @@ class CompileRecorder:
         """End the backend's compile processes, if it has any."""
         if self.compile_pool is not None:
             self.compile_pool.close()
+
+    def cancel(self) -> None:
+        """Engine shutdown: end the backend's compiles under way and refuse later ones (inductor's compile
+        processes; on Trainium, TorchNeuron's neuronx-cc processes)."""
+        if self.compile_pool is not None:
+            self.compile_pool.close(cancel=True)
+        if self.backend_name == "neuron" and (ended := end_compiler_processes("neuronx-cc")):
+            logger.info("Ended %d neuronx-cc compiles under way", ended)
 
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         check_neuron_constraints(graph_module, example_inputs)

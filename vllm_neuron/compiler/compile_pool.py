@@ -12,6 +12,7 @@ loads them without compiling.
 """
 
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import multiprocessing
@@ -113,6 +114,30 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
+def end_compiler_processes(program: str, timeout: float = 5.0) -> int:
+    """End this process's descendants running `program` (its executable or script is named so), SIGTERM then
+    SIGKILL after `timeout` seconds; returns how many. At shutdown TorchNeuron's neuronx-cc compiles (minutes
+    each) would otherwise hold the exit for a graph nobody will load; their caller then raises."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            command = child.cmdline()
+        except psutil.Error:  # gone, or not ours to read
+            continue
+        if any(Path(part).name == program for part in command[:2]):
+            found.append(child)
+    for child in found:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(found, timeout=timeout)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    return len(found)
+
+
 class DeferredGraph:
     """A traced graph whose artefact a compile process makes (or made, on an earlier start): the first call
     waits for it and loads it."""
@@ -143,6 +168,7 @@ class OutOfProcessInductor:
         self.reports: list[CompileReport] = []  # of the compiles done
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._cancelled = False
 
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> DeferredGraph:
         inputs = [InputSpec.of(value) for value in example_inputs]
@@ -165,6 +191,8 @@ class OutOfProcessInductor:
 
     def _submit(self, graph: bytes, inputs: list[InputSpec], path: Path) -> concurrent.futures.Future:
         with self._lock:
+            if self._cancelled:
+                raise RuntimeError("compiles were cancelled: the engine is shutting down")
             if self._pool is not None:
                 try:
                     return self._pool.submit(compile_graph, graph, inputs, str(path))
@@ -180,9 +208,11 @@ class OutOfProcessInductor:
             )
             return self._pool.submit(compile_graph, graph, inputs, str(path))
 
-    def close(self) -> None:
-        """End the compile processes, including compiles under way (their graphs are never used)."""
+    def close(self, cancel: bool = False) -> None:
+        """End the compile processes, including compiles under way (their graphs are never used); a later
+        compile starts new ones, unless `cancel` (the engine shuts down) refuses it."""
         with self._lock:
+            self._cancelled = self._cancelled or cancel
             pool, self._pool = self._pool, None
         if pool is None:
             return
