@@ -84,17 +84,20 @@ def test_prepare_points_the_compilers_at_the_folder(tiny_model_dir, tmp_path, mo
 @pytest.mark.slow
 def test_restart_reuses_compiled_graphs(tiny_model_dir, hf_model, tmp_path):
     """Inductor, the CPU stand-in for the NEFF cache, as a pre-warm Job and then a serving pod use it. The
-    cold start (full readiness, two compiles at once) compiles all four graphs in compile processes before
-    serving; the restart (staged) finds all four in the cache, the minimal ones before it serves and the
-    others in the background, and compiles nothing."""
+    cold start (full readiness, two compiles at once) compiles all three graphs in compile processes before
+    serving; the restart (staged) finds all three in the cache, the minimal ones (a prefill, a one-row
+    decode) before it serves and the other in the background, and compiles nothing. The smallest plan
+    that has both: no mixed calls, two decode buckets."""
     from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
 
     small = {
         **ENGINE_KWARGS,
+        "max_num_seqs": 2,
         "additional_config": {
             "prefill_buckets": [64],
-            "decode_batch_buckets": [1, 4],
+            "decode_batch_buckets": [1, 2],
             "context_buckets": [256],
+            "mixed_batch_buckets": [],
         },
     }
     env = {
@@ -111,12 +114,12 @@ def test_restart_reuses_compiled_graphs(tiny_model_dir, hf_model, tmp_path):
     )
     for run, readiness in ((cold, "full"), (warm, "staged")):
         progress = run["compile_progress"]
-        assert (progress["graphs_total"], progress["graphs_ready"], progress["graphs_pending"]) == (4, 4, 0)
+        assert (progress["graphs_total"], progress["graphs_ready"], progress["graphs_pending"]) == (3, 3, 0)
         assert progress["readiness"] == readiness and run["compile_stats"][0]["unexpected_recompiles"] == 0
     compiled, cached = "graphs_compiled_in_processes", "graphs_from_cache"
     assert cold["compile_progress"]["compile_workers"] == 2
-    assert (cold["compile_progress"][compiled], cold["compile_progress"][cached]) == (4, 0)
-    assert (warm["compile_progress"][compiled], warm["compile_progress"][cached]) == (0, 4)
+    assert (cold["compile_progress"][compiled], cold["compile_progress"][cached]) == (3, 0)
+    assert (warm["compile_progress"][compiled], warm["compile_progress"][cached]) == (0, 3)
     assert warm["tokens"] == cold["tokens"] == [hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
     (folder,) = tmp_path.iterdir()  # one configuration, one folder
     assert any((folder / "inductor").rglob("*"))  # and the artefacts are in it

@@ -15,7 +15,7 @@ from vllm.config import KVTransferConfig
 from kv_cache import layout
 from tests.conftest import FEW_BUCKETS
 from tests.helpers import engine_config, hf_greedy, random_prompt
-from tests.serving import ServerProcess, complete, http
+from tests.serving import ServerProcess, complete, http, stop_all
 from tests.test_server import metric_values
 from worker.kv_transfer import KVTransfer
 
@@ -187,8 +187,7 @@ def servers(tiny_model_dir, tmp_path_factory):
         decode.wait_healthy()
         yield prefill, decode
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all(prefill, decode)  # their drains and exits overlap
 
 
 @pytest.mark.slow
