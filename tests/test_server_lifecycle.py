@@ -37,27 +37,50 @@ def test_serve_help_shows_vllm_groups_and_every_neuron_option():
         assert option in every.stdout
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (("--context-buckets", "100,256"), "not multiples of the KV block size"),
-        (("--context-buckets", "128,lots"), "VLLM_NEURON_CONTEXT_BUCKETS"),
-        (("--decode-batch-buckets", "1,64"), "exceeds max_num_seqs=4"),
-        (("--additional-config", '{"prefill_bucket": [64]}'), "unknown --additional-config keys"),
-        (("--tensor-parallel-size", "3"), "must be divisible by tensor parallel size (3)"),
-        (("--compile-backend", "stablehl"), "'stablehl' is not a compile backend"),
-    ],
-)
-def test_bad_configuration_fails_at_start_up_with_what_to_change(tiny_model_dir, args, message):
-    command = serve_command(tiny_model_dir, free_port())[1:]
-    if args[0] == "--additional-config":
-        index = command.index("--additional-config")
-        del command[index : index + 2]
-    result = run_cli(*command, *args)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr and "pydantic" not in result.stderr
-    assert "Warm-up" not in result.stderr + result.stdout  # refused before the engine started
+BAD_CONFIGURATIONS = {
+    ("--context-buckets", "100,256"): "not multiples of the KV block size",
+    ("--context-buckets", "128,lots"): "VLLM_NEURON_CONTEXT_BUCKETS",
+    ("--decode-batch-buckets", "1,64"): "exceeds max_num_seqs=4",
+    ("--additional-config", '{"prefill_bucket": [64]}'): "unknown --additional-config keys",
+    ("--tensor-parallel-size", "3"): "must be divisible by tensor parallel size (3)",
+    ("--compile-backend", "stablehl"): "'stablehl' is not a compile backend",
+}
+
+
+@pytest.fixture(scope="module")
+def refused(tiny_model_dir) -> dict[tuple[str, ...], tuple[int, str, str]]:
+    """Each bad configuration's `serve`: its exit code, stderr and stdout. The CLIs run at once: each is
+    seconds of importing vLLM, on one core."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_NEURON_DEVICE"}
+    processes = {}
+    for args in BAD_CONFIGURATIONS:
+        command = serve_command(tiny_model_dir, free_port())[1:]
+        if args[0] == "--additional-config":
+            index = command.index("--additional-config")
+            del command[index : index + 2]
+        processes[args] = subprocess.Popen(
+            [CLI, *command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+    results = {}
+    try:
+        for args, process in processes.items():
+            stdout, stderr = process.communicate(timeout=240)
+            results[args] = (process.returncode, stderr, stdout)
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+@pytest.mark.parametrize(("args", "message"), list(BAD_CONFIGURATIONS.items()))
+def test_bad_configuration_fails_at_start_up_with_what_to_change(refused, args, message):
+    returncode, stderr, stdout = refused[args]
+    assert returncode == 2, stderr[-3000:]
+    assert message in stderr
+    assert "Traceback" not in stderr and "pydantic" not in stderr
+    assert "Warm-up" not in stderr + stdout  # refused before the engine started
 
 
 def wait_for_starting_answer(server: ServerProcess) -> bytes:
