@@ -6,7 +6,7 @@ from concurrent.futures import Future
 import torch
 from vllm import SamplingParams
 
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, model_runner
+from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, FEW_BUCKETS_ENGINE, model_runner
 from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, random_prompt, run_engine
 from vllm_neuron.scheduler import NeuronAsyncScheduler, NeuronScheduler
 from worker.async_steps import DeviceThread, StepOutput
@@ -49,8 +49,9 @@ def test_a_step_returns_before_its_calls_end_and_its_output_waits_for_them(llm):
 
 
 def test_outputs_equal_async_scheduling_and_the_device_sampler_off(tiny_model_dir, llm):
-    """The engine as it was before both: every step's logits to vLLM's sampler, one step at a time."""
-    engine = {**ENGINE_KWARGS, "async_scheduling": False}
+    """The engine as it was before both: every step's logits to vLLM's sampler, one step at a time (on a
+    plan of one graph per phase: greedy tokens do not depend on the buckets)."""
+    engine = {**FEW_BUCKETS_ENGINE, "async_scheduling": False}
     result = run_engine(tiny_model_dir, engine, {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_SAMPLER": "host"})
     assert result["async_scheduling"] is False and result["sampled_on_host"]
     assert result["tokens"] == generate_ids(llm, PROMPTS, greedy(MAX_TOKENS))
