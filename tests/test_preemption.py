@@ -19,7 +19,7 @@ def test_64_concurrent_requests_under_kv_pressure_match_running_alone(tiny_model
         "kv_cache_memory_bytes": 40 * BLOCK_BYTES,  # 40 blocks; 16 running requests want up to 80
         "additional_config": {
             "prefill_buckets": [32, 64],
-            "decode_batch_buckets": [1, 2, 4, 8, 16],
+            "decode_batch_buckets": [4, 16],
             "context_buckets": [128, 256],
             # Decode and mixed calls over context buckets of their own: 2 pages a row, always.
             "decode_context_buckets": [256],
@@ -27,7 +27,7 @@ def test_64_concurrent_requests_under_kv_pressure_match_running_alone(tiny_model
     }
     result = run_engine(tiny_model_dir, engine, {"VLLM_NEURON_DEVICE": "cpu"}, prompts=prompts, max_tokens=24)
     assert result["preemptions"] > 0
-    # prefill 2 x 2 contexts, decode 5 x 1, mixed (batches 1 to 8) 4 x 1; nothing compiled while serving
+    # prefill 2 x 2 contexts, decode 2 x 1, mixed (a batch of 4) 1 x 1; nothing compiled while serving
     [stats] = result["compile_stats"]
-    assert (stats["graphs"], stats["unexpected_recompiles"]) == (4 + 5 + 4, 0)
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (4 + 2 + 1, 0)
     assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in prompts]
