@@ -2,7 +2,7 @@
 message type (any role, any fields) accepts what OpenAI refuses with a 400, such as an unknown role, a user
 message without content, or a tool result without the call it answers, and the chat template then renders
 it as something else or drops it. Checked before vLLM parses the request
-(server.middleware.ChatMessagesCheck).
+(server.middleware.RequestChecks).
 """
 
 from typing import Any

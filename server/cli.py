@@ -126,7 +126,7 @@ def serve(argv: list[str]) -> None:
         "server.middleware.ApiKeyOnEveryRoute",
         "server.middleware.HealthWhileDraining",
         "server.middleware.RetryAfterOn429",
-        "server.middleware.ChatMessagesCheck",
+        "server.middleware.RequestChecks",
         "server.middleware.ProcessSeriesOnScrape",
         "server.middleware.RequestSizeLimit",  # outermost: refuses before anything reads the body
     ]

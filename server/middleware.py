@@ -7,7 +7,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from vllm import envs as vllm_envs
 
-from server import admission, chat_messages, lifecycle
+from server import admission, chat_messages, lifecycle, sampling_checks
 from vllm_neuron import envs, metrics
 from vllm_neuron.upstream import vllm_server
 
@@ -80,19 +80,21 @@ def _replay(body: bytes, receive):
     return replayed
 
 
-class ChatMessagesCheck:
-    """Refuse chat messages the OpenAI API refuses and vLLM's schema lets through (server/chat_messages.py)
-    with a 400 OpenAI-style error naming the message. Requests without a valid API key pass on, to get
-    their 401 from vLLM."""
+class RequestChecks:
+    """Refuse with a 400 OpenAI-style error, naming the parameter, what vLLM's schema lets through and then
+    serves wrong or fails on: chat messages the OpenAI API refuses (server/chat_messages.py), and sampling
+    parameters vLLM's serving code fails on (server/sampling_checks.py). Requests without a valid API key
+    pass on, to get their 401 from vLLM."""
 
-    PATH = "/v1/chat/completions"
+    CHAT = "/v1/chat/completions"
+    PATHS = (CHAT, "/v1/completions")
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
-        if scope["type"] != "http" or scope.get("method") != "POST" or path != self.PATH:
+        if scope["type"] != "http" or scope.get("method") != "POST" or path not in self.PATHS:
             await self.app(scope, receive, send)
             return
         body, receive = await _read_body(receive)
@@ -100,7 +102,10 @@ class ChatMessagesCheck:
             request = json.loads(body)
         except ValueError:
             request = None  # vLLM answers malformed JSON itself
-        found = chat_messages.problem(request.get("messages")) if isinstance(request, dict) else None
+        found = None
+        if isinstance(request, dict):
+            found = chat_messages.problem(request.get("messages")) if path == self.CHAT else None
+            found = found or sampling_checks.problem(request)
         if found is not None and _authorized(scope):
             message, param = found
             error = {"message": message, "type": "BadRequestError", "param": param, "code": 400}

@@ -159,6 +159,32 @@ def test_chat_messages_get_200_exactly_when_openai_accepts_them(api_server):
     assert outcomes[(True, 200)] >= 10 and outcomes[(False, 400)] >= 10
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_beam_search_refuses_a_length_penalty_vllm_cannot_score(api_server, route):
+    """Found by the fuzzing above: vLLM 0.32 ranks finished beams by cumulative logprob / seq_len **
+    length_penalty, which underflows to 0 (ZeroDivisionError) or overflows far from 0: a 500 before the
+    check (server/sampling_checks.py)."""
+    if route == "/v1/completions":
+        prompt = {"prompt": "Hello"}
+    else:
+        prompt = {"messages": [{"role": "user", "content": "Hello"}]}
+    for penalty, expected in ((-2000, 400), (2000.0, 400), (1.5, 200)):
+        body = {
+            "model": MODEL_NAME,
+            "max_tokens": 3,
+            "use_beam_search": True,
+            "n": 2,
+            "length_penalty": penalty,
+        }
+        status, answer = http(
+            "POST", api_server.base + route, json.dumps(body | prompt).encode(), key=API_KEY
+        )
+        assert status == expected, (penalty, answer[:300])
+        if status == 400:
+            error = json.loads(answer)["error"]
+            assert error["param"] == "length_penalty" and "from -40 to 40" in error["message"], error
+
+
 def test_server_still_serves_after_fuzzing(api_server):
     status, body = http(
         "POST",
