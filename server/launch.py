@@ -7,7 +7,6 @@ is vLLM's own `run_server_worker` (each step: vllm_neuron/upstream/vllm_server.p
 fails when vLLM's `run_server` changes.
 """
 
-import contextlib
 import signal
 import threading
 from argparse import Namespace
@@ -16,6 +15,7 @@ import psutil
 from vllm.logger import init_logger
 
 from server.lifecycle import RESPONDER_ARG, StartupResponder, engine_died
+from vllm_neuron.processes import end_processes
 from vllm_neuron.upstream import vllm_server
 
 logger = init_logger("vllm.vllm_neuron.launch")
@@ -55,11 +55,4 @@ async def run_server(args: Namespace) -> None:
 def _terminate_children(grace_seconds: float = 10.0) -> None:
     """SIGTERM to every process this one started (engine core, workers, compile processes), then SIGKILL to
     those still there after the grace period."""
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.terminate()
-    _, alive = psutil.wait_procs(children, timeout=grace_seconds)
-    for child in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
+    end_processes(psutil.Process().children(recursive=True), grace_seconds)

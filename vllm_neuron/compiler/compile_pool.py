@@ -12,7 +12,6 @@ loads them without compiling.
 """
 
 import concurrent.futures
-import contextlib
 import hashlib
 import logging
 import multiprocessing
@@ -120,6 +119,8 @@ def end_compiler_processes(program: str, timeout: float = 5.0) -> int:
     each) would otherwise hold the exit for a graph nobody will load; their caller then raises."""
     import psutil
 
+    from vllm_neuron.processes import end_processes
+
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
@@ -128,13 +129,7 @@ def end_compiler_processes(program: str, timeout: float = 5.0) -> int:
             continue
         if any(Path(part).name == program for part in command[:2]):
             found.append(child)
-    for child in found:
-        with contextlib.suppress(psutil.Error):
-            child.terminate()
-    _, alive = psutil.wait_procs(found, timeout=timeout)
-    for child in alive:
-        with contextlib.suppress(psutil.Error):
-            child.kill()
+    end_processes(found, timeout)
     return len(found)
 
 
