@@ -1,6 +1,7 @@
-"""`--kv-cache-dtype fp8`: a uint8 cache of e4m3 bits scaled per layer (kv_cache/fp8.py). The ops against
-naive attention over the same dequantized K/V, the write and read lowered (`stablehlo`) and run (`xla`) with
-the cache in place, the attention backend's paths, and one engine serving the tiny model."""
+"""`--kv-cache-dtype fp8`: a uint8 cache of e4m3 bits scaled per layer (kv_cache/fp8.py). Quantize and
+dequantize, the write and read lowered (`stablehlo`) and run (`xla`) with the cache in place, the attention
+backend's paths, and one engine serving the tiny model. The ops against naive attention over the same
+dequantized K/V are tests/test_paged_attention.py's decode and prefill references, kv_dtype "fp8"."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from vllm.model_executor.layers.attention.attention import set_default_quant_sca
 from kv_cache import fp8
 from kv_cache.backend import NeuronAttentionImpl, NeuronAttentionMetadata, TableQueries
 from kv_cache.layout import allocate
-from kv_cache.ops import gather_blocks, page_attention, table_attention, write_kv
+from kv_cache.ops import gather_blocks, table_attention, write_kv
 from server.info_endpoint import describe
 from tests.conftest import ENGINE_KWARGS, FEW_BUCKETS_ENGINE, FEW_BUCKETS_GRAPHS
 from tests.fp8_reference import (
@@ -21,16 +22,15 @@ from tests.fp8_reference import (
 from tests.helpers import MAX_TOKENS, PROMPTS, engine_config, hf_greedy, random_prompt, run_engine
 from tests.test_lowering import BLOCK_SIZE, BLOCKS, KV_HEADS, write_inputs
 from tests.test_paged_attention import (
+    FP8_KV,
     HEAD_SIZE,
+    K_SCALE,
     SCALE,
+    V_SCALE,
     Sequence,
     assert_close,
-    decode_pages,
     expected_attention,
-    make_sequences,
-    padded_table,
     randn,
-    write_sequence,
 )
 from tests.test_speculative import SPEC_COUNTERS, SPECULATIVE, copy_friendly_prompt
 from vllm_neuron import trn2
@@ -38,13 +38,6 @@ from vllm_neuron.compiler import hlo_text, xla
 from vllm_neuron.compiler.stablehlo import StableHLOBackend
 from vllm_neuron.quantization.fp8_format import RESCALE
 from vllm_neuron.upstream.vllm_runner import kv_cache_scales
-
-K_SCALE, V_SCALE = 0.05, 0.02  # randn / scale stays well inside the cache's +-448 x scale, and is not 1.0
-
-
-def scales() -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.tensor(K_SCALE), torch.tensor(V_SCALE)
-
 
 # ---- quantize / dequantize -------------------------------------------------------------------------
 
@@ -72,71 +65,6 @@ def test_quantize_stores_trn2_e4m3_bits_and_dequantize_inverts_it():
     assert back.dtype == torch.bfloat16
     assert ((back.float() - x).abs() <= x.abs() * 2**-4 + 2**-9).all()
     assert not torch.equal(back.float(), x)
-
-
-def quantized(seq: Sequence) -> tuple[Sequence, Sequence]:
-    """The sequence as the cache stores it (bits) and as attention reads it back (dequantized)."""
-    k_scale, v_scale = scales()
-    bits = Sequence(fp8.quantize(seq.keys, k_scale), fp8.quantize(seq.values, v_scale), seq.blocks)
-    back = Sequence(
-        fp8.dequantize(bits.keys, k_scale, seq.keys.dtype),
-        fp8.dequantize(bits.values, v_scale, seq.values.dtype),
-        seq.blocks,
-    )
-    return bits, back
-
-
-def fp8_cache(gen, lengths, kv_heads, block_size, dtype):
-    """A uint8 cache holding the quantized sequences; returns it and each sequence as attention reads it."""
-    num_blocks = 1 + sum(-(-n // block_size) for n in lengths) + 2
-    kv_cache = allocate(num_blocks, block_size, kv_heads, HEAD_SIZE, torch.uint8, torch.device("cpu"))
-    read_back = []
-    for seq in make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype):
-        bits, back = quantized(seq)
-        write_sequence(kv_cache, bits, block_size)
-        read_back.append(back)
-    return kv_cache, read_back
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 2)])
-def test_page_attention_over_an_fp8_cache_equals_naive_attention_over_the_dequantized_kv(
-    heads, kv_heads, dtype
-):
-    gen = torch.Generator().manual_seed(11)
-    block_size = 4
-    kv_cache, sequences = fp8_cache(gen, [1, 12, 17, 9], kv_heads, block_size, dtype)
-    rows = len(sequences)
-    query = randn(gen, rows, heads, HEAD_SIZE, dtype=dtype)
-    positions = torch.tensor([seq.length - 1 for seq in sequences])
-    pages = decode_pages(sequences, block_size, num_padding_pages=2, gen=gen)
-
-    out = page_attention(query, kv_cache, *pages, positions, SCALE, None, None, *scales())
-
-    assert out.dtype == dtype
-    for row, seq in enumerate(sequences):
-        expected = expected_attention(query[row : row + 1], seq, positions[row : row + 1], dtype)
-        assert_close(out[row], expected[0], dtype)
-    # The scales are applied: attention over the raw e4m3 values (scale 1) differs.
-    ones = torch.tensor(1.0)
-    assert not torch.allclose(
-        page_attention(query, kv_cache, *pages, positions, SCALE, None, None, ones, ones), out
-    )
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_table_attention_over_an_fp8_cache_equals_naive_attention_over_the_dequantized_kv(dtype):
-    gen = torch.Generator().manual_seed(12)
-    block_size, heads, kv_heads, start = 4, 4, 2, 6
-    kv_cache, (seq, *_) = fp8_cache(gen, [19, 7, 10], kv_heads, block_size, dtype)
-    count = seq.length - start
-    query = randn(gen, 1, count, heads, HEAD_SIZE, dtype=dtype)
-    positions = torch.arange(start, seq.length).view(1, -1)
-    table = padded_table(seq.blocks, seq.blocks.numel() + 2).view(1, -1)
-
-    out = table_attention(query, kv_cache, table, positions, SCALE, None, None, *scales())
-
-    assert_close(out[0], expected_attention(query[0], seq, positions[0], dtype), dtype)
 
 
 # ---- the attention backend: the write quantizes, every path reads the same values ------------------
@@ -208,11 +136,13 @@ def test_a_fresh_chunk_and_the_table_path_give_the_same_rows_over_fp8():
     assert torch.equal(caches[0], caches[1]) and caches[0].any()
     torch.testing.assert_close(outputs[0], outputs[1])
     # And both are attention over the dequantized K/V.
-    bits, back = quantized(Sequence(key.view(tokens, kv_heads, -1), value.view(tokens, kv_heads, -1), blocks))
+    seq = Sequence(key.view(tokens, kv_heads, -1), value.view(tokens, kv_heads, -1), blocks)
+    back = FP8_KV.read_back(seq)
     expected = expected_attention(query.view(tokens, heads, -1), back, torch.arange(tokens), torch.float32)
     assert_close(outputs[0].view(tokens, heads, -1), expected, torch.float32)
     keys, _ = gather_blocks(caches[0], blocks.view(1, -1))
-    assert torch.equal(keys[:, 0], bits.keys.transpose(0, 1))
+    key_bits, _ = FP8_KV.stored(seq.keys, seq.values)
+    assert torch.equal(keys[:, 0], key_bits.transpose(0, 1))
 
 
 # ---- lowering: stablehlo, and xla with the cache in place --------------------------------------------

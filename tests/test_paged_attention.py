@@ -1,4 +1,5 @@
-"""kv_cache.ops against contiguous-KV references: paged writes, decode and prefill attention, GQA, tracing."""
+"""kv_cache.ops against contiguous-KV references: paged writes, decode and prefill attention, GQA, tracing;
+decode and prefill over a cache in the model's dtype and over an FP8 one (kv_cache/fp8.py)."""
 
 from dataclasses import dataclass
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kv_cache import fp8
 from kv_cache.layout import NULL_BLOCK, allocate, kv_cache_shape
 from kv_cache.ops import (
     causal_attention,
@@ -24,6 +26,7 @@ HEADS = [(4, 4), (4, 2), (4, 1), (8, 2)]  # (num_heads, num_kv_heads): GQA ratio
 BLOCK_SIZES = [4, 16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = list(TOLERANCE)
+K_SCALE, V_SCALE = 0.05, 0.02  # randn / scale stays well inside the cache's +-448 x scale, and is not 1.0
 
 
 @dataclass
@@ -35,6 +38,39 @@ class Sequence:
     @property
     def length(self) -> int:
         return self.keys.shape[0]
+
+
+@dataclass(frozen=True)
+class KvDtype:
+    """How a cache holds K/V: in the model's dtype (no scales), or FP8 (`--kv-cache-dtype fp8`): a uint8
+    cache of e4m3 bits by a layer's key and value scales, written as the attention backend writes it
+    (fp8.quantize, then write_kv) and read back dequantized by the attentions, which take the scales."""
+
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self.k_scale is None else torch.uint8
+
+    def stored(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as the cache holds them."""
+        if self.k_scale is None or self.v_scale is None:
+            return keys, values
+        return fp8.quantize(keys, self.k_scale), fp8.quantize(values, self.v_scale)
+
+    def write(self, kv_cache, key, value, slots) -> None:
+        write_kv(kv_cache, *self.stored(key, value), slots)
+
+    def read_back(self, seq: Sequence) -> Sequence:
+        """The sequence as attention reads it from the cache: the K/V the reference attends over."""
+        stored = self.stored(seq.keys, seq.values)
+        keys, values = fp8.dequantized(*stored, self.k_scale, self.v_scale, seq.keys.dtype)
+        return Sequence(keys, values, seq.blocks)
+
+
+MODEL_KV = KvDtype()
+FP8_KV = KvDtype(torch.tensor(K_SCALE), torch.tensor(V_SCALE))
+KV_DTYPES = {"model": MODEL_KV, "fp8": FP8_KV}
 
 
 def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -60,9 +96,11 @@ def slots_of(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> 
     return blocks[positions // block_size] * block_size + positions % block_size
 
 
-def write_sequence(kv_cache, seq: Sequence, block_size: int, start: int = 0, stop: int | None = None):
+def write_sequence(
+    kv_cache, seq: Sequence, block_size: int, start: int = 0, stop: int | None = None, kv=MODEL_KV
+):
     positions = torch.arange(start, seq.length if stop is None else stop)
-    write_kv(
+    kv.write(
         kv_cache, seq.keys[positions], seq.values[positions], slots_of(seq.blocks, positions, block_size)
     )
 
@@ -164,10 +202,12 @@ class DecodeCase:
     page_blocks: torch.Tensor  # [pages, BLOCKS_PER_PAGE]
     page_rows: torch.Tensor  # [pages]
     page_starts: torch.Tensor  # [pages]
+    kv: KvDtype = MODEL_KV
 
     def attend(self, **changes) -> torch.Tensor:
         fields = {name: getattr(self, name) for name in ("page_blocks", "page_rows", "page_starts")}
-        fields |= {"positions": self.positions} | changes
+        fields |= {"positions": self.positions, "k_scale": self.kv.k_scale, "v_scale": self.kv.v_scale}
+        fields |= changes
         return page_attention(
             self.query,
             self.kv_cache,
@@ -176,6 +216,8 @@ class DecodeCase:
             fields["page_starts"],
             fields["positions"],
             SCALE,
+            k_scale=fields["k_scale"],
+            v_scale=fields["v_scale"],
         )
 
 
@@ -199,33 +241,41 @@ def decode_pages(sequences, block_size, num_padding_pages, gen):
     return torch.stack(blocks), torch.tensor(rows), torch.tensor(starts)
 
 
-def decode_case(heads, kv_heads, block_size, dtype, seed=2, num_padded_rows=2) -> DecodeCase:
-    """A cache holding several sequences and a padded decode batch (query at seq_len - 1) over their pages."""
+def decode_case(heads, kv_heads, block_size, dtype, seed=2, num_padded_rows=2, kv=MODEL_KV) -> DecodeCase:
+    """A cache holding several sequences and a padded decode batch (query at seq_len - 1) over their pages;
+    the case's sequences are as attention reads them back from the cache (kv)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 6 * block_size, (5,), generator=gen).tolist()
     lengths[0] = 1  # a sequence of a single token
     lengths[1] = 3 * block_size  # exactly full blocks, an odd number of them: a half-empty last page
     lengths[2] = 4 * block_size + 1  # one position into a new page
     num_blocks = 1 + sum(ceil_div(n, block_size) for n in lengths) + 3
-    kv_cache = allocate(num_blocks, block_size, kv_heads, HEAD_SIZE, dtype, torch.device("cpu"))
+    kv_cache = allocate(
+        num_blocks, block_size, kv_heads, HEAD_SIZE, kv.cache_dtype(dtype), torch.device("cpu")
+    )
     sequences = make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype)
     for seq in sequences:
-        write_sequence(kv_cache, seq, block_size)
+        write_sequence(kv_cache, seq, block_size, kv=kv)
+    sequences = [kv.read_back(seq) for seq in sequences]
     # Garbage in the null block: padding pages and a row's null-padded last page must not read it.
-    kv_cache[:, NULL_BLOCK] = 7.0
+    garbage = torch.full((kv_heads, block_size, HEAD_SIZE), 7.0, dtype=dtype)
+    kv_cache[:kv_heads, NULL_BLOCK], kv_cache[kv_heads:, NULL_BLOCK] = kv.stored(garbage, garbage)
     rows = len(sequences) + num_padded_rows
     query = randn(gen, rows, heads, HEAD_SIZE, dtype=dtype)
     positions = torch.zeros(rows, dtype=torch.int64)
     positions[: len(sequences)] = torch.tensor([seq.length - 1 for seq in sequences])
     pages = decode_pages(sequences, block_size, num_padding_pages=3, gen=gen)
-    return DecodeCase(kv_cache, sequences, query, positions, *pages)
+    return DecodeCase(kv_cache, sequences, query, positions, *pages, kv)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads, kv_heads", HEADS)
-def test_decode_matches_contiguous_reference(heads, kv_heads, block_size, dtype):
-    case = decode_case(heads, kv_heads, block_size, dtype)
+def test_decode_matches_contiguous_reference(heads, kv_heads, block_size, dtype, kv_dtype):
+    """Decode over the cache equals naive attention over each sequence's K/V as the cache holds them (FP8:
+    the dequantized K/V, the scales passed); the output in the query's dtype whatever the cache's."""
+    case = decode_case(heads, kv_heads, block_size, dtype, kv=KV_DTYPES[kv_dtype])
 
     out = case.attend()
 
@@ -272,12 +322,23 @@ def test_decode_depends_on_blocks_rows_and_position():
 
 
 def prefill_case(
-    heads, kv_heads, block_size, dtype, start, count, seed=3, token_bucket=None, width=None, num_blocks=None
+    heads,
+    kv_heads,
+    block_size,
+    dtype,
+    start,
+    count,
+    seed=3,
+    token_bucket=None,
+    width=None,
+    num_blocks=None,
+    kv=MODEL_KV,
 ):
     """One sequence's chunk (positions start..start+count-1) over its cached prefix, padded to a bucket.
 
     Other sequences share the cache so a wrong block read shows; padded slots write garbage to slot 0 of
-    the null block, as the model runner does.
+    the null block, as the model runner does. The chunk's keys and values are the step's (write_then_attend
+    stores them as kv holds them); the sequence returned is as attention reads it back from the cache.
     """
     gen = torch.Generator().manual_seed(seed)
     token_bucket = token_bucket or count + 3
@@ -286,11 +347,13 @@ def prefill_case(
     lengths = [length, *others]
     width = width or ceil_div(length, block_size) + 2
     num_blocks = num_blocks or 1 + sum(ceil_div(n, block_size) for n in lengths) + 2
-    kv_cache = allocate(num_blocks, block_size, kv_heads, HEAD_SIZE, dtype, torch.device("cpu"))
+    kv_cache = allocate(
+        num_blocks, block_size, kv_heads, HEAD_SIZE, kv.cache_dtype(dtype), torch.device("cpu")
+    )
     seq, *rest = make_sequences(gen, lengths, kv_heads, block_size, num_blocks, dtype)
     for other in rest:
-        write_sequence(kv_cache, other, block_size)
-    write_sequence(kv_cache, seq, block_size, stop=start)  # the cached prefix
+        write_sequence(kv_cache, other, block_size, kv=kv)
+    write_sequence(kv_cache, seq, block_size, stop=start, kv=kv)  # the cached prefix
 
     positions = torch.zeros(token_bucket, dtype=torch.int64)
     positions[:count] = torch.arange(start, length)
@@ -302,25 +365,34 @@ def prefill_case(
     query = randn(gen, 1, token_bucket, heads, HEAD_SIZE, dtype=dtype)
     block_table = padded_table(seq.blocks, width).view(1, width)
     inputs = (kv_cache, chunk_keys, chunk_values, slots, query, block_table, positions.view(1, -1))
-    return seq, inputs
+    return kv.read_back(seq), inputs
 
 
-def write_then_attend(kv_cache, key, value, slots, query, block_table, positions):
-    write_kv(kv_cache, key, value, slots)
-    return table_attention(query, kv_cache, block_table, positions, SCALE)
+def write_then_attend(kv_cache, key, value, slots, query, block_table, positions, kv=MODEL_KV):
+    """A prefill layer's cache work: store the step's keys and values, then attend over the block table."""
+    kv.write(kv_cache, key, value, slots)
+    return table_attention(
+        query, kv_cache, block_table, positions, SCALE, k_scale=kv.k_scale, v_scale=kv.v_scale
+    )
 
 
 @pytest.mark.parametrize(
     "start, count", [(0, 7), (5, 6), (13, 9)], ids=["no-prefix", "prefix", "long-prefix"]
 )
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads, kv_heads", HEADS)
-def test_prefill_chunk_matches_contiguous_reference(heads, kv_heads, block_size, dtype, start, count):
-    seq, inputs = prefill_case(heads, kv_heads, block_size, dtype, start, count)
+def test_prefill_chunk_matches_contiguous_reference(
+    heads, kv_heads, block_size, dtype, kv_dtype, start, count
+):
+    """A chunk written and attended over its cached prefix equals naive attention over the sequence's K/V as
+    the cache holds them (FP8: the dequantized K/V, the scales passed)."""
+    kv = KV_DTYPES[kv_dtype]
+    seq, inputs = prefill_case(heads, kv_heads, block_size, dtype, start, count, kv=kv)
     query, positions = inputs[4], inputs[6]
 
-    out = write_then_attend(*inputs)
+    out = write_then_attend(*inputs, kv=kv)
 
     assert out.shape == query.shape and out.dtype == dtype
     expected = expected_attention(query[0, :count], seq, positions[0, :count], dtype)
@@ -347,6 +419,33 @@ def test_prefill_depends_on_block_order():
     altered = table_attention(query, kv_cache, swapped, positions, SCALE)
     assert not torch.allclose(altered[0, :8], out[0, :8])
     torch.testing.assert_close(altered[0, 8:12], out[0, 8:12])  # queries that see both blocks agree
+
+
+# ---- an FP8 cache ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_an_fp8_cache_is_read_with_its_scales(path):
+    """The "fp8" cases above can fail on the scales: attention over the raw e4m3 values (scales of 1), or
+    with the key and value scales swapped, differs from attention with the layer's own."""
+    ones = torch.tensor(1.0)
+    wrong = [(ones, ones), (FP8_KV.v_scale, FP8_KV.k_scale)]
+    if path == "decode":
+        case = decode_case(4, 2, 4, torch.float32, kv=FP8_KV)
+        kv_cache, rows = case.kv_cache, len(case.sequences)
+        out = case.attend()[:rows]
+        others = [case.attend(k_scale=k, v_scale=v)[:rows] for k, v in wrong]
+    else:
+        _, inputs = prefill_case(4, 2, 4, torch.float32, start=5, count=6, kv=FP8_KV)
+        kv_cache, _, _, _, query, block_table, positions = inputs
+        out = write_then_attend(*inputs, kv=FP8_KV)[0, :6]
+        others = [
+            table_attention(query, kv_cache, block_table, positions, SCALE, k_scale=k, v_scale=v)[0, :6]
+            for k, v in wrong
+        ]
+    assert kv_cache.dtype == torch.uint8
+    for other in others:
+        assert not torch.allclose(other, out)
 
 
 # ---- sliding window and soft-capping ---------------------------------------------------------------
