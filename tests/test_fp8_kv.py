@@ -7,7 +7,7 @@ import torch
 from vllm.model_executor.layers.attention.attention import set_default_quant_scales
 
 from kv_cache import fp8
-from kv_cache.backend import NeuronAttentionImpl, NeuronAttentionMetadata, TableQueries
+from kv_cache.fp8_format import RESCALE
 from kv_cache.layout import allocate
 from kv_cache.ops import gather_blocks, page_attention, table_attention, write_kv
 from server.info_endpoint import describe
@@ -34,9 +34,9 @@ from tests.test_paged_attention import (
 )
 from tests.test_speculative import SPEC_COUNTERS, SPECULATIVE, copy_friendly_prompt
 from vllm_neuron import trn2
+from vllm_neuron.attention_backend import NeuronAttentionImpl, NeuronAttentionMetadata, TableQueries
 from vllm_neuron.compiler import hlo_text, xla
 from vllm_neuron.compiler.stablehlo import StableHLOBackend
-from vllm_neuron.quantization.fp8_format import RESCALE
 from vllm_neuron.upstream.vllm_runner import kv_cache_scales
 
 K_SCALE, V_SCALE = 0.05, 0.02  # randn / scale stays well inside the cache's +-448 x scale, and is not 1.0
