@@ -1,1 +1,3 @@
-"""The paged KV cache: layout in device memory, paged attention ops, and vLLM's attention backend for them."""
+"""The paged KV cache and attention in plain traceable torch: layout in device memory, the paged attention ops
+and their kernel seam, the FP8 formats. The bottom layer: it imports no other package of the plugin and no
+vLLM, so that the platform and the worker import it downward (tests/test_module_graph.py)."""

@@ -10,7 +10,7 @@ section 3). Same-width views (`bitcast_convert` in StableHLO) move the bits betw
 
 import torch
 
-from vllm_neuron.quantization.fp8_format import FP8, for_trn2, to_fp8
+from kv_cache.fp8_format import FP8, for_trn2, to_fp8
 
 # vLLM's names for an e4m3 cache (`fp8` means e4m3). fp8_e5m2 is refused: vLLM refuses it with checkpoint
 # scales, and nothing here checked it lowers.

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kv_cache import ops
-from kv_cache.backend import NeuronAttentionImpl
 from kv_cache.layout import NULL_BLOCK, allocate
 from kv_cache.ops import page_attention, table_attention, write_kv
+from vllm_neuron.attention_backend import NeuronAttentionImpl
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
 from worker.call_inputs import (
     CallInputs,

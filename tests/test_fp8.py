@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+from kv_cache.fp8_format import FP8, FP8_MAX, OCP_MAX, RESCALE
 from tests.conftest import FEW_BUCKETS_ENGINE
 from tests.fp8_reference import (
     hf_with_weights,
@@ -25,7 +26,6 @@ from vllm_neuron import trn2
 from vllm_neuron.compiler import hlo_text
 from vllm_neuron.compiler.stablehlo import StableHLOBackend
 from vllm_neuron.quantization.fp8 import NeuronFp8Linear, dequantized_weight, scaled_fp8_quant
-from vllm_neuron.quantization.fp8_format import FP8, FP8_MAX, OCP_MAX, RESCALE
 
 MAX_TOKENS = 12
 

@@ -8,7 +8,7 @@ import torch
 from vllm.model_executor.layers.attention.attention import set_default_quant_scales
 
 from kv_cache import fp8
-from kv_cache.backend import NeuronAttentionImpl, NeuronAttentionMetadata, TableQueries
+from kv_cache.fp8_format import RESCALE
 from kv_cache.layout import allocate
 from kv_cache.ops import gather_blocks, table_attention, write_kv
 from server.info_endpoint import describe
@@ -34,9 +34,9 @@ from tests.test_paged_attention import (
 )
 from tests.test_speculative import SPEC_COUNTERS, SPECULATIVE, copy_friendly_prompt
 from vllm_neuron import trn2
+from vllm_neuron.attention_backend import NeuronAttentionImpl, NeuronAttentionMetadata, TableQueries
 from vllm_neuron.compiler import hlo_text, xla
 from vllm_neuron.compiler.stablehlo import StableHLOBackend
-from vllm_neuron.quantization.fp8_format import RESCALE
 from vllm_neuron.upstream.vllm_runner import kv_cache_scales
 
 # ---- quantize / dequantize -------------------------------------------------------------------------

@@ -8,6 +8,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
+from kv_cache import kernels
+from kv_cache.fp8 import FP8_KV_CACHE_DTYPES
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, host_cpu, parallel, refusals
 from vllm_neuron.config import (
@@ -31,7 +33,7 @@ logger = init_logger("vllm.vllm_neuron.platform")
 WORKER_CLS = "worker.neuron_worker.NeuronWorker"
 SCHEDULER_CLS = "vllm_neuron.scheduler.NeuronScheduler"
 ASYNC_SCHEDULER_CLS = "vllm_neuron.scheduler.NeuronAsyncScheduler"
-ATTENTION_BACKEND_CLS = "kv_cache.backend.NeuronAttentionBackend"
+ATTENTION_BACKEND_CLS = "vllm_neuron.attention_backend.NeuronAttentionBackend"
 
 
 class _ByDeviceMode:
@@ -181,9 +183,6 @@ class NeuronPlatform(Platform):
         model_config = vllm_config.model_config
         if model_config is None:
             return
-        from kv_cache import kernels
-        from kv_cache.fp8 import FP8_KV_CACHE_DTYPES
-
         if (message := kernels.refusal(envs.VLLM_NEURON_ATTENTION_KERNELS)) is not None:
             raise UnsupportedConfigError(f"Neuron plugin: {message}")
         cls.check_if_supports_dtype(model_config.dtype)

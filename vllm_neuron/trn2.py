@@ -21,13 +21,10 @@ COLD_GRAPH_RESERVE_BYTES = 4 * GIB
 # neuronx-cc compiles a top-k of k at most this, and makes a sort that slices read a top-k with k its width
 # (NCC_EVRF014; aws-neuron-sdk#1339): the sampler's top-k sorts chunks no wider.
 SORT_LIMIT = 16384
-# trn2's FP8 e4m3 is the IEEE-like kind: its largest value is 240, where float8_e4m3fn's is 448, and beyond
-# it values may become NaN (AWS neuronx-distributed's FP8 rescaling README). With neuronx-cc's FP8 option the
-# bits of a float8_e4m3fn are read as trn2's e4m3: the plugin saturates at 240, in CPU mode too.
-FP8_MAX = 240.0
 # The option that makes neuronx-cc take float8_e4m3fn on trn1/trn2, reading its bits as trn2's e4m3
-# (NCC_EVRF051), in the form NxD Inference passes it (models/model_wrapper.py). TorchNeuron splits
-# NEURON_CC_FLAGS on whitespace, with no shell: no quotes around it, and no other sub-option beside it.
+# (NCC_EVRF051; the format and its largest value, 240: kv_cache/fp8_format.py), in the form NxD Inference
+# passes it (models/model_wrapper.py). TorchNeuron splits NEURON_CC_FLAGS on whitespace, with no shell: no
+# quotes around it, and no other sub-option beside it.
 FP8_COMPILER_OPTION = "--internal-hlo2tensorizer-options=--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
 
 

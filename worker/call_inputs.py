@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kv_cache.backend import NeuronAttentionMetadata, PageQueries, TableQueries
 from kv_cache.layout import NULL_BLOCK, slot_mapping
 from vllm_neuron import sampling
+from vllm_neuron.attention_backend import NeuronAttentionMetadata, PageQueries, TableQueries
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
 from worker import packed_inputs
 from worker.packed_inputs import StagingBuffers

@@ -19,8 +19,8 @@ import torch
 from vllm.forward_context import ForwardContext
 from vllm.v1.outputs import DraftTokenIds
 
-from kv_cache.backend import drop_masks
 from vllm_neuron import device as neuron_device
+from vllm_neuron.attention_backend import drop_masks
 from vllm_neuron.calls import Call, plan_step
 from vllm_neuron.sampling import greedy_tokens
 from vllm_neuron.upstream import vllm_runner

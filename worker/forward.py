@@ -10,8 +10,8 @@ from vllm.forward_context import ForwardContext
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 
-from kv_cache.backend import NeuronAttentionMetadata, drop_masks
 from vllm_neuron import envs, fused_moe, sampling
+from vllm_neuron.attention_backend import NeuronAttentionMetadata, drop_masks
 from vllm_neuron.compiler import compile as neuron_compile
 from vllm_neuron.lora.punica import LORA_ROWS, LORA_SLOTS
 from vllm_neuron.upstream.vllm_runner import create_forward_context, override_forward_context

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from kv_cache import fp8_format
 from vllm_neuron import trn2
 from vllm_neuron.compiler import hlo_text
 from vllm_neuron.compiler.hlo_text import Module, Op
@@ -143,9 +144,9 @@ def _e4m3_range(module: Module, written: set[int]) -> Found:
         if op.operand_types[0][1] in E4M3_TYPES:
             continue
         bound = _bound(module, op.operands[0])
-        if bound is None or bound > trn2.FP8_MAX:
+        if bound is None or bound > fp8_format.FP8_MAX:
             said = "unclamped" if bound is None else f"clamped at +-{bound:g}"
-            yield op, f"a value {said} becomes {op.dtype} (trn2's e4m3 holds +-{trn2.FP8_MAX:g})"
+            yield op, f"a value {said} becomes {op.dtype} (trn2's e4m3 holds +-{fp8_format.FP8_MAX:g})"
 
 
 def _one_e4m3_type(module: Module, written: set[int]) -> Found:
@@ -227,7 +228,7 @@ RULES: dict[Rule, Callable[[Module, set[int]], Found]] = {
     Rule("NCC_EVRF051", "f8E4M3FN only with the FP8 option in NEURON_CC_FLAGS", _ERROR_CODES): _e4m3fn_flag,
     Rule(
         "trn2 e4m3 range",
-        f"values become e4m3 within +-{trn2.FP8_MAX:g} (beyond it: NaN)",
+        f"values become e4m3 within +-{fp8_format.FP8_MAX:g} (beyond it: NaN)",
         "AWS neuronx-distributed README_rescaling_fp8_for_neuron.md",
         "breaks",
     ): _e4m3_range,

@@ -16,7 +16,7 @@ docs/research/issue-40-fp8.md.
 
 import torch
 
-from vllm_neuron.quantization.fp8_format import FP8, OCP_MAX, RESCALE, to_fp8
+from kv_cache.fp8_format import FP8, OCP_MAX, RESCALE, to_fp8
 from vllm_neuron.upstream.vllm_fp8 import (
     FP8ScaledMMLinearKernel,
     FP8ScaledMMLinearLayerConfig,

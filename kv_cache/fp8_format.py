@@ -1,5 +1,6 @@
 """The e4m3 format as trn2 holds it, and its one rounding rule, shared by FP8 weights, static activation
-scales and the FP8 KV cache (plain torch: it runs at load on the host and inside graphs).
+scales (vllm_neuron/quantization) and the FP8 KV cache (kv_cache/fp8.py). Plain torch, in kv_cache, the
+bottom layer, so that both import it downward; it runs at load on the host and inside graphs.
 
 Tensors keep torch's float8_e4m3fn as the bits' container; neuronx-cc reads them as trn2's own e4m3 (the
 option `trn2.FP8_COMPILER_OPTION`, which the platform passes whenever FP8 is on: NCC_EVRF051). The two
@@ -11,10 +12,10 @@ Neuron libraries rescale FP8 checkpoints: the same values fit (docs/fp8.md).
 
 import torch
 
-from vllm_neuron import trn2
-
 FP8 = torch.float8_e4m3fn
-FP8_MAX = trn2.FP8_MAX  # 240
+# trn2's FP8 e4m3 is the IEEE-like kind: its largest value is 240, where float8_e4m3fn's is 448, and beyond
+# it values may become NaN (AWS neuronx-distributed's FP8 rescaling README).
+FP8_MAX = 240.0
 OCP_MAX = torch.finfo(FP8).max  # 448: e4m3fn's, which checkpoints' and vLLM's scales are made for
 RESCALE = OCP_MAX / FP8_MAX
 

@@ -1,5 +1,6 @@
 """vLLM attention backend over kv_cache.ops, called through the kernel seam of kv_cache/kernels.py: what
-vLLM's Attention layers call on the Neuron platform."""
+vLLM's Attention layers call on the Neuron platform. Here, not in kv_cache, because it reads the plugin's
+settings (envs, the compile route); kv_cache stays plain torch below it."""
 
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
