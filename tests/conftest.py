@@ -6,6 +6,10 @@ from tests.environment import TEST_ENVIRONMENT
 
 # Before anything imports vLLM.
 os.environ.update(TEST_ENVIRONMENT)
+# pytest-xdist's workers share the host's cores: one thread each (as the architecture matrix's shards), so that
+# idle OpenMP threads spinning in one worker do not take the core another is tracing on.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 
@@ -116,7 +120,35 @@ def hf_model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
+# Session engines: under pytest-xdist (`make test` runs two workers) the files that use one run on the same
+# worker, so each is built once.
+SHARED_ENGINES = ("llm", "api_server")
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` each file is one unit of work (its module fixtures start once), and the files
+    that share a session engine are one unit; without it the groups change nothing. (A wrapper: xdist reads
+    the groups in a hook of its own.) Tests marked `neuron` skip without a Trainium host."""
+    for item, unit in work_units(items).items():
+        item.add_marker(pytest.mark.xdist_group(unit))
+    _skip_neuron_tests(items)
+    return (yield)
+
+
+def work_units(items) -> dict:
+    """Each test's unit of work: the first shared engine its file uses, else its file."""
+    used: dict[Path, set[str]] = {}
+    for item in items:
+        used.setdefault(item.path, set()).update(getattr(item, "fixturenames", ()))
+    units = {}
+    for item in items:
+        engines = [engine for engine in SHARED_ENGINES if engine in used[item.path]]
+        units[item] = engines[0] if engines else item.path.name
+    return units
+
+
+def _skip_neuron_tests(items) -> None:
     """Tests marked `neuron` need a Trainium host with TorchNeuron; elsewhere they skip."""
     from vllm_neuron import device
 

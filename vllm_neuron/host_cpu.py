@@ -1,4 +1,4 @@
-"""CPU mode's host (issue 42): the instruction sets that decide which dtypes it computes fast.
+"""CPU mode's host: the instruction sets that decide which dtypes it computes fast.
 
 A host with AVX-512 BF16 or AMX computes bfloat16 natively; one with only AVX2 (or AVX-512 without BF16)
 emulates it, about 10x slower than float32 there. CPU mode serves `--dtype auto` in a dtype the host

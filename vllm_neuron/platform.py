@@ -146,7 +146,7 @@ class NeuronPlatform(Platform):
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
-        # Dense over fixed slots, the slot per token a call input: no data-dependent shape (issue 39).
+        # Dense over fixed slots, the slot per token a call input: no data-dependent shape.
         return "vllm_neuron.lora.punica.NeuronPunicaWrapper"
 
     @classmethod

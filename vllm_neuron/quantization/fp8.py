@@ -1,4 +1,4 @@
-"""FP8 weights on Neuron (issue 40): the kernel vLLM's FP8 linear methods choose on this platform (online
+"""FP8 weights on Neuron: the kernel vLLM's FP8 linear methods choose on this platform (online
 `--quantization fp8`, FP8 checkpoints), and the plain-torch weight quantization they call at load.
 
 vLLM hands the kernel e4m3fn weights and scales made for e4m3fn's +-448 (a checkpoint's, or its own online
