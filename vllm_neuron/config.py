@@ -55,9 +55,9 @@ class NeuronConfig:
     """The resolved settings (see the module docstring): resolved once per VllmConfig by `resolve_for`, read
     back with `of`."""
 
-    buckets: BucketConfig
+    buckets: BucketConfig  # with the prefill share (`buckets.prefill_tokens_while_decoding`)
     block_size: int
-    prefill_tokens_while_decoding: int  # the prefill share (vllm_neuron/prefill_share.py); 0: off
+    max_num_seqs: int  # --max-num-seqs: the most requests a step runs (decode rows, the host batch)
     compile_backend: str  # the torch.compile backend of the model step (device.compile_backend)
     # The workers this host runs: its data-parallel engines times their local ranks, taken before vLLM makes
     # each (non-MoE) DP engine an independent DP=1 engine; each worker pins to its share (device.pin_rank).
@@ -118,7 +118,7 @@ class NeuronConfig:
         try:
             validate_buckets(buckets, **limits)
             share = _prefill_share(given, buckets)
-            buckets = _with_mixed_calls(buckets, given, share, limits["max_num_seqs"])
+            buckets = _with_prefill_share(buckets, given, share, limits["max_num_seqs"])
             validate_buckets(buckets, **limits)
         except BucketError as err:
             raise NeuronConfigError(f"invalid Neuron bucket configuration: {err}") from None
@@ -129,7 +129,7 @@ class NeuronConfig:
         return cls(
             buckets=buckets,
             block_size=limits["block_size"],
-            prefill_tokens_while_decoding=share,
+            max_num_seqs=limits["max_num_seqs"],
             compile_backend=compile_backend,
         )
 
@@ -137,7 +137,7 @@ class NeuronConfig:
         """The resolved settings as --additional-config keys: what every process and the logs see."""
         return {
             **{key: list(getattr(self.buckets, key)) for key in BUCKET_LISTS},
-            "prefill_tokens_while_decoding": self.prefill_tokens_while_decoding,
+            "prefill_tokens_while_decoding": self.buckets.prefill_tokens_while_decoding,
             "mixed_batch_buckets": list(self.buckets.mixed_batch_buckets),
             "fresh_prefill_buckets": list(self.buckets.fresh_buckets),
         }
@@ -177,11 +177,13 @@ def _mixed_calls_off(given: dict[str, Any]) -> bool:
     return given["mixed_batch_buckets"] == ()
 
 
-def _with_mixed_calls(
+def _with_prefill_share(
     buckets: BucketConfig, given: dict[str, Any], share: int, max_num_seqs: int
 ) -> BucketConfig:
-    """Mixed calls exist where the prefill share applies: while at most half of max_num_seqs requests
-    decode, so by default the decode batch buckets up to that one get them. Their chunk is the share."""
+    """The buckets with the prefill share, and the mixed calls: they exist where the share applies, while at
+    most half of max_num_seqs requests decode, so by default the decode batch buckets up to that one get
+    them. Their chunk is the share."""
+    buckets = replace(buckets, prefill_tokens_while_decoding=share)
     value = given["mixed_batch_buckets"]
     if value is None:
         if not share:
@@ -194,7 +196,7 @@ def _with_mixed_calls(
         )
     if not value:
         return buckets
-    return replace(buckets, mixed_chunk_bucket=share, mixed_batch_buckets=tuple(sorted(set(value))))
+    return replace(buckets, mixed_batch_buckets=tuple(sorted(set(value))))
 
 
 def _fresh_buckets(given: dict[str, Any], prefill_buckets: tuple[int, ...]) -> tuple[int, ...]:
