@@ -61,7 +61,8 @@ class Choice(Kind):
 
     def check(self, key: str, value: Any) -> str:
         if value not in self.choices:
-            raise ValueError(f"{key} must be {_alternatives(self.choices, chr(34))}, got {value!r}")
+            quoted = _alternatives(self.choices, '"')
+            raise ValueError(f"{key} must be {quoted}, got {value!r}")
         return value
 
     def flag_keywords(self) -> dict[str, Any]:
