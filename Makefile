@@ -24,7 +24,7 @@ export VLLM_HOST_IP := 127.0.0.1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: install model serve test lint format models-doc clean
+.PHONY: install model serve test lint format models-doc settings-doc clean
 
 install: $(STAMP)
 
@@ -57,6 +57,10 @@ test: lint
 # docs/models.md from a run of the architecture matrix (tests/model_matrix.py; CI checks it is current).
 models-doc: install
 	$(BIN)/python -m tests.model_matrix --write-doc docs/models.md
+
+# docs/configuration.md's settings table from vllm_neuron/settings.py (tests/test_settings.py checks it is current).
+settings-doc: install
+	$(BIN)/python -m vllm_neuron.settings_doc --write-doc docs/configuration.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

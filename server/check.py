@@ -203,7 +203,6 @@ def plan_of(vllm_config) -> Plan:
     scheduler_config = vllm_config.scheduler_config
     return Plan(
         max_model_len=vllm_config.model_config.max_model_len,
-        max_num_seqs=scheduler_config.max_num_seqs,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
         neuron=NeuronConfig.of(vllm_config),

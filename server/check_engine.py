@@ -15,6 +15,7 @@ from server.check_report import Verdict
 from vllm_neuron.buckets import ceil_div
 from vllm_neuron.compiler.compile import NeuronCompileError
 from vllm_neuron.compiler.stablehlo import LoweringError, RuleError
+from vllm_neuron.config import NeuronConfig
 from vllm_neuron.planning.capacity import AdapterSlots, ModelFigures
 from vllm_neuron.upstream import torch_compile
 
@@ -107,7 +108,7 @@ def check_engine_args(
         load_format=engine_args.load_format if load_weights else "dummy",
         skip_tokenizer_init=True,  # no text goes in or out
         max_model_len=model_config.max_model_len,
-        max_num_seqs=scheduler_config.max_num_seqs,
+        max_num_seqs=NeuronConfig.of(vllm_config).max_num_seqs,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         block_size=block_size,
         additional_config=dict(vllm_config.additional_config),

@@ -42,7 +42,6 @@ class Plan:
     """The configuration `serve` resolves for trn2: limits and the bucket plan."""
 
     max_model_len: int
-    max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int
     neuron: NeuronConfig
@@ -50,6 +49,10 @@ class Plan:
     # NIXL's block-copy buckets at the TP given (a gather and a scatter graph each), known once the model's
     # KV bytes are measured; () without NIXL.
     copy_buckets: tuple[int, ...] = ()
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.neuron.max_num_seqs
 
     @property
     def graphs(self) -> dict[str, int]:

@@ -22,7 +22,7 @@ from server.serve_args import (
     resolve_engine_config,
     serve_parser,
 )
-from vllm_neuron import device, envs, host_cpu
+from vllm_neuron import device, envs, host_cpu, settings
 
 if TYPE_CHECKING:
     pass
@@ -115,7 +115,7 @@ def info() -> dict[str, object]:
 def serve(argv: list[str]) -> None:
     # The device mode decides which platform vLLM resolves, and building vLLM's parser resolves it: both
     # must come first.
-    device_flag = _flag_value(argv, "--device")
+    device_flag = _flag_value(argv, str(settings.BY_ENV["VLLM_NEURON_DEVICE"].flag))
     if device_flag is not None:
         os.environ["VLLM_NEURON_DEVICE"] = device_flag
     _choose_device_mode()

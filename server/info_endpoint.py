@@ -171,7 +171,7 @@ def describe(vllm_config) -> dict[str, Any]:
         # CPU mode: the host's ISA, which decides --dtype auto (vllm_neuron/host_cpu.py)
         "host_cpu": host_cpu.describe() if device.mode() == "cpu" else None,
         "max_model_len": vllm_config.model_config.max_model_len,
-        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_seqs": neuron_config.max_num_seqs,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         "async_scheduling": bool(scheduler.async_scheduling),
         # With async scheduling: whether a step's calls run on a thread of their own (on Trainium).
@@ -189,7 +189,7 @@ def describe(vllm_config) -> dict[str, Any]:
             "fresh_prefill_tokens": list(buckets.fresh_buckets),
         },
         "graphs": buckets.num_graphs,
-        "prefill_tokens_while_decoding": neuron_config.prefill_tokens_while_decoding,
+        "prefill_tokens_while_decoding": buckets.prefill_tokens_while_decoding,
         "sampling": sampling_rows.summary(sampling_rows.host_only(vllm_config.model_config)),
         "speculative": _speculative(vllm_config, buckets),
         "lora": _lora(vllm_config),

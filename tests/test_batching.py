@@ -36,7 +36,7 @@ def test_running_streams_keep_decoding_while_a_long_prompt_prefills(llm, hf_mode
     streams decoding in a batch of four and one prompt waiting is light load. Each such step is one call:
     the decode rows and the chunk together, and every output still equals HF."""
     engine, runner = llm.llm_engine, model_runner(llm)
-    cap = runner.neuron_config.prefill_tokens_while_decoding
+    cap = runner.buckets.prefill_tokens_while_decoding
     assert cap == 64
     streams = {"s1": random_prompt(12, seed=81), "s2": random_prompt(30, seed=82)}
     for req_id, prompt in streams.items():

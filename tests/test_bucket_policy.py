@@ -41,18 +41,21 @@ TRAFFIC = TrafficShape(prompt_len=(8, 2048), output_len=(8, 256), concurrency=32
 LIMITS = dict(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=2048)
 BLOCK = 32
 EFFICIENCIES = ("prefill", "decode", "prefill_context", "decode_context")
-# vLLM's own scheduling (no prefill share) and the CPU profile: what most checks below need
+# The automatic policy under vLLM's own scheduling (no prefill share) and the CPU profile: what most checks
+# below need; a bucket set's simulation takes its share from the set (BucketConfig's default: none).
 STOCK = dict(prefill_tokens_while_decoding=0, costs=CPU_SMOLLM2)
 # The server's CPU defaults: a prefill share of 16 tokens, riding in mixed calls
 SHARE = 16
 SERVER = dict(prefill_tokens_while_decoding=SHARE, costs=CPU_SMOLLM2)
+COSTS = dict(costs=CPU_SMOLLM2)
 
 
 def with_mixed_calls(buckets: BucketConfig, max_num_seqs: int, share: int = SHARE) -> BucketConfig:
-    """The mixed calls the server gives a bucket set by default (vllm_neuron/config.py)."""
+    """The prefill share and the mixed calls the server gives a bucket set by default
+    (vllm_neuron/config.py)."""
     return replace(
         buckets,
-        mixed_chunk_bucket=share,
+        prefill_tokens_while_decoding=share,
         mixed_batch_buckets=light_load_batches(buckets.decode_batch_buckets, max_num_seqs),
     )
 
@@ -62,9 +65,9 @@ def with_mixed_calls(buckets: BucketConfig, max_num_seqs: int, share: int = SHAR
 
 def test_simulate_is_deterministic_and_efficiencies_are_fractions():
     buckets = default_buckets(**LIMITS, block_size=BLOCK)
-    first = simulate(buckets, TRAFFIC, **LIMITS, **STOCK)
-    assert simulate(buckets, TRAFFIC, **LIMITS, **STOCK) == first
-    assert simulate(buckets, TRAFFIC, **LIMITS, **STOCK, seed=1) != first
+    first = simulate(buckets, TRAFFIC, **LIMITS, **COSTS)
+    assert simulate(buckets, TRAFFIC, **LIMITS, **COSTS) == first
+    assert simulate(buckets, TRAFFIC, **LIMITS, **COSTS, seed=1) != first
     for name in EFFICIENCIES:
         assert 0 < first[name] <= 1, name
         assert isinstance(first[name], float)
@@ -84,7 +87,7 @@ def test_simulate_small_run_by_hand(monkeypatch):
     traffic = TrafficShape(prompt_len=(100, 100), output_len=(3, 3), concurrency=2)
     buckets = BucketConfig(prefill_buckets=(128,), decode_batch_buckets=(2,), context_buckets=(256,))
     limits = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=150)
-    result = simulate(buckets, traffic, **limits, **STOCK, num_requests=2)
+    result = simulate(buckets, traffic, **limits, **COSTS, num_requests=2)
     assert result["prefill_calls"] == 4 and result["decode_calls"] == 3
     assert result["prefill"] == pytest.approx((100 + 50 + 50 + 100) / (4 * 128))
     assert result["decode"] == pytest.approx((1 + 2 + 1) / (3 * 2))
@@ -107,10 +110,10 @@ def test_simulate_small_run_by_hand(monkeypatch):
         prefill_buckets=(128,),
         decode_batch_buckets=(1, 2),
         context_buckets=(256,),
-        mixed_chunk_bucket=16,
+        prefill_tokens_while_decoding=16,
         mixed_batch_buckets=(1,),
     )
-    result = simulate(mixed, traffic, **limits, prefill_tokens_while_decoding=16, costs=costs, num_requests=2)
+    result = simulate(mixed, traffic, **limits, costs=costs, num_requests=2)
     assert (result["prefill_calls"], result["mixed_calls"], result["decode_calls"]) == (3, 2, 2)
     assert result["prefill"] == pytest.approx((100 + 50 + 16 + 16 + 118) / (3 * 128 + 2 * 16))
     assert result["decode"] == pytest.approx((1 + 1 + 2 + 2) / (1 + 1 + 2 + 2))
@@ -127,30 +130,28 @@ def test_every_size_a_bucket_gives_efficiency_one():
         decode_batch_buckets=tuple(int(n) for n in np.unique(trace.decode.rows)),
         context_buckets=(2048,),
     )
-    result = simulate(observed, TRAFFIC, **LIMITS, **STOCK)
+    result = simulate(observed, TRAFFIC, **LIMITS, **COSTS)
     assert result["prefill"] == 1.0 and result["decode"] == 1.0
     # Every possible size a bucket, in all three dimensions: no bucket set pads less. (Decode context
     # efficiency stays below 1 even so: a decode call attends over whole pages.)
     every = BucketConfig(tuple(range(1, 2049)), tuple(range(1, 33)), tuple(range(BLOCK, 2049, BLOCK)))
-    result = simulate(every, TRAFFIC, **LIMITS, **STOCK)
+    result = simulate(every, TRAFFIC, **LIMITS, **COSTS)
     assert result["prefill"] == 1.0 and result["decode"] == 1.0
     # ... of the same forms: a fresh call's attention over its own keys pads no context at all.
     default_set = replace(default_buckets(**LIMITS, block_size=BLOCK), fresh_buckets=())
-    default = simulate(default_set, TRAFFIC, **LIMITS, **STOCK)
+    default = simulate(default_set, TRAFFIC, **LIMITS, **COSTS)
     assert all(result[name] >= default[name] for name in EFFICIENCIES)
 
 
 def test_simulate_raises_when_a_call_fits_no_bucket_or_a_setting_is_wrong():
     small = BucketConfig(prefill_buckets=(64,), decode_batch_buckets=(32,), context_buckets=(1024,))
     with pytest.raises(BucketError, match="context"):
-        simulate(small, TRAFFIC, **LIMITS, **STOCK)
+        simulate(small, TRAFFIC, **LIMITS, **COSTS)
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
-        simulate(small, TRAFFIC, max_model_len=2048, max_num_seqs=0, max_num_batched_tokens=2048, **STOCK)
-    with pytest.raises(ValueError, match="prefill_tokens_while_decoding must be 16"):
-        simulate(with_mixed_calls(small, 32), TRAFFIC, **LIMITS, **STOCK)
+        simulate(small, TRAFFIC, max_model_len=2048, max_num_seqs=0, max_num_batched_tokens=2048, **COSTS)
 
 
-def reference_simulate(buckets, traffic, *, share, costs, num_requests, seed, block_size=32, **limits):
+def reference_simulate(buckets, traffic, *, costs, num_requests, seed, block_size=32, **limits):
     """Every step of the run one at a time, made into calls by `plan_step` (the runner's rule) and costed by
     `CallCosts.of`: what simulate's skipping of decode-only stretches, merging of identical calls and bulk
     arithmetic must equal. One difference is the model's, documented in run_trace: a decode call's context
@@ -158,7 +159,11 @@ def reference_simulate(buckets, traffic, *, share, costs, num_requests, seed, bl
     total: Counter = Counter()
     page = buckets.page_tokens
     steps = traffic_steps(
-        traffic, **limits, prefill_tokens_while_decoding=share, num_requests=num_requests, seed=seed
+        traffic,
+        **limits,
+        prefill_tokens_while_decoding=buckets.prefill_tokens_while_decoding,
+        num_requests=num_requests,
+        seed=seed,
     )
     for step in (single for run in steps for single in run.unrolled()):
         for plan in plan_step(step.decode_contexts, step.chunks, buckets, block_size):
@@ -218,7 +223,7 @@ QUEUE = BucketConfig(prefill_buckets=(64, 256), decode_batch_buckets=(2, 6), con
         (
             TrafficShape(prompt_len=(2, 300), output_len=(1, 40), concurrency=12),
             SPLIT_LIMITS,
-            replace(SPLIT, mixed_chunk_bucket=24, mixed_batch_buckets=(1, 3)),
+            replace(SPLIT, prefill_tokens_while_decoding=24, mixed_batch_buckets=(1, 3)),
             24,
         ),
         # one request at a time with long outputs: mostly skipped decode-only stretches
@@ -247,12 +252,9 @@ QUEUE = BucketConfig(prefill_buckets=(64, 256), decode_batch_buckets=(2, 6), con
 )
 def test_simulate_equals_the_runners_calls_step_by_step(traffic, limits, buckets, share):
     costs = TRN2_ESTIMATE  # the other profile than most tests: every term matters
-    result = simulate(
-        buckets, traffic, **limits, prefill_tokens_while_decoding=share, costs=costs, num_requests=60, seed=3
-    )
-    expected = reference_simulate(
-        buckets, traffic, **limits, share=share, costs=costs, num_requests=60, seed=3
-    )
+    buckets = replace(buckets, prefill_tokens_while_decoding=share)
+    result = simulate(buckets, traffic, **limits, costs=costs, num_requests=60, seed=3)
+    expected = reference_simulate(buckets, traffic, **limits, costs=costs, num_requests=60, seed=3)
     for name, value in expected.items():
         assert result[name] == pytest.approx(value, rel=1e-12), name
     assert (result["mixed_calls"] > 0) == bool(buckets.mixed_chunk_bucket)
@@ -325,8 +327,7 @@ def test_auto_buckets_fit_the_budget_and_the_engine(traffic, limits, budget, sch
     assert buckets.prefill_buckets[-1] == min(limits["max_num_batched_tokens"], max_model_len)
     assert buckets.decode_batch_buckets[-1] == limits["max_num_seqs"]
     assert buckets.context_buckets[-1] == ceil_div(max_model_len, block_size) * block_size
-    simulation = {key: value for key, value in scheduling.items() if key != "mixed_calls"}
-    result = simulate(buckets, traffic, **limits, **simulation)
+    result = simulate(buckets, traffic, **limits, costs=scheduling["costs"])
     assert all(0 < result[name] <= 1 for name in EFFICIENCIES)
 
 
@@ -336,7 +337,7 @@ def test_auto_buckets_budget_covers_the_mixed_calls(budget):
         TRAFFIC, **LIMITS, block_size=BLOCK, graph_budget=budget, mixed_calls=True, **SERVER
     )
     # the set comes with the mixed calls the server gives it
-    assert buckets == with_mixed_calls(replace(buckets, mixed_chunk_bucket=0, mixed_batch_buckets=()), 32)
+    assert buckets == with_mixed_calls(replace(buckets, mixed_batch_buckets=()), 32)
     assert buckets.mixed_shapes() and buckets.num_graphs <= budget
     without = auto_buckets(TRAFFIC, **LIMITS, block_size=BLOCK, graph_budget=budget, **SERVER)
     assert not without.mixed_shapes()
@@ -366,8 +367,8 @@ def test_auto_buckets_beat_the_defaults_with_no_more_graphs():
     # On the run simulate measures by default, and on runs the buckets were not fitted to.
     for seed in (0, 7):
         ours, theirs = (
-            simulate(auto, TRAFFIC, **LIMITS, **STOCK, seed=seed),
-            simulate(default, TRAFFIC, **LIMITS, **STOCK, seed=seed),
+            simulate(auto, TRAFFIC, **LIMITS, **COSTS, seed=seed),
+            simulate(default, TRAFFIC, **LIMITS, **COSTS, seed=seed),
         )
         # (no worse: within the search's tie margin, which goes to fewer graphs)
         assert ours["prefill"] >= theirs["prefill"] and ours["decode"] >= theirs["decode"] - 1e-3
@@ -440,8 +441,8 @@ def test_auto_buckets_give_full_decode_batches_finer_context_buckets():
     assert buckets.decode_context_buckets and buckets.decode_contexts()[0] < buckets.context_buckets[0]
     shared = replace(buckets, decode_context_buckets=())
     ours, theirs = (
-        simulate(buckets, traffic, **limits, **SERVER),
-        simulate(shared, traffic, **limits, **SERVER),
+        simulate(buckets, traffic, **limits, **COSTS),
+        simulate(shared, traffic, **limits, **COSTS),
     )
     assert ours["decode_context"] > theirs["decode_context"] and ours["decode_ms"] < theirs["decode_ms"]
     assert ours["prefill_ms"] == theirs["prefill_ms"]  # prefill calls do not change
@@ -455,8 +456,7 @@ def test_auto_buckets_are_faster_than_the_defaults_by_the_same_costs(scheduling)
     auto = auto_buckets(TRAFFIC, **LIMITS, block_size=BLOCK, graph_budget=24, **scheduling)
     if scheduling.get("mixed_calls"):
         default = with_mixed_calls(default, LIMITS["max_num_seqs"])
-    simulation = {key: value for key, value in scheduling.items() if key != "mixed_calls"}
     for seed in (0, 7):  # on runs the buckets were not fitted to, too
-        ours = simulate(auto, TRAFFIC, **LIMITS, **simulation, seed=seed)
-        theirs = simulate(default, TRAFFIC, **LIMITS, **simulation, seed=seed)
+        ours = simulate(auto, TRAFFIC, **LIMITS, costs=scheduling["costs"], seed=seed)
+        theirs = simulate(default, TRAFFIC, **LIMITS, costs=scheduling["costs"], seed=seed)
         assert ours["prefill_ms"] + ours["decode_ms"] < theirs["prefill_ms"] + theirs["decode_ms"]

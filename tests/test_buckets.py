@@ -177,7 +177,8 @@ def test_decode_contexts_keep_the_smallest_bucket_of_each_page_count():
 
 
 def test_decode_context_buckets_of_their_own_shape_decode_and_mixed_calls_only():
-    shared = replace(CONFIGS[0], mixed_chunk_bucket=16, mixed_batch_buckets=(2,))  # contexts 8, 16, 32, 64
+    # contexts 8, 16, 32, 64
+    shared = replace(CONFIGS[0], prefill_tokens_while_decoding=16, mixed_batch_buckets=(2,))
     own = replace(shared, decode_context_buckets=(24, 64))  # pages of 8: 3 and 8 a row
     assert own.prefill_shapes() == shared.prefill_shapes()
     assert own.decode_contexts() == [24, 64]
@@ -213,7 +214,7 @@ def test_num_graphs_counts_prefill_and_decode_shapes():
 
 def test_mixed_shapes_are_the_decode_shapes_of_the_mixed_batches():
     plain = CONFIGS[0]  # decode shapes: batch 1, 2 x contexts 8, 16, 32, 64
-    buckets = replace(plain, mixed_chunk_bucket=16, mixed_batch_buckets=(2,))
+    buckets = replace(plain, prefill_tokens_while_decoding=16, mixed_batch_buckets=(2,))
     assert buckets.mixed_shapes() == [(2, 8), (2, 16), (2, 32), (2, 64)]
     assert buckets.num_graphs == plain.num_graphs + 4
     assert "mixed: decode batch [2] + a chunk of 16 tokens -> 22 graphs" in buckets.describe()
@@ -304,8 +305,11 @@ def test_validate_accepts_a_valid_set():
         (dict(context_buckets=(16, 56)), "--max-model-len"),
         (dict(context_buckets=(16, 64, 256)), "--max-model-len"),
         (dict(page_tokens=12), "decode_page_tokens(8) = 128"),
-        (dict(mixed_chunk_bucket=8, mixed_batch_buckets=(3,)), "mixed_batch_buckets"),
-        (dict(mixed_chunk_bucket=8, mixed_batch_buckets=(4,)), "no room for the prefilling request"),
+        (dict(prefill_tokens_while_decoding=8, mixed_batch_buckets=(3,)), "mixed_batch_buckets"),
+        (
+            dict(prefill_tokens_while_decoding=8, mixed_batch_buckets=(4,)),
+            "no room for the prefilling request",
+        ),
         (dict(decode_context_buckets=(64, 16)), "decode_context_buckets"),
         (dict(decode_context_buckets=(0, 64)), "VLLM_NEURON_DECODE_CONTEXT_BUCKETS"),
         (dict(decode_context_buckets=(12, 64)), "decode_context_buckets"),

@@ -13,7 +13,7 @@ BUCKETS = BucketConfig(
     decode_batch_buckets=(1, 2, 4),
     context_buckets=(128, 256),
     page_tokens=128,
-    mixed_chunk_bucket=64,
+    prefill_tokens_while_decoding=64,
     mixed_batch_buckets=(1, 2),
 )
 

@@ -255,15 +255,6 @@ def test_state_space_models_are_refused(tmp_path, tiny_model_dir):
         engine_config(tmp_path)
 
 
-def test_configuration_doc_documents_every_variable():
-    from pathlib import Path
-
-    from vllm_neuron import envs
-
-    readme = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
-    assert [name for name in envs.names() if f"`{name}`" not in readme] == []
-
-
 def test_automatic_bucket_policy_fits_the_graph_budget(tiny_model_dir):
     traffic = {"prompt_len": [8, 256], "output_len": [8, 64], "concurrency": 4}
     config = engine_config(
@@ -308,7 +299,7 @@ def test_automatic_bucket_policy_plans_with_the_cost_profile_asked_for(tiny_mode
         ({"graph_budget": 12}, "only apply with"),
         ({"bucket_policy": "auto", "graph_budget": 1}, "raise graph_budget"),
         ({"bucket_policy": "auto", "traffic": {"prompt_len": [8, 64]}}, "missing"),
-        ({"bucket_policy": "auto", "call_costs": "gpu"}, r"call_costs must be one of \['cpu', 'trn2'\]"),
+        ({"bucket_policy": "auto", "call_costs": "gpu"}, 'call_costs must be "cpu" or "trn2"'),
         ({"call_costs": "trn2"}, "only apply with"),
     ],
 )

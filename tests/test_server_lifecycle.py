@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from server.options import NEURON_OPTIONS
 from tests.conftest import FEW_BUCKETS, FEW_BUCKETS_GRAPHS
 from tests.serving import MODEL_NAME, ServerProcess, free_port, http, serve_command
+from vllm_neuron import settings
 
 CLI = str(Path(sys.executable).with_name("vllm-neuron"))
 
@@ -30,8 +30,8 @@ def test_serve_help_shows_vllm_groups_and_every_neuron_option():
     result = run_cli("serve", "--help")
     assert result.returncode == 0, result.stderr
     assert "ModelConfig" in result.stdout and "--help=all" in result.stdout  # vLLM's overview
-    for flag, (variable, _) in NEURON_OPTIONS.items():
-        assert flag in result.stdout and variable in result.stdout
+    for flag, setting in settings.BY_FLAG.items():
+        assert flag in result.stdout and str(setting.env) in result.stdout
     every = run_cli("serve", "--help=all")
     for option in ("--max-model-len", "--api-key", "--shutdown-timeout", "--prefill-buckets"):
         assert option in every.stdout

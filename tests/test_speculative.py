@@ -150,7 +150,12 @@ def test_a_random_rows_draft_accepted_by_its_probability_draws_from_the_targets_
 
 def test_verify_calls_take_the_decode_shapes_and_no_chunk():
     buckets = BucketConfig(
-        (32, 64), (1, 2, 4), (128, 256), page_tokens=128, mixed_chunk_bucket=64, mixed_batch_buckets=(1, 2)
+        (32, 64),
+        (1, 2, 4),
+        (128, 256),
+        page_tokens=128,
+        prefill_tokens_while_decoding=64,
+        mixed_batch_buckets=(1, 2),
     )
     spec = BucketConfig(**{**buckets.__dict__, "verify_tokens": 4})
     assert spec.num_graphs == buckets.num_graphs + len(buckets.decode_shapes())

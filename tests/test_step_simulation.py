@@ -22,19 +22,18 @@ BUCKETS = BucketConfig(
     decode_batch_buckets=tuple(SETTINGS["decode_batch_buckets"]),
     context_buckets=tuple(SETTINGS["context_buckets"]),
     page_tokens=decode_page_tokens(DEFAULT_BLOCK_SIZE),
-    mixed_chunk_bucket=SHARE,
+    prefill_tokens_while_decoding=SHARE,
     mixed_batch_buckets=light_load_batches(SETTINGS["decode_batch_buckets"], LIMITS["max_num_seqs"]),
     fresh_buckets=tuple(SETTINGS["fresh_prefill_buckets"]),
 )
 
 
-def simulated(arrivals, steps, buckets=BUCKETS, share=SHARE, cancellations=None) -> list[list[Call]]:
+def simulated(arrivals, steps, buckets=BUCKETS, cancellations=None) -> list[list[Call]]:
     return scripted_calls(
         arrivals,
         buckets,
         steps=steps,
         **LIMITS,
-        prefill_tokens_while_decoding=share,
         block_size=DEFAULT_BLOCK_SIZE,
         cancellations=cancellations,
     )
@@ -52,16 +51,13 @@ def test_stock_scheduling_or_no_mixed_calls_would_not_match():
     stock = simulated(
         ARRIVALS,
         len(EXPECTED),
-        share=0,
-        buckets=replace(BUCKETS, mixed_chunk_bucket=0, mixed_batch_buckets=()),
+        buckets=replace(BUCKETS, prefill_tokens_while_decoding=0, mixed_batch_buckets=()),
     )
     assert stock[1] == [
         Call.decode(rows=1, batch=1, decode_context=128),
         Call.prefill(tokens=44, token_bucket=64, chunk_context=128, start=56),
     ]
-    separate = simulated(
-        ARRIVALS, len(EXPECTED), buckets=replace(BUCKETS, mixed_chunk_bucket=0, mixed_batch_buckets=())
-    )
+    separate = simulated(ARRIVALS, len(EXPECTED), buckets=replace(BUCKETS, mixed_batch_buckets=()))
     assert separate[5] == [
         Call.decode(rows=1, batch=1, decode_context=128),
         Call.prefill(tokens=57, token_bucket=64, chunk_context=256, start=93),

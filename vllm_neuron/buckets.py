@@ -103,8 +103,9 @@ class BucketConfig:
     decode_batch_buckets: tuple[int, ...]
     context_buckets: tuple[int, ...]
     page_tokens: int = PAGE_TARGET_TOKENS  # decode_page_tokens(block size)
-    # The token bucket of a mixed call's chunk: the prefill share where the set has mixed calls; 0: none.
-    mixed_chunk_bucket: int = 0
+    # The prefill share (vllm_neuron/prefill_share.py): the most prefill tokens a step carries beside decode
+    # rows under light load, and the chunk bucket of the mixed calls; 0: off.
+    prefill_tokens_while_decoding: int = 0
     mixed_batch_buckets: tuple[int, ...] = ()  # the decode batch buckets with mixed calls
     decode_context_buckets: tuple[int, ...] = ()  # the decode calls' context buckets; (): context_buckets
     verify_tokens: int = (
@@ -158,6 +159,11 @@ class BucketConfig:
             f"decode rows of contexts {list(row_contexts)} need {needed} pages, more than a batch of {batch} "
             f"holds at the largest decode context bucket {self.decode_contexts()[-1]}"
         )
+
+    @property
+    def mixed_chunk_bucket(self) -> int:
+        """A mixed call's chunk bucket: the prefill share where the set has mixed calls, else 0."""
+        return self.prefill_tokens_while_decoding if self.mixed_batch_buckets else 0
 
     def mixed_shapes(self) -> list[tuple[int, int]]:
         """(batch, context) pairs of mixed calls: decode shapes whose batch bucket has mixed calls."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm_neuron import device as neuron_device
-from vllm_neuron import envs
+from vllm_neuron import settings
 from vllm_neuron.buckets import (
     BucketConfig,
     BucketError,
@@ -26,23 +26,11 @@ from vllm_neuron.buckets import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-# --additional-config keys -> the environment variable that overrides each
-BUCKET_SETTINGS = {
-    "prefill_buckets": "VLLM_NEURON_PREFILL_BUCKETS",
-    "decode_batch_buckets": "VLLM_NEURON_DECODE_BATCH_BUCKETS",
-    "context_buckets": "VLLM_NEURON_CONTEXT_BUCKETS",
-    "decode_context_buckets": "VLLM_NEURON_DECODE_CONTEXT_BUCKETS",  # []: the context buckets
-}
-# --additional-config keys of the automatic bucket policy (docs/buckets.md)
-POLICY_SETTINGS = ("bucket_policy", "graph_budget", "traffic", "call_costs")
-# --additional-config key: the prefill share, the most prefill tokens a step carries beside its decode rows
-# under light load (vllm_neuron/prefill_share.py)
-PREFILL_SHARE_SETTING = "prefill_tokens_while_decoding"
-# --additional-config key: decode batch buckets whose calls take the prefill share's chunk along (buckets.py)
-MIXED_BATCH_SETTING = "mixed_batch_buckets"
-# --additional-config key: prefill token buckets with a fresh prefill graph (buckets.py); [] turns them off
-FRESH_SETTING = "fresh_prefill_buckets"
-DEFAULT_GRAPH_BUDGET = 24
+# The bucket lists' --additional-config keys, each also a BucketConfig field (vllm_neuron/settings.py has
+# their variables, which win)
+BUCKET_LISTS = ("prefill_buckets", "decode_batch_buckets", "context_buckets", "decode_context_buckets")
+# --additional-config keys that only the automatic bucket policy reads (docs/buckets.md)
+AUTO_POLICY_KEYS = ("graph_budget", "traffic", "call_costs")
 DEFAULT_BLOCK_SIZE = 32
 # Without mixed calls the prefill share's chunk is a call of its own: by default the share is at least this
 # many tokens (a chunk of this size costs about one decode step of a small model on CPU), so the fixed cost of
@@ -67,9 +55,9 @@ class NeuronConfig:
     """The resolved settings (see the module docstring): resolved once per VllmConfig by `resolve_for`, read
     back with `of`."""
 
-    buckets: BucketConfig
+    buckets: BucketConfig  # with the prefill share (`buckets.prefill_tokens_while_decoding`)
     block_size: int
-    prefill_tokens_while_decoding: int  # the prefill share (vllm_neuron/prefill_share.py); 0: off
+    max_num_seqs: int  # --max-num-seqs: the most requests a step runs (decode rows, the host batch)
     compile_backend: str  # the torch.compile backend of the model step (device.compile_backend)
     # The workers this host runs: its data-parallel engines times their local ranks, taken before vLLM makes
     # each (non-MoE) DP engine an independent DP=1 engine; each worker pins to its share (device.pin_rank).
@@ -105,45 +93,32 @@ class NeuronConfig:
         """The settings from --additional-config's keys, the engine's limits (engine_limits) and the
         environment (bucket overrides, the compile backend); `verify_tokens`: with speculative decoding,
         1 + its draft tokens (verify calls' queries a row)."""
-        accepted = {
-            *BUCKET_SETTINGS,
-            *POLICY_SETTINGS,
-            PREFILL_SHARE_SETTING,
-            MIXED_BATCH_SETTING,
-            FRESH_SETTING,
-        }
-        unknown = sorted(set(additional) - accepted)
+        unknown = sorted(set(additional) - set(settings.BY_KEY))
         if unknown:
+            accepted = sorted(settings.BY_KEY)
             raise NeuronConfigError(
-                f"unknown --additional-config keys {unknown}; the Neuron plugin accepts {sorted(accepted)}"
+                f"unknown --additional-config keys {unknown}; the Neuron plugin accepts {accepted}"
             )
-        defaults = _policy_buckets(additional, limits)
-        chosen = {
-            "prefill_buckets": defaults.prefill_buckets,
-            "decode_batch_buckets": defaults.decode_batch_buckets,
-            "context_buckets": defaults.context_buckets,
-            "decode_context_buckets": defaults.decode_context_buckets,
-        }
-        for key, env_name in BUCKET_SETTINGS.items():
-            from_env = getattr(envs, env_name)
-            value = from_env if from_env is not None else additional.get(key)
-            if value is not None:
-                if not isinstance(value, list | tuple):
-                    raise NeuronConfigError(f"{key} must be a list of integers, got {value!r}")
-                chosen[key] = tuple(value)
+        try:
+            given = {key: settings.additional(additional, key) for key in settings.BY_KEY}
+        except ValueError as err:
+            raise NeuronConfigError(str(err)) from None
+        if given["bucket_policy"] == "default":
+            stray = [key for key in AUTO_POLICY_KEYS if key in additional]
+            if stray:
+                raise NeuronConfigError(f'{stray} only apply with "bucket_policy": "auto"')
+        defaults = _policy_buckets(given, limits)
+        chosen = {key: getattr(defaults, key) if given[key] is None else given[key] for key in BUCKET_LISTS}
         buckets = BucketConfig(
-            prefill_buckets=chosen["prefill_buckets"],
-            decode_batch_buckets=chosen["decode_batch_buckets"],
-            context_buckets=chosen["context_buckets"],
-            decode_context_buckets=chosen["decode_context_buckets"],
+            **chosen,
             page_tokens=decode_page_tokens(limits["block_size"]),
             verify_tokens=verify_tokens,
-            fresh_buckets=_fresh_buckets(additional, chosen["prefill_buckets"]),
+            fresh_buckets=_fresh_buckets(given, chosen["prefill_buckets"]),
         )
         try:
             validate_buckets(buckets, **limits)
-            share = _prefill_share(additional, buckets)
-            buckets = _with_mixed_calls(buckets, additional, share, limits["max_num_seqs"])
+            share = _prefill_share(given, buckets)
+            buckets = _with_prefill_share(buckets, given, share, limits["max_num_seqs"])
             validate_buckets(buckets, **limits)
         except BucketError as err:
             raise NeuronConfigError(f"invalid Neuron bucket configuration: {err}") from None
@@ -154,20 +129,17 @@ class NeuronConfig:
         return cls(
             buckets=buckets,
             block_size=limits["block_size"],
-            prefill_tokens_while_decoding=share,
+            max_num_seqs=limits["max_num_seqs"],
             compile_backend=compile_backend,
         )
 
     def as_additional_config(self) -> dict[str, Any]:
         """The resolved settings as --additional-config keys: what every process and the logs see."""
         return {
-            "prefill_buckets": list(self.buckets.prefill_buckets),
-            "decode_batch_buckets": list(self.buckets.decode_batch_buckets),
-            "context_buckets": list(self.buckets.context_buckets),
-            "decode_context_buckets": list(self.buckets.decode_context_buckets),
-            PREFILL_SHARE_SETTING: self.prefill_tokens_while_decoding,
-            MIXED_BATCH_SETTING: list(self.buckets.mixed_batch_buckets),
-            FRESH_SETTING: list(self.buckets.fresh_buckets),
+            **{key: list(getattr(self.buckets, key)) for key in BUCKET_LISTS},
+            "prefill_tokens_while_decoding": self.buckets.prefill_tokens_while_decoding,
+            "mixed_batch_buckets": list(self.buckets.mixed_batch_buckets),
+            "fresh_prefill_buckets": list(self.buckets.fresh_buckets),
         }
 
 
@@ -201,117 +173,94 @@ def engine_limits(vllm_config: "VllmConfig") -> dict[str, int]:
     }
 
 
-def _with_mixed_calls(
-    buckets: BucketConfig, additional: dict[str, Any], share: int, max_num_seqs: int
+def _mixed_calls_off(given: dict[str, Any]) -> bool:
+    return given["mixed_batch_buckets"] == ()
+
+
+def _with_prefill_share(
+    buckets: BucketConfig, given: dict[str, Any], share: int, max_num_seqs: int
 ) -> BucketConfig:
-    """Mixed calls exist where the prefill share applies: while at most half of max_num_seqs requests
-    decode, so by default the decode batch buckets up to that one get them. Their chunk is the share."""
-    value = additional.get(MIXED_BATCH_SETTING)
+    """The buckets with the prefill share, and the mixed calls: they exist where the share applies, while at
+    most half of max_num_seqs requests decode, so by default the decode batch buckets up to that one get
+    them. Their chunk is the share."""
+    buckets = replace(buckets, prefill_tokens_while_decoding=share)
+    value = given["mixed_batch_buckets"]
     if value is None:
         if not share:
             return buckets
         value = light_load_batches(buckets.decode_batch_buckets, max_num_seqs)
-    if not isinstance(value, list | tuple) or any(
-        not isinstance(v, int) or isinstance(v, bool) for v in value
-    ):
-        raise NeuronConfigError(
-            f"{MIXED_BATCH_SETTING} must be a list of integers ([] turns mixed calls off), got {value!r}"
-        )
     if value and not share:
         raise NeuronConfigError(
-            f"{MIXED_BATCH_SETTING} needs {PREFILL_SHARE_SETTING} > 0: "
-            "mixed calls carry the prefill share's chunk"
+            "mixed_batch_buckets needs prefill_tokens_while_decoding > 0: mixed calls carry the prefill "
+            "share's chunk"
         )
     if not value:
         return buckets
-    return replace(buckets, mixed_chunk_bucket=share, mixed_batch_buckets=tuple(sorted(set(value))))
+    return replace(buckets, mixed_batch_buckets=tuple(sorted(set(value))))
 
 
-def _fresh_buckets(additional: dict[str, Any], prefill_buckets: tuple[int, ...]) -> tuple[int, ...]:
+def _fresh_buckets(given: dict[str, Any], prefill_buckets: tuple[int, ...]) -> tuple[int, ...]:
     """The fresh prefill graphs' token buckets: those given, else the prefill buckets TorchNeuron's flash
     kernel can take (none under the automatic policy, whose graph budget does not count them)."""
-    value = additional.get(FRESH_SETTING)
+    value = given["fresh_prefill_buckets"]
     if value is None:
-        automatic = additional.get("bucket_policy", "default") == "auto"
-        return () if automatic else flash_buckets(prefill_buckets)
-    if not isinstance(value, list | tuple) or any(
-        not isinstance(v, int) or isinstance(v, bool) for v in value
-    ):
-        raise NeuronConfigError(
-            f"{FRESH_SETTING} must be a list of integers ([] turns fresh prefill graphs off), got {value!r}"
-        )
+        return () if given["bucket_policy"] == "auto" else flash_buckets(prefill_buckets)
     return tuple(sorted(set(value)))
 
 
-def _prefill_share(additional: dict[str, Any], buckets: BucketConfig) -> int:
+def _prefill_share(given: dict[str, Any], buckets: BucketConfig) -> int:
     """The prefill share (prefill_tokens_while_decoding); 0 lets prefill take the whole step budget.
 
     By default its chunk rides in the decode call (mixed calls), and the share is what the device takes along
     at little cost (`device.mixed_call_prefill_share`). With mixed calls off it is the smallest prefill bucket
     of at least SEPARATE_CALL_MIN_SHARE, so the chunk's own call fills a compiled shape."""
-    value = additional.get(PREFILL_SHARE_SETTING)
-    if value is None:
-        if additional.get(MIXED_BATCH_SETTING) != []:
-            return min(neuron_device.mixed_call_prefill_share(), buckets.prefill_buckets[-1])
-        fitting = [size for size in buckets.prefill_buckets if size >= SEPARATE_CALL_MIN_SHARE]
-        return fitting[0] if fitting else buckets.prefill_buckets[-1]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise NeuronConfigError(
-            f"{PREFILL_SHARE_SETTING} must be a non-negative integer (0 disables the cap), got {value!r}"
-        )
-    return value
+    value = given["prefill_tokens_while_decoding"]
+    if value is not None:
+        return value
+    if not _mixed_calls_off(given):
+        return min(neuron_device.mixed_call_prefill_share(), buckets.prefill_buckets[-1])
+    fitting = [size for size in buckets.prefill_buckets if size >= SEPARATE_CALL_MIN_SHARE]
+    return fitting[0] if fitting else buckets.prefill_buckets[-1]
 
 
-def _policy_buckets(additional: dict[str, Any], limits: dict[str, int]) -> BucketConfig:
+def _policy_buckets(given: dict[str, Any], limits: dict[str, int]) -> BucketConfig:
     """The bucket sets before explicit lists override them: powers of two, or the automatic policy."""
-    policy = additional.get("bucket_policy", "default")
-    if policy == "default":
-        stray = [key for key in POLICY_SETTINGS[1:] if key in additional]
-        if stray:
-            raise NeuronConfigError(f'{stray} only apply with "bucket_policy": "auto"')
+    if given["bucket_policy"] == "default":
         return default_buckets(**limits)
-    if policy != "auto":
-        raise NeuronConfigError(f'bucket_policy must be "default" or "auto", got {policy!r}')
     from vllm_neuron.call_costs import PROFILES, profile_for
     from vllm_neuron.planning.bucket_policy import auto_buckets
     from vllm_neuron.planning.traffic import TrafficShape
 
-    budget = additional.get("graph_budget", DEFAULT_GRAPH_BUDGET)
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-        raise NeuronConfigError(f"graph_budget must be a positive integer, got {budget!r}")
-    declared = additional.get(
-        "traffic",
-        {
+    declared = given["traffic"]
+    if declared is None:
+        declared = {
             "prompt_len": [8, limits["max_model_len"]],
             "output_len": [8, 256],
             "concurrency": limits["max_num_seqs"],
-        },
-    )
+        }
     # The policy plans with the costs of the device it serves on (VLLM_NEURON_TARGET), unless told otherwise.
-    costs = additional.get("call_costs", profile_for(neuron_device.target()))
-    if costs not in PROFILES:
-        raise NeuronConfigError(f"call_costs must be one of {sorted(PROFILES)}, got {costs!r}")
+    costs = given["call_costs"] or profile_for(neuron_device.target())
     try:
         traffic = TrafficShape.from_dict(declared)
         # The budget covers the mixed calls the bucket set will get (none if the prefill share is off).
-        mixed = additional.get(PREFILL_SHARE_SETTING) != 0 and additional.get(MIXED_BATCH_SETTING) != []
+        mixed = given["prefill_tokens_while_decoding"] != 0 and not _mixed_calls_off(given)
         return auto_buckets(
             traffic,
             **limits,
-            graph_budget=budget,
+            graph_budget=given["graph_budget"],
             mixed_calls=mixed,
-            prefill_tokens_while_decoding=_planned_prefill_share(additional, limits, mixed),
+            prefill_tokens_while_decoding=_planned_prefill_share(given, limits, mixed),
             costs=PROFILES[costs],
         )
     except ValueError as err:
         raise NeuronConfigError(f"automatic bucket policy: {err}") from None
 
 
-def _planned_prefill_share(additional: dict[str, Any], limits: dict[str, int], mixed: bool) -> int:
+def _planned_prefill_share(given: dict[str, Any], limits: dict[str, int], mixed: bool) -> int:
     """The prefill share the policy simulates the scheduler with: the one `_prefill_share` gives the chosen
     buckets. Without mixed calls the default share is the smallest prefill bucket of at least
     SEPARATE_CALL_MIN_SHARE, a bucket the policy is about to choose: it plans with that size."""
-    value = additional.get(PREFILL_SHARE_SETTING)
+    value = given["prefill_tokens_while_decoding"]
     if value is not None:
         return value
     max_chunk = min(limits["max_num_batched_tokens"], limits["max_model_len"])

@@ -57,13 +57,9 @@ def _dev_entries() -> list[str]:
 
 def requested_mode() -> DeviceMode | None:
     """The device mode this process should run in, or None when the plugin must stay inactive."""
-    wanted = envs.VLLM_NEURON_DEVICE
-    if wanted == "cpu":
-        return "cpu"
-    if wanted == "neuron":
-        return "neuron"
+    wanted = envs.VLLM_NEURON_DEVICE  # auto, neuron or cpu
     if wanted != "auto":
-        raise ValueError(f"VLLM_NEURON_DEVICE={wanted!r}: use auto, neuron or cpu")
+        return wanted
     return "neuron" if neuron_device_present() else None
 
 
@@ -83,12 +79,7 @@ def mode() -> DeviceMode:
 def target() -> DeviceMode:
     """The device the configuration's defaults are chosen for: VLLM_NEURON_TARGET, else the device mode.
     `vllm-neuron check` resolves a Trainium server's configuration on a CPU this way."""
-    wanted = envs.VLLM_NEURON_TARGET
-    if wanted in ("neuron", "cpu"):
-        return wanted
-    if wanted:
-        raise ValueError(f"VLLM_NEURON_TARGET={wanted!r}: use neuron or cpu, or leave it unset")
-    return mode()
+    return envs.VLLM_NEURON_TARGET or mode()  # neuron or cpu where set
 
 
 def device_type() -> str:

@@ -223,11 +223,6 @@ class NeuronPlatform(Platform):
                 ASYNC_SCHEDULER_CLS if scheduler_config.async_scheduling else SCHEDULER_CLS
             )
 
-        # A finite queue by default: past it the API server answers 429 (server/admission.py).
-        if scheduler_config.max_num_queued_reqs is None:
-            max_num_seqs = scheduler_config.max_num_seqs
-            scheduler_config.max_num_queued_reqs = default_max_requests_in_flight(max_num_seqs)
-
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
@@ -236,6 +231,9 @@ class NeuronPlatform(Platform):
 
         # Resolved once, here; the engine's processes read it back (NeuronConfig.of).
         neuron_config = NeuronConfig.resolve_for(vllm_config)
+        # A finite queue by default: past it the API server answers 429 (server/admission.py).
+        if scheduler_config.max_num_queued_reqs is None:
+            scheduler_config.max_num_queued_reqs = default_max_requests_in_flight(neuron_config.max_num_seqs)
         refusals.check_kv_transfer(vllm_config, neuron_config)
         _stage_nixl_through_host(vllm_config)
         vllm_config.additional_config = ResolvedSettings(neuron_config)
@@ -246,7 +244,7 @@ class NeuronPlatform(Platform):
             neuron_config.compile_backend,
             cache_config.block_size,
             neuron_config.buckets.describe(),
-            neuron_config.prefill_tokens_while_decoding or "unlimited",
+            neuron_config.buckets.prefill_tokens_while_decoding or "unlimited",
         )
 
     @classmethod

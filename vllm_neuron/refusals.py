@@ -220,5 +220,5 @@ def _kv_transfer_refusals(vllm_config: "VllmConfig", neuron_config: NeuronConfig
         "--max-num-batched-tokens of at least --max-model-len and --additional-config "
         "'{\"prefill_tokens_while_decoding\": 0}'": name == "ExampleConnector"
         and transfer.is_kv_producer
-        and (scheduler.enable_chunked_prefill or neuron_config.prefill_tokens_while_decoding > 0),
+        and (scheduler.enable_chunked_prefill or neuron_config.buckets.prefill_tokens_while_decoding > 0),
     }

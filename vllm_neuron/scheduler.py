@@ -26,7 +26,9 @@ class PrefillShare:
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        self.prefill_tokens_while_decoding = NeuronConfig.of(vllm_config).prefill_tokens_while_decoding
+        neuron_config = NeuronConfig.of(vllm_config)
+        self.prefill_tokens_while_decoding = neuron_config.buckets.prefill_tokens_while_decoding
+        self.max_num_seqs = neuron_config.max_num_seqs
         # With speculative decoding a decoding request is scheduled its last token and its draft tokens.
         speculative = vllm_config.speculative_config
         self.tokens_per_decode_row = 1 + (speculative.num_speculative_tokens if speculative else 0)
@@ -39,7 +41,7 @@ class PrefillShare:
         share = prefill_share(
             decoding,
             prefilling,
-            self.max_num_running_reqs,
+            self.max_num_seqs,
             self.prefill_tokens_while_decoding,
             self.full_token_budget,
         )

@@ -13,6 +13,7 @@ from vllm.model_executor.model_loader import get_model
 from vllm_neuron import envs, fused_moe, sampling
 from vllm_neuron.attention_backend import NeuronAttentionMetadata, drop_masks
 from vllm_neuron.compiler import compile as neuron_compile
+from vllm_neuron.config import NeuronConfig
 from vllm_neuron.lora.punica import LORA_ROWS, LORA_SLOTS
 from vllm_neuron.upstream.vllm_runner import create_forward_context, override_forward_context
 from worker import draft_model
@@ -112,7 +113,7 @@ class CompiledModel:
             self.draft, _ = neuron_compile.compile_static(
                 draft_model.DraftForward(self.draft_model), backend, num_graphs, recorder=self.recorder
             )
-        max_rows = vllm_config.scheduler_config.max_num_seqs
+        max_rows = NeuronConfig.of(vllm_config).max_num_seqs
         self.token_slots = self.recorder.zeros((token_slot_count(max_rows),), torch.int32, device)
         # The layers whose KV cache a call's metadata describes (the draft model's too): set once the cache is
         # bound to them.

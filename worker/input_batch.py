@@ -18,6 +18,7 @@ import torch
 from vllm.sampling_params import SamplingType
 
 from vllm_neuron.buckets import ceil_div
+from vllm_neuron.config import NeuronConfig
 from vllm_neuron.upstream import vllm_runner
 from worker import sampling_rows
 from worker.sampling_rows import RowSampling
@@ -39,7 +40,10 @@ class PersistentBatch:
         self.logprobs_mode = model_config.logprobs_mode
         # vLLM's InputBatch (its GPU runner's; the members used: vllm_runner.INPUT_BATCH_MEMBERS).
         self.input_batch = vllm_runner.host_input_batch(
-            vllm_config, block_size, ceil_div(self.max_model_len, block_size)
+            vllm_config,
+            NeuronConfig.of(vllm_config).max_num_seqs,
+            block_size,
+            ceil_div(self.max_model_len, block_size),
         )
 
     @property

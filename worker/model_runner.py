@@ -198,7 +198,7 @@ class NeuronModelRunner:
             blocks * self.block_size / max_len,
             max_len,
             self.vllm_config.scheduler_config.max_num_seqs,
-            self.neuron_config.prefill_tokens_while_decoding or "unlimited",
+            self.buckets.prefill_tokens_while_decoding or "unlimited",
         )
         logger.info("%s", sampling_rows.start_up_line(self.host_sampler_only))
 

@@ -200,10 +200,11 @@ def derive_for(
     every start of it), the steps in flight (async scheduling), and compile_workers, which send calls only
     where graphs compile in background threads (one rank)."""
     scheduler = vllm_config.scheduler_config
+    neuron_config = NeuronConfig.of(vllm_config)
     one_rank = vllm_config.parallel_config.tensor_parallel_size == 1
     calls = most_calls_per_step(
-        NeuronConfig.of(vllm_config).buckets,
-        scheduler.max_num_seqs,
+        neuron_config.buckets,
+        neuron_config.max_num_seqs,
         scheduler.max_num_batched_tokens,
         staged=staging_refused(one_rank, vllm_config.kv_transfer_config is not None) is None,
         draft_model=speculative_method(vllm_config) == "draft_model",

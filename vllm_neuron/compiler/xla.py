@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from vllm_neuron import envs
+
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 # sha256 of a module's text -> its loaded executable and the size of its serialized form
@@ -219,7 +221,7 @@ def compile(stablehlo: str, donated: dict[int, int]) -> Program:  # noqa: A001 (
         return Program(known[0], donated, known[1])
     client, options = _client(), xla_client.CompileOptions()
     devices = client.devices()[:1]
-    folder = os.environ.get("VLLM_NEURON_XLA_CACHE_DIR")
+    folder = envs.VLLM_NEURON_XLA_CACHE_DIR
     path = Path(folder) / f"{key}.xla" if folder else None
     if path is not None and path.is_file():
         serialized = path.read_bytes()

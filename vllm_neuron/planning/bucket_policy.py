@@ -100,7 +100,6 @@ def simulate(
     max_model_len: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
-    prefill_tokens_while_decoding: int,
     costs: CallCosts,
     num_requests: int = 400,
     seed: int = 0,
@@ -108,10 +107,10 @@ def simulate(
 ) -> dict[str, float | int]:
     """Padding efficiency and estimated time of `buckets` (with their mixed calls, if any) under `traffic`,
     from a deterministic simulation of the plugin's scheduler (same arguments, same result) until
-    `num_requests` requests have finished. `prefill_tokens_while_decoding` is the scheduler's prefill share
-    under light load (0: vLLM's whole budget every step); a bucket set with mixed calls takes chunks of that
-    size along. `block_size` is the KV block size (the plugin's default 32): packed prefill chunks take
-    whole blocks.
+    `num_requests` requests have finished. The scheduler's prefill share under light load is the buckets'
+    `prefill_tokens_while_decoding` (0: vLLM's whole budget every step); a bucket set with mixed calls takes
+    chunks of that size along. `block_size` is the KV block size (the plugin's default 32): packed prefill
+    chunks take whole blocks.
 
     Returns
     - `prefill`: real prefill tokens / token-bucket slots computed (mixed calls' chunks included);
@@ -128,17 +127,11 @@ def simulate(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
     )
     _check_limits(**limits, block_size=block_size)
-    _check_share(prefill_tokens_while_decoding)
-    if buckets.mixed_chunk_bucket and buckets.mixed_chunk_bucket != prefill_tokens_while_decoding:
-        raise ValueError(
-            f"mixed calls of {buckets.mixed_chunk_bucket} tokens carry the prefill share's chunk: "
-            f"prefill_tokens_while_decoding must be {buckets.mixed_chunk_bucket}, "
-            f"got {prefill_tokens_while_decoding}"
-        )
+    _check_share(buckets.prefill_tokens_while_decoding)
     trace = simulated_run(
         traffic,
         **limits,
-        prefill_tokens_while_decoding=prefill_tokens_while_decoding,
+        prefill_tokens_while_decoding=buckets.prefill_tokens_while_decoding,
         mixed_chunk_bucket=buckets.mixed_chunk_bucket,
         num_requests=num_requests,
         seed=seed,
@@ -315,9 +308,9 @@ def auto_buckets(
     The largest bucket of each dimension is the engine limit (min(max_num_batched_tokens, max_model_len)
     tokens, max_num_seqs rows, max_model_len rounded up to the block size), so no chunk or decode step is ever
     split, and the result always passes `validate_buckets` for the same limits. Deterministic for a `seed`.
-    Raises ValueError if even one bucket per dimension needs more than `graph_budget` graphs. With
-    `mixed_calls`, the set gets the mixed calls the server gives it by default (chunks of the prefill share,
-    for the batch buckets of `light_load_batches`), and the budget covers them.
+    Raises ValueError if even one bucket per dimension needs more than `graph_budget` graphs. The set
+    carries the prefill share; with `mixed_calls` it gets the mixed calls the server gives it by default
+    (chunks of the share, for the batch buckets of `light_load_batches`), and the budget covers them.
     """
     limits = dict(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
@@ -337,9 +330,11 @@ def auto_buckets(
         return light_load_batches(batch, max_num_seqs) if mixed_calls else ()
 
     def with_mixed(buckets: BucketConfig) -> BucketConfig:
-        mixed_batch = mixed_batch_of(buckets.decode_batch_buckets)
+        """The set with the prefill share, and its mixed calls where it gets them."""
         return replace(
-            buckets, mixed_chunk_bucket=chunk_bucket if mixed_batch else 0, mixed_batch_buckets=mixed_batch
+            buckets,
+            prefill_tokens_while_decoding=prefill_tokens_while_decoding,
+            mixed_batch_buckets=mixed_batch_of(buckets.decode_batch_buckets),
         )
 
     minimal = with_mixed(BucketConfig((max_chunk,), (max_num_seqs,), (max_context,), page_tokens))

@@ -161,17 +161,16 @@ def scripted_calls(
     steps: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
-    prefill_tokens_while_decoding: int,
     block_size: int,
     cancellations: Mapping[int, Sequence[Hashable]] | None = None,
 ) -> list[list[Call]]:
-    """The calls the runner makes at each of `steps` steps of a scripted workload: `arrivals` maps a step to
-    the (request id, prompt tokens, max tokens) that arrive before it is scheduled, `cancellations` a step
-    to the request ids cancelled before it."""
+    """The calls the runner makes at each of `steps` steps of a scripted workload under the buckets' prefill
+    share: `arrivals` maps a step to the (request id, prompt tokens, max tokens) that arrive before it is
+    scheduled, `cancellations` a step to the request ids cancelled before it."""
     model = SchedulerModel(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        prefill_tokens_while_decoding=prefill_tokens_while_decoding,
+        prefill_tokens_while_decoding=buckets.prefill_tokens_while_decoding,
     )
     calls = []
     for number in range(steps):

@@ -69,9 +69,11 @@ INPUT_BATCH_MEMBERS = (
 )
 
 
-def host_input_batch(vllm_config: "VllmConfig", block_size: int, max_blocks_per_req: int) -> "InputBatch":
-    """vLLM's persistent batch on the host: one block table of `block_size` blocks, the model's logits
-    processors (with custom ones, output token ids kept for them). vLLM 0.32:
+def host_input_batch(
+    vllm_config: "VllmConfig", max_num_reqs: int, block_size: int, max_blocks_per_req: int
+) -> "InputBatch":
+    """vLLM's persistent batch on the host: `max_num_reqs` rows, one block table of `block_size` blocks, the
+    model's logits processors (with custom ones, output token ids kept for them). vLLM 0.32:
     `vllm.v1.worker.gpu_input_batch.InputBatch` and `vllm.v1.sample.logits_processor.build_logitsprocs`."""
     from vllm.v1.sample.logits_processor import build_logitsprocs
     from vllm.v1.worker.gpu_input_batch import InputBatch
@@ -81,7 +83,7 @@ def host_input_batch(vllm_config: "VllmConfig", block_size: int, max_blocks_per_
     host = torch.device("cpu")
     custom_logitsprocs = tuple(model_config.logits_processors or ())
     return InputBatch(
-        max_num_reqs=scheduler_config.max_num_seqs,
+        max_num_reqs=max_num_reqs,
         max_model_len=model_config.max_model_len,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         device=host,
