@@ -6,8 +6,8 @@ from tests.environment import TEST_ENVIRONMENT
 
 # Before anything imports vLLM.
 os.environ.update(TEST_ENVIRONMENT)
-# pytest-xdist's workers share the host's cores: one thread each (as the architecture matrix's shards), so that
-# idle OpenMP threads spinning in one worker do not take the core another is tracing on.
+# pytest-xdist's workers share the host's cores: one thread each (as the architecture matrix's shards), so
+# that idle OpenMP threads spinning in one worker do not take the core another is tracing on.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -88,7 +88,7 @@ SETTINGS: tuple[Setting, ...] = (
         "`kv_cache/ops.py`, on every device) or `nki` (AWS's NKI kernels: refused at start-up while none is "
         "bound to the ops; docs/lowering.md#the-kernel-seam-the-kv-write-and-attention-as-custom-ops).",
         Choice(("torch", "nki")),
-        "kv_cache/backend.py",
+        "vllm_neuron/attention_backend.py",
         env="VLLM_NEURON_ATTENTION_KERNELS",
         default="torch",
     ),
