@@ -235,7 +235,7 @@ def test_the_table_shows_verdict_graphs_capacity_and_cost(monkeypatch):
     monkeypatch.setenv("VLLM_NEURON_TARGET", "neuron")
     limits = dict(max_model_len=8192, max_num_seqs=32, max_num_batched_tokens=2048, block_size=32)
     neuron = NeuronConfig.resolve({}, limits)
-    plan = Plan(8192, 32, 2048, 4, neuron)
+    plan = Plan(max_model_len=8192, max_num_batched_tokens=2048, tensor_parallel_size=4, neuron=neuron)
     graph = {
         "call": "decode of 1 request: batch 1 x context 8192",
         "stablehlo_ops": 500,

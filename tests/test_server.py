@@ -189,6 +189,7 @@ BAD_REQUESTS = {
 
 def test_bad_requests_get_4xx_while_a_stream_keeps_going(server, client):
     streamed: list[str] = []
+    usage = []
 
     def long_stream() -> None:
         stream = client.completions.create(
@@ -197,9 +198,12 @@ def test_bad_requests_get_4xx_while_a_stream_keeps_going(server, client):
             max_tokens=60,
             temperature=0,
             stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        streamed.extend(c.choices[0].text for c in stream if c.choices)
+        for chunk in stream:
+            streamed.extend(choice.text for choice in chunk.choices)
+            usage.extend([chunk.usage] if chunk.usage else [])
 
     worker = threading.Thread(target=long_stream)
     worker.start()
@@ -213,7 +217,8 @@ def test_bad_requests_get_4xx_while_a_stream_keeps_going(server, client):
         failures.append(("malformed JSON", status, body))
     worker.join(timeout=120)
     assert not failures
-    assert not worker.is_alive() and len(streamed) >= 50  # one chunk per token (a few may merge)
+    # Every token arrived, in chunks (a busy host merges some).
+    assert not worker.is_alive() and len(streamed) > 1 and [u.completion_tokens for u in usage] == [60]
     after = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3, temperature=0)
     assert after.usage.completion_tokens >= 1
 
