@@ -2,8 +2,10 @@
 previous step's token from the token slots on the device (worker/token_slots.py)."""
 
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from tests.test_sampling import params
@@ -80,6 +82,19 @@ def test_only_a_rows_final_token_is_fed_on_the_device():
     req_ids = ["greedy", "top-p", "top-k-top-p", "partial", "verify"]
     slots = token_slots.final_slots(req_ids, table, [3], {4: [5, 6]}, base=9)
     assert slots == {"greedy": 9, "top-k-top-p": 11}
+
+
+def test_a_decode_row_is_fed_from_its_slot_or_filled_in_by_the_host():
+    """A row whose previous token is final in the slots takes it there; one the graph may have left to the
+    host (NO_TOKEN) is filled in on the host; a row with neither is an error."""
+    previous = SimpleNamespace(final_slots={"a": 7})
+    fills = token_slots.Fills()
+    fills.add(0, "a", previous)
+    fills.add(2, "b", previous)
+    with pytest.raises(RuntimeError, match="neither known nor being sampled"):
+        fills.add(1, "c", None)
+    feed, host = fills.feed([2, 0], np.array([4, 5]), tokens=6)
+    assert feed.tolist() == [0, 0, 0, 0, 0, 7] and host == [(4, "b")]
 
 
 def test_a_graph_reads_the_previous_steps_tokens_and_writes_its_own():

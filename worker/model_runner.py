@@ -31,7 +31,7 @@ from worker import draft_model, sampling_rows, speculation, token_slots, warmup
 from worker.async_steps import DeviceThread, StepOutput
 from worker.background import compile_workers
 from worker.call_inputs import CallInputs, Chunk
-from worker.call_planner import CallPlanner, Fills, fill_previous_tokens
+from worker.call_planner import CallPlanner, StepRows
 from worker.forward import CompiledModel
 from worker.input_batch import PersistentBatch
 from worker.kv_caches import KVCaches
@@ -63,9 +63,7 @@ class NeuronModelRunner:
         self.tokens = TokenCollector(
             Sampler(logprobs_mode=self.model_config.logprobs_mode), self.model_config.get_vocab_size()
         )
-        self.planner = CallPlanner(self.buckets, self.block_size, device, lora=bool(vllm_config.lora_config))
-        self.max_rows = vllm_config.scheduler_config.max_num_seqs
-        self._slot_base = 1  # the half of the token slots the latest step wrote
+        self.slot_halves = token_slots.Halves(vllm_config.scheduler_config.max_num_seqs)
         self.compiled: CompiledModel | None = None
         self.kv_cache = KVCaches(vllm_config, device)
         self.sleep_mode = SleepMode(self.kv_cache)
@@ -74,6 +72,9 @@ class NeuronModelRunner:
             envs.VLLM_NEURON_COMPILE_WORKERS, neuron_device.mode() == "neuron", os.cpu_count() or 1
         )
         self.readiness = Readiness(self.buckets, workers, PROFILES[profile_for(neuron_device.target())])
+        self.planner = CallPlanner(
+            self.buckets, self.block_size, device, self.readiness, lora=bool(vllm_config.lora_config)
+        )
         self.stats = metrics.CallStats()
         self.step_calls: list[Call] = []  # the calls of the latest step (tests, debugging, the step trace)
         # Every rank runs every call; only the driver rank (TP rank 0) records traffic.
@@ -276,7 +277,7 @@ class NeuronModelRunner:
         decode: list[tuple[int, Chunk]] = []
         prefill: list[tuple[int, Chunk]] = []
         partial: list[int] = []
-        fills = Fills()  # rows whose token is still on the device
+        fills = token_slots.Fills()  # rows whose token the previous step is still sampling
         drafts = scheduler_output.scheduled_spec_decode_tokens
         row_drafts: dict[int, list[int]] = {}  # batch row -> its drafts, of decode rows to verify
         lora_slots = self.lora.activate(batch) if self.lora is not None else [0] * batch.num_reqs
@@ -284,9 +285,7 @@ class NeuronModelRunner:
             count = scheduler_output.num_scheduled_tokens[req_id]
             start = int(batch.num_computed_tokens_cpu[row])
             if count == 1 and start == batch.num_tokens_no_spec[row]:
-                if previous is None:
-                    raise RuntimeError(f"request {req_id}: its next token is neither known nor being sampled")
-                fills.add(row, req_id, previous.final_slots)
+                fills.add(row, req_id, previous)
             if req_id in drafts:  # a decode row to verify: its last token, then its draft tokens
                 assert count == 1 + len(drafts[req_id]), (req_id, count, drafts[req_id])
                 # vLLM's scheduler pads a request that joins as a decode row (its whole prompt cached)
@@ -303,9 +302,9 @@ class NeuronModelRunner:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
         parameters = self._sampling_parameters(partial)
-        self._slot_base = slot_base = token_slots.next_base(self._slot_base, self.max_rows)
+        slot_base = self.slot_halves.next()
         planned = self.planner.plan(
-            decode, prefill, parameters, fills, row_drafts, self._random_draws, self.readiness, slot_base
+            StepRows(decode, prefill, parameters, fills, row_drafts, self._random_draws, slot_base)
         )
         host_rows = [
             self.host_sampler_only or self.batch.sampling[req_id].host_reason is not None
@@ -352,7 +351,7 @@ class NeuronModelRunner:
         """Run a step's calls (in the device thread with async scheduling), and start the reads of the
         outputs the step's output needs."""
         if step.previous is not None:
-            fill_previous_tokens(step)
+            token_slots.fill_previous_tokens(step)
         step.device_started = time.perf_counter()
         with self.kv_transfer.around(step.scheduler_output) as step.kv_connector_output:
             staging = self.planner.staging
@@ -457,7 +456,7 @@ class NeuronModelRunner:
         self.batch.append_sampled(step.req_ids, sampled_ids)
         if self.compiled.draft is not None and self.serving:
             self._model_drafts = draft_model.propose(
-                step, sampled_ids, self.batch, speculating, self.planner, self.readiness, self._run_draft
+                step, sampled_ids, self.batch, speculating, self.planner, self._run_draft
             )
         if self.drafter is not None and self.serving:
             wanted = step.scheduler_output.num_spec_tokens_to_schedule

@@ -11,7 +11,8 @@ from vllm.v1.outputs import LogprobsTensors
 
 from vllm_neuron import sampling
 from vllm_neuron.upstream.vllm_runner import Sampler, apply_grammar_bitmask
-from worker.step_state import RunningStep, ToHost, final_rows
+from worker.step_state import RunningStep, ToHost
+from worker.token_slots import final_rows
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu_input_batch import InputBatch

@@ -177,13 +177,3 @@ class RunningStep:
     @property
     def host_bound(self) -> bool:
         return any(self.host_rows)
-
-
-def final_rows(outputs: list[CallOutputs]) -> dict[int, tuple[int, int]]:
-    """Batch row -> (call, row in the call) of the call whose sample is the row's: the last one (a prompt's
-    sub-chunks each sample its row; the last part gives its token)."""
-    final = {}
-    for call_index, out in enumerate(outputs):
-        for j, row in enumerate(out.batch_rows):
-            final[row] = (call_index, j * out.queries)  # a verify row's first query
-    return final
