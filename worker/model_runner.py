@@ -9,7 +9,6 @@ the KV cache (worker/kv_caches.py), sleep mode (worker/sleep_mode.py), speculati
 
 import os
 import time
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,7 +16,7 @@ import torch
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, metrics
@@ -28,7 +27,7 @@ from vllm_neuron.config import NeuronConfig
 from vllm_neuron.graph_plan import GraphPlan
 from vllm_neuron.upstream.vllm_runner import Sampler, strip_speculative_padding
 from worker import draft_model, sampling_rows, speculation, token_slots, warmup
-from worker.async_steps import DeviceThread, StepOutput
+from worker.async_steps import DeviceThread, RunningSteps, StepOutput
 from worker.background import compile_workers
 from worker.call_inputs import CallInputs, Chunk
 from worker.call_planner import CallPlanner, StepRows
@@ -41,7 +40,7 @@ from worker.outputs import TokenCollector
 from worker.readiness import Readiness, lowered_graphs
 from worker.sleep_mode import SleepMode
 from worker.step_metrics import StepMetrics
-from worker.step_state import CallOutputs, RunningStep, StepFigures, ToHost, start_reads
+from worker.step_state import CallOutputs, RunningStep, ToHost, start_reads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,9 +79,7 @@ class NeuronModelRunner:
         # Every rank runs every call; only the driver rank (TP rank 0) records traffic.
         self.tp_rank = get_tensor_model_parallel_rank()
         self.step_metrics = StepMetrics(records_traffic=self.tp_rank == 0)
-        self._pending: RunningStep | None = None  # between execute_model and sample_tokens
-        self._in_flight: RunningStep | None = None  # async scheduling: sampled on the device, output not made
-        self._unrecorded: RunningStep | None = None  # made by the next step; recorded once its calls run
+        self.steps = RunningSteps(self._output, self.step_metrics.record, self.readiness.activity.busy)
         # Async scheduling (vLLM's default): on Trainium a step's calls run on this thread while the engine
         # schedules the next one and processes the previous one's output (worker/async_steps.py).
         self.device_thread = (
@@ -95,9 +92,6 @@ class NeuronModelRunner:
         self.drafter = speculation.Drafter.for_config(vllm_config)
         self.lora = LoRASlots(vllm_config, device, self.device_thread) if vllm_config.lora_config else None
         self._model_drafts: DraftTokenIds | None = None
-        self._step_ended = 0.0  # when the latest step's output was made
-        self._execute_returned = 0.0  # when execute_model last returned
-        self._device_ended = 0.0  # when the latest step's calls finished
 
     @property
     def serving(self) -> bool:
@@ -214,7 +208,7 @@ class NeuronModelRunner:
     # ---- sleep mode (worker/sleep_mode.py) ------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        self._finish_in_flight()
+        self.steps.finish_in_flight()
         self.readiness.pause()  # background compiles run the model on its weights and KV cache
         self.sleep_mode.sleep(level, self.compiled.models)
 
@@ -234,41 +228,40 @@ class NeuronModelRunner:
         # runs: the decode rows whose token is its sample get it on the device thread, once its calls end, so
         # the device waits only for that copy. Otherwise the previous step's output is made first. Either way
         # its figures are recorded once this step's calls run, off the host's critical path.
-        previous = self._in_flight if self._calls_on_a_thread() else None
+        previous = self.steps.in_flight if self._calls_on_a_thread() else None
         if previous is None:
-            self._finish_in_flight(record_later=True)
-        step_start = time.perf_counter()
-        # The engine's time since the previous step (its output made, or with the calls on a thread, since
-        # execute_model returned: its output is made later), while requests kept running (not an idle wait).
-        continuing = bool(scheduler_output.scheduled_cached_reqs.req_ids) and self._step_ended > 0
-        schedule = step_start - max(self._step_ended, self._execute_returned) if continuing else None
+            self.steps.finish_in_flight(record_later=True)
+        started, schedule = self.step_metrics.step_started(scheduler_output)
         self.readiness.activity.busy.set()  # until the step's output is made
         self.batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            self._finish_in_flight(record_later=True)
-            self.readiness.activity.busy.clear()
-            self._record_unrecorded()
-            self._execute_returned = time.perf_counter()
-            return self.kv_transfer.without_forward(scheduler_output)
-        step = self._prepare(scheduler_output, previous, step_start, schedule)
-        self._pending = step
+            return self._without_forward(scheduler_output)
+        self.steps.pending = step = self._prepare(scheduler_output, previous, started, schedule)
         if self.device_thread is not None and self.serving:
             step.outputs = self.device_thread.submit(lambda: self._run_step(step))
         else:
             step.outputs = self._run_step(step)
-        self._finish_in_flight(record_later=True)  # the previous step, while this one's calls run
-        self._record_unrecorded()
-        if self.serving and self.step_metrics.records_traffic:
-            rows = self.batch.input_batch.num_reqs
-            self.step_metrics.sample_usage(step_start, self.batch.block_table[:rows])
-        self._execute_returned = time.perf_counter()
+        self.steps.finish_in_flight(record_later=True)  # the previous step, while this one's calls run
+        self.steps.record_unrecorded()
+        if self.serving:
+            self.step_metrics.sample_usage(started, self.batch.block_table[: self.batch.input_batch.num_reqs])
+        self.step_metrics.execute_returned()
         return None
+
+    def _without_forward(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput:
+        """A step that runs no token (requests finished or preempted only): the previous step's output is
+        made, and a KV connector's transfers go on."""
+        self.steps.finish_in_flight(record_later=True)
+        self.readiness.activity.busy.clear()
+        self.steps.record_unrecorded()
+        self.step_metrics.execute_returned()
+        return self.kv_transfer.without_forward(scheduler_output)
 
     def _prepare(
         self,
         scheduler_output: "SchedulerOutput",
         previous: RunningStep | None,
-        step_start: float,
+        started: float,
         schedule: float | None,
     ) -> RunningStep:
         """The step's rows as decode rows (one token, or a verify row's last token and drafts) and prefill
@@ -318,7 +311,7 @@ class NeuronModelRunner:
             list(batch.req_ids),
             host_rows,
             logprobs,
-            step_start,
+            started,
             schedule,
             drafts=row_drafts,
             final_slots=token_slots.final_slots(batch.req_ids, parameters, partial, row_drafts, slot_base),
@@ -326,7 +319,7 @@ class NeuronModelRunner:
         if fills.from_host:
             step.previous, step.previous_outputs = previous, previous.outputs
         self.step_calls = [item.call for item in planned]
-        step.prepare_seconds = time.perf_counter() - step_start
+        step.prepare_seconds = time.perf_counter() - started
         return step
 
     def _calls_on_a_thread(self) -> bool:
@@ -384,50 +377,7 @@ class NeuronModelRunner:
 
     @torch.no_grad()
     def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput | StepOutput:
-        step, self._pending = self._pending, None
-        if step is None:
-            return EMPTY_MODEL_RUNNER_OUTPUT
-        step.grammar_output = grammar_output
-        if isinstance(step.outputs, Future) and not step.host_bound and grammar_output is None:
-            # Sampled in the graph: the engine goes on while the calls run, and asks for the output later.
-            self._in_flight = step
-            return StepOutput(lambda: self._finish(step))
-        return self._finish(step)
-
-    def _finish_in_flight(self, record_later: bool = False) -> None:
-        step, self._in_flight = self._in_flight, None
-        if step is not None:
-            self._finish(step, record_later)
-
-    @torch.no_grad()
-    def _finish(self, step: RunningStep, record_later: bool = False) -> ModelRunnerOutput:
-        """Make the step's output once, whoever asks first: the engine (in its output thread with several
-        ranks) or the next step (which records its figures after its own calls started)."""
-        with step.lock:
-            if step.result is None:
-                try:
-                    if isinstance(step.outputs, Future):
-                        step.outputs = step.outputs.result()
-                    step.result = self._output(step)
-                except Exception as error:
-                    # A device error can surface at the copy of the outputs, after the call returned.
-                    calls = "; ".join(str(item.call) for item in step.planned)
-                    logger.error("Step failed (its compiled calls: %s): %s", calls, error)
-                    raise
-                finally:
-                    step.tokens_ready.set()
-                    if self._pending is None:  # no later step prepared: the device is idle
-                        self.readiness.activity.busy.clear()
-                if record_later:
-                    self._unrecorded = step
-                else:
-                    self.step_metrics.record(step)
-            return step.result
-
-    def _record_unrecorded(self) -> None:
-        step, self._unrecorded = self._unrecorded, None
-        if step is not None:
-            self.step_metrics.record(step)
+        return self.steps.sample(grammar_output)
 
     def _output(self, step: RunningStep) -> ModelRunnerOutput:
         """The step's tokens on the host, its drafts accepted, and vLLM's output; then the next drafts."""
@@ -462,15 +412,7 @@ class NeuronModelRunner:
             wanted = step.scheduler_output.num_spec_tokens_to_schedule
             self.drafter.propose(self.batch.input_batch, step.req_ids, sampled_ids, speculating, wanted)
         step.tokens = collected.tokens
-        # The host's share: the device's idle time since the previous step's calls ended, while requests kept
-        # running (with async scheduling the engine schedules and processes outputs during calls).
-        host_seconds = None
-        if step.schedule_seconds is not None and self._device_ended:
-            host_seconds = step.device_started - self._device_ended
-        self._device_ended = step.device_ended
-        self._step_ended = ended = time.perf_counter()
-        if self.serving and self.step_metrics.records_traffic:
-            step.figures = StepFigures(ended, ended - start, host_seconds, to_host.bytes, collected.on_host)
+        self.step_metrics.output_made(step, start, to_host.bytes, collected.on_host, self.serving)
         return output
 
     def _run_draft(self, call: Call, inputs: CallInputs) -> torch.Tensor:

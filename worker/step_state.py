@@ -14,6 +14,7 @@ from vllm_neuron import device as neuron_device
 from vllm_neuron.calls import Call
 from worker.call_inputs import CallInputs, HostInputs, PackedCall
 from worker.packed_inputs import StagingBuffers
+from worker.step_metrics import StepFigures
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
@@ -129,15 +130,6 @@ class PlannedCall:
     def send(self, staging: StagingBuffers) -> CallInputs:
         """The call's inputs on the device, sent from the thread that runs it (worker/packed_inputs.py)."""
         return self.packed.send(staging)
-
-
-@dataclass
-class StepFigures:
-    ended: float  # time.perf_counter() when the output was made
-    sample_seconds: float
-    host_seconds: float | None  # the device's idle time since the previous step's calls (None: not after one)
-    to_host_bytes: int
-    sampled_on_host: bool
 
 
 @dataclass
