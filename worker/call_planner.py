@@ -4,7 +4,7 @@ here and packed for one transfer. A decode row whose token the previous step is 
 through the token slots (worker/token_slots.py)."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,9 +14,8 @@ from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import Call, plan_step
 from worker import call_inputs, speculation, token_slots
 from worker.call_inputs import CallInputs, Chunk, HostInputs
-from worker.packed_inputs import StagingBuffers
+from worker.packed_inputs import Packed, StagingBuffers
 from worker.readiness import Readiness
-from worker.step_state import PlannedCall
 from worker.token_slots import Fills
 
 Rows = list[tuple[int, Chunk]]  # (batch row, its chunk of tokens)
@@ -35,6 +34,31 @@ class StepRows:
     # equality).
     random_draws: Callable[[int], torch.Generator | bool | None]
     slot_base: int  # where the step's tokens go in the token slots
+
+
+@dataclass
+class PlannedCall:
+    """One compiled call of a step: its inputs, packed for one transfer on the device thread, and the
+    batch rows of its first logits rows."""
+
+    call: Call
+    host: HostInputs
+    params: np.ndarray  # [logits rows, sampling.PARAMS], as sent
+    token_feed: np.ndarray  # worker/token_slots.py
+    token_keep: np.ndarray
+    batch_rows: list[int]
+    # Decode rows whose token is the previous step's sample that the graph may leave to the host: (index in
+    # input_ids, request id), filled in on the device thread before the inputs are packed.
+    fills: list[tuple[int, str]] = field(default_factory=list)
+    lora: bool = False  # send the LoRA slots too (--enable-lora)
+    packed: Packed | None = None  # None until packed
+
+    def pack(self) -> None:
+        self.packed = self.host.pack(self.params, self.token_feed, self.token_keep, self.lora)
+
+    def send(self, staging: StagingBuffers) -> CallInputs:
+        """The call's inputs on the device, sent from the thread that runs it (worker/packed_inputs.py)."""
+        return self.host.send(staging, self.packed)
 
 
 class CallPlanner:

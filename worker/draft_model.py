@@ -25,10 +25,10 @@ from vllm_neuron.calls import Call, plan_step
 from vllm_neuron.sampling import greedy_tokens
 from vllm_neuron.upstream import vllm_runner
 from vllm_neuron.upstream.vllm_runner import override_forward_context
+from worker.async_steps import RunningStep
 from worker.call_inputs import CallInputs, Chunk
 from worker.call_planner import CallPlanner
 from worker.input_batch import PersistentBatch
-from worker.step_state import RunningStep
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -27,7 +27,7 @@ from vllm_neuron.config import NeuronConfig
 from vllm_neuron.graph_plan import GraphPlan
 from vllm_neuron.upstream.vllm_runner import Sampler, strip_speculative_padding
 from worker import draft_model, sampling_rows, speculation, token_slots, warmup
-from worker.async_steps import DeviceThread, RunningSteps, StepOutput
+from worker.async_steps import DeviceThread, RunningStep, RunningSteps, StepOutput
 from worker.background import compile_workers
 from worker.call_inputs import CallInputs, Chunk
 from worker.call_planner import CallPlanner, StepRows
@@ -36,11 +36,10 @@ from worker.input_batch import PersistentBatch
 from worker.kv_caches import KVCaches
 from worker.kv_transfer import KVTransfer
 from worker.lora_slots import LoRASlots
-from worker.outputs import TokenCollector
+from worker.outputs import CallOutputs, ToHost, TokenCollector, start_reads
 from worker.readiness import Readiness, lowered_graphs
 from worker.sleep_mode import SleepMode
 from worker.step_metrics import StepMetrics
-from worker.step_state import CallOutputs, RunningStep, ToHost, start_reads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

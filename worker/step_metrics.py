@@ -17,7 +17,7 @@ from worker.step_trace import StepTrace
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from worker.step_state import RunningStep
+    from worker.async_steps import RunningStep
 
 
 @dataclass

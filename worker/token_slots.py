@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm_neuron import sampling
-from worker.step_state import CallOutputs, ToHost
+from worker.outputs import ToHost, final_rows
 
 if TYPE_CHECKING:
-    from worker.step_state import RunningStep
+    from worker.async_steps import RunningStep
 
 
 def size(max_rows: int) -> int:
@@ -105,16 +105,6 @@ def final_slots(
         for row, req_id in enumerate(req_ids)
         if row not in skip and not sampling.may_overflow(parameters[row])
     }
-
-
-def final_rows(outputs: list[CallOutputs]) -> dict[int, tuple[int, int]]:
-    """Batch row -> (call, row in the call) of the call whose sample is the row's: the last one (a prompt's
-    sub-chunks each sample its row; the last part gives its token)."""
-    final = {}
-    for call_index, out in enumerate(outputs):
-        for j, row in enumerate(out.batch_rows):
-            final[row] = (call_index, j * out.queries)  # a verify row's first query
-    return final
 
 
 def fill_previous_tokens(step: "RunningStep") -> None:
