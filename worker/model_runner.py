@@ -378,6 +378,7 @@ class NeuronModelRunner:
     def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput | StepOutput:
         return self.steps.sample(grammar_output)
 
+    @torch.no_grad()  # made in the engine's output thread too: dynamo guards on the grad mode
     def _output(self, step: RunningStep) -> ModelRunnerOutput:
         """The step's tokens on the host, its drafts accepted, and vLLM's output; then the next drafts."""
         start, to_host = time.perf_counter(), ToHost()
