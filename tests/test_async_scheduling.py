@@ -29,7 +29,7 @@ def test_a_step_returns_before_its_calls_end_and_its_output_waits_for_them(llm):
 
     def recording(grammar_output):
         output = sample_tokens(grammar_output)
-        outputs.append((output, runner._in_flight))
+        outputs.append((output, runner.steps.in_flight))
         return output
 
     runner.sample_tokens = recording

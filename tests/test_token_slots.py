@@ -2,8 +2,10 @@
 previous step's token from the token slots on the device (worker/token_slots.py)."""
 
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from tests.test_sampling import params
@@ -20,37 +22,37 @@ def test_a_calls_arrays_cross_in_one_transfer_as_views_of_one_buffer(monkeypatch
     monkeypatch.setattr(
         device, "copy_to_device", lambda to, array: transfers.append((to, array.nbytes)) or copy(to, array)
     )
-    arrays = [
-        np.arange(5, dtype=np.int64),
-        np.full((3, 6), 0.25, dtype=np.float32),  # 72 bytes: the next array starts 8-aligned
-        np.arange(12, dtype=np.int64).reshape(3, 4),
-        np.zeros(0, dtype=np.int64),
-        np.array([7], dtype=np.int64),
-    ]
+    arrays = {
+        "a": np.arange(5, dtype=np.int64),
+        "b": np.full((3, 6), 0.25, dtype=np.float32),  # 72 bytes: the next array starts 8-aligned
+        "c": np.arange(12, dtype=np.int64).reshape(3, 4),
+        "d": np.zeros(0, dtype=np.int64),
+        "e": np.array([7], dtype=np.int64),
+    }
     staging = packed_inputs.StagingBuffers(CPU)
     sent = staging.send(packed_inputs.pack(arrays))
-    assert len(transfers) == 1
-    for array, tensor in zip(arrays, sent, strict=True):
+    assert len(transfers) == 1 and list(sent) == list(arrays)
+    for array, tensor in zip(arrays.values(), sent.values(), strict=True):
         assert tensor.is_contiguous() and tensor.numpy().tolist() == array.tolist()
         assert (
             tensor.numpy().dtype == array.dtype and tensor.storage_offset() * tensor.element_size() % 8 == 0
         )
-    assert len({tensor.untyped_storage().data_ptr() for tensor in sent}) == 1
+    assert len({tensor.untyped_storage().data_ptr() for tensor in sent.values()}) == 1
     # The next call of the layout lands in the same buffer: nothing allocated per call.
-    again = staging.send(packed_inputs.pack([array + 1 for array in arrays]))
+    again = staging.send(packed_inputs.pack({name: array + 1 for name, array in arrays.items()}))
     assert transfers[1][0] is transfers[0][0] and staging.nbytes == transfers[0][1]
-    assert again[0].tolist() == [1, 2, 3, 4, 5] and again[0].data_ptr() == sent[0].data_ptr()
+    assert again["a"].tolist() == [1, 2, 3, 4, 5] and again["a"].data_ptr() == sent["a"].data_ptr()
 
 
 def test_each_sending_thread_has_buffers_of_its_own():
     """A transfer from another thread (a background compile, the draft model) never lands in the buffer of a
     call the device thread has yet to run."""
     staging = packed_inputs.StagingBuffers(CPU)
-    packed = packed_inputs.pack([np.arange(4, dtype=np.int64)])
+    packed = packed_inputs.pack({"ids": np.arange(4, dtype=np.int64)})
     here = staging.send(packed)
     with ThreadPoolExecutor(1, thread_name_prefix="other") as pool:
-        there = pool.submit(staging.send, packed_inputs.pack([np.zeros(4, dtype=np.int64)])).result()
-    assert here[0].tolist() == [0, 1, 2, 3] and there[0].tolist() == [0] * 4
+        there = pool.submit(staging.send, packed_inputs.pack({"ids": np.zeros(4, dtype=np.int64)})).result()
+    assert here["ids"].tolist() == [0, 1, 2, 3] and there["ids"].tolist() == [0] * 4
     assert staging.nbytes == 2 * packed.buffer.nbytes
 
 
@@ -80,6 +82,19 @@ def test_only_a_rows_final_token_is_fed_on_the_device():
     req_ids = ["greedy", "top-p", "top-k-top-p", "partial", "verify"]
     slots = token_slots.final_slots(req_ids, table, [3], {4: [5, 6]}, base=9)
     assert slots == {"greedy": 9, "top-k-top-p": 11}
+
+
+def test_a_decode_row_is_fed_from_its_slot_or_filled_in_by_the_host():
+    """A row whose previous token is final in the slots takes it there; one the graph may have left to the
+    host (NO_TOKEN) is filled in on the host; a row with neither is an error."""
+    previous = SimpleNamespace(final_slots={"a": 7})
+    fills = token_slots.Fills()
+    fills.add(0, "a", previous)
+    fills.add(2, "b", previous)
+    with pytest.raises(RuntimeError, match="neither known nor being sampled"):
+        fills.add(1, "c", None)
+    feed, host = fills.feed([2, 0], np.array([4, 5]), tokens=6)
+    assert feed.tolist() == [0, 0, 0, 0, 0, 7] and host == [(4, "b")]
 
 
 def test_a_graph_reads_the_previous_steps_tokens_and_writes_its_own():

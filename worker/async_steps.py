@@ -1,5 +1,6 @@
-"""Async scheduling's two pieces on the runner side: a thread that runs a step's compiled calls, so that
-execute_model returns while they run, and the output vLLM's engine waits on only when it needs the tokens.
+"""Async scheduling's pieces on the runner side: a thread that runs a step's compiled calls, so that
+execute_model returns while they run, the output vLLM's engine waits on only when it needs the tokens, and
+the steps under way between execute_model and their figures on /metrics.
 
 With vLLM's async scheduler the engine schedules step N+1, and processes step N-1's outputs, while step N
 runs. The runner prepares N+1 once N's tokens are on the host (its decode rows' input tokens are N's
@@ -11,11 +12,30 @@ and a second thread doing torch work gets an OpenMP team of its own, which throt
 VLLM_NEURON_DEVICE_THREAD=on runs Trainium's arrangement in CPU mode, for its tests and to measure the
 host time it leaves between calls."""
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
-from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.logger import init_logger
+from vllm.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+
+    from worker.call_planner import PlannedCall
+    from worker.outputs import CallOutputs
+    from worker.step_metrics import StepFigures
+
+logger = init_logger("vllm.vllm_neuron.async_steps")
 
 
 class DeviceThread:
@@ -54,3 +74,108 @@ class StepOutput(AsyncModelRunnerOutput):
 
     def get_output(self) -> ModelRunnerOutput:
         return self._resolve()
+
+
+@dataclass
+class RunningStep:
+    """A step from execute_model until its output is made: its calls run (on the device thread with async
+    scheduling), then sample_tokens or, with async scheduling, the engine or the next step asks for its
+    output (the grammar bitmask arrives in between). Times are time.perf_counter()."""
+
+    scheduler_output: "SchedulerOutput"
+    planned: "list[PlannedCall]"
+    partial_prefill_rows: list[int]
+    # The batch as the step was prepared (the next step may update it before this one's output is made).
+    req_ids: list[str]
+    host_rows: list[bool]  # rows that need vLLM's host sampler: their logits come to the host
+    num_logprobs: int | None  # the most logprobs a row asks for (None: no row asks)
+    started: float  # execute_model
+    schedule_seconds: float | None  # the engine's time since the previous step (None: it may have idled)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> the draft tokens it verifies
+    # Requests whose sampled token is final in the token slots -> its slot (worker/token_slots.py).
+    final_slots: dict[str, int] = field(default_factory=dict)
+    prepare_seconds: float = 0.0
+    outputs: "list[CallOutputs] | Future" = field(default_factory=list)  # in call order: later rows win
+    forward_seconds: float = 0.0
+    device_started: float = 0.0
+    device_ended: float = 0.0
+    grammar_output: "GrammarOutput | None" = None
+    result: ModelRunnerOutput | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    figures: "StepFigures | None" = None  # what /metrics and the step trace get, once the output is made
+    tokens: np.ndarray | None = None  # each row's token, once the output is made
+    tokens_ready: threading.Event = field(default_factory=threading.Event)  # set then (or on failure)
+    # The step still running when this one was prepared, and its outputs: fills come from them.
+    previous: "RunningStep | None" = None
+    previous_outputs: "list[CallOutputs] | Future | None" = None
+    kv_connector_output: KVConnectorOutput | None = None  # --kv-transfer-config: filled once its calls end
+
+    @property
+    def host_bound(self) -> bool:
+        return any(self.host_rows)
+
+
+class RunningSteps:
+    """The runner's steps under way: the one prepared, from execute_model until sample_tokens; with async
+    scheduling the one in flight, until the engine or the next step asks for its output (made once, by
+    `make_output`); and one whose output is made but whose figures wait until the next step's calls run,
+    off the host's critical path (`record`)."""
+
+    def __init__(
+        self,
+        make_output: Callable[[RunningStep], ModelRunnerOutput],
+        record: Callable[[RunningStep], None],
+        busy: threading.Event,
+    ) -> None:
+        self._make_output = make_output
+        self._record = record
+        self._busy = busy  # set while a step runs: background compiles give way
+        self.pending: RunningStep | None = None
+        self.in_flight: RunningStep | None = None
+        self._unrecorded: RunningStep | None = None
+
+    def sample(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput | StepOutput:
+        """sample_tokens: the pending step's output; one sampled in the graph on the device thread is made
+        when the engine asks for it, so that the engine goes on while its calls run."""
+        step, self.pending = self.pending, None
+        if step is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        step.grammar_output = grammar_output
+        if isinstance(step.outputs, Future) and not step.host_bound and grammar_output is None:
+            self.in_flight = step
+            return StepOutput(lambda: self.finish(step))
+        return self.finish(step)
+
+    def finish_in_flight(self, record_later: bool = False) -> None:
+        step, self.in_flight = self.in_flight, None
+        if step is not None:
+            self.finish(step, record_later)
+
+    def finish(self, step: RunningStep, record_later: bool = False) -> ModelRunnerOutput:
+        """Make the step's output once, whoever asks first: the engine (in its output thread with several
+        ranks) or the next step (which records its figures after its own calls started)."""
+        with step.lock:
+            if step.result is None:
+                try:
+                    if isinstance(step.outputs, Future):
+                        step.outputs = step.outputs.result()
+                    step.result = self._make_output(step)
+                except Exception as error:
+                    # A device error can surface at the copy of the outputs, after the call returned.
+                    calls = "; ".join(str(item.call) for item in step.planned)
+                    logger.error("Step failed (its compiled calls: %s): %s", calls, error)
+                    raise
+                finally:
+                    step.tokens_ready.set()
+                    if self.pending is None:  # no later step prepared: the device is idle
+                        self._busy.clear()
+                if record_later:
+                    self._unrecorded = step
+                else:
+                    self._record(step)
+            return step.result
+
+    def record_unrecorded(self) -> None:
+        step, self._unrecorded = self._unrecorded, None
+        if step is not None:
+            self._record(step)

@@ -82,45 +82,32 @@ class HostInputs:
         token_feed: np.ndarray | None = None,
         token_keep: np.ndarray | None = None,
         lora: bool = False,
-    ) -> "PackedCall":
+    ) -> packed_inputs.Packed:
         """Packed for one transfer, with each logits row's sampling parameters (default: greedy), where tokens
         come from and go to in the token slots (default: nowhere) and, with `lora`, the LoRA slots of the
         tokens and the logits rows (without it the call's inputs are as they were)."""
-        host = {
-            "input_ids": self.input_ids,
-            "positions": self.positions,
-            "logits_indices": self.logits_indices,
-            "params": np.zeros((self.rows, sampling.PARAMS), np.float32) if params is None else params,
-            "token_feed": np.zeros(len(self.input_ids), np.int64) if token_feed is None else token_feed,
-            "token_keep": np.zeros(self.rows, np.int64) if token_keep is None else token_keep,
-            "slot_mapping": self.slot_mapping,
-            **{f"table.{name}": array for name, array in (self.table or {}).items()},
-            **{f"paged.{name}": array for name, array in (self.paged or {}).items()},
-            **({"lora_slots": self.lora_slots, "lora_rows": self.lora_rows} if lora else {}),
-        }
-        table = list(self.table) if self.table is not None else None
-        paged = list(self.paged) if self.paged is not None else None
-        return PackedCall(list(host), packed_inputs.pack(list(host.values())), table, paged, self.causal)
+        return packed_inputs.pack(
+            {
+                "input_ids": self.input_ids,
+                "positions": self.positions,
+                "logits_indices": self.logits_indices,
+                "params": np.zeros((self.rows, sampling.PARAMS), np.float32) if params is None else params,
+                "token_feed": np.zeros(len(self.input_ids), np.int64) if token_feed is None else token_feed,
+                "token_keep": np.zeros(self.rows, np.int64) if token_keep is None else token_keep,
+                "slot_mapping": self.slot_mapping,
+                **{f"table.{name}": array for name, array in (self.table or {}).items()},
+                **{f"paged.{name}": array for name, array in (self.paged or {}).items()},
+                **({"lora_slots": self.lora_slots, "lora_rows": self.lora_rows} if lora else {}),
+            }
+        )
 
-    def send(self, staging: StagingBuffers, lora: bool = False) -> CallInputs:
-        """On the device now, from this thread, greedy, its tokens all its own (warm-up's synthetic calls, the
-        draft model's calls)."""
-        return self.pack(lora=lora).send(staging)
-
-
-@dataclass
-class PackedCall:
-    """A call's inputs packed on the host; `send` makes the transfer, from the thread that runs the call."""
-
-    names: list[str]
-    packed: packed_inputs.Packed
-    table: list[str] | None  # the fields of its TableQueries, None without
-    paged: list[str] | None  # the fields of its PageQueries, None without
-    causal: bool
-
-    def send(self, staging: StagingBuffers) -> CallInputs:
-        """On the device, in one transfer into this thread's staging buffer for the call's layout."""
-        sent = dict(zip(self.names, staging.send(self.packed), strict=True))
+    def send(
+        self, staging: StagingBuffers, packed: packed_inputs.Packed | None = None, lora: bool = False
+    ) -> CallInputs:
+        """On the device, in one transfer from this thread into its staging buffer for the call's layout:
+        `packed` (this call's, packed earlier), or greedy, its tokens all its own (warm-up's synthetic calls,
+        the draft model's calls)."""
+        sent = staging.send(packed if packed is not None else self.pack(lora=lora))
         table = {name: sent.pop(f"table.{name}") for name in self.table or ()}
         paged = {name: sent.pop(f"paged.{name}") for name in self.paged or ()}
         metadata = NeuronAttentionMetadata(

@@ -25,11 +25,10 @@ from vllm_neuron.calls import Call, plan_step
 from vllm_neuron.sampling import greedy_tokens
 from vllm_neuron.upstream import vllm_runner
 from vllm_neuron.upstream.vllm_runner import override_forward_context
+from worker.async_steps import RunningStep
 from worker.call_inputs import CallInputs, Chunk
 from worker.call_planner import CallPlanner
 from worker.input_batch import PersistentBatch
-from worker.readiness import Readiness
-from worker.step_state import RunningStep
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,7 +68,6 @@ def propose(
     batch: PersistentBatch,
     speculating: list[bool],
     planner: CallPlanner,
-    readiness: Readiness,
     run_draft: Callable[[Call, CallInputs], torch.Tensor],
 ) -> DraftTokenIds:
     """The draft model's greedy drafts for the step's rows that sampled a token and may speculate: decode
@@ -86,6 +84,7 @@ def propose(
         position = int(input_batch.num_tokens_no_spec[row]) - 1
         if sampled_ids[row] and speculating[row] and position < max_model_len - 1:
             newest[row] = position
+    readiness = planner.readiness
     ready = readiness.ready_graphs if readiness.staging else None
     for index in range(wanted):
         rows = [row for row, position in newest.items() if position + index < max_model_len - 1]

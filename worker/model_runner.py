@@ -9,7 +9,6 @@ the KV cache (worker/kv_caches.py), sleep mode (worker/sleep_mode.py), speculati
 
 import os
 import time
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,7 +16,7 @@ import torch
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, metrics
@@ -28,20 +27,19 @@ from vllm_neuron.config import NeuronConfig
 from vllm_neuron.graph_plan import GraphPlan
 from vllm_neuron.upstream.vllm_runner import Sampler, strip_speculative_padding
 from worker import draft_model, sampling_rows, speculation, token_slots, warmup
-from worker.async_steps import DeviceThread, StepOutput
+from worker.async_steps import DeviceThread, RunningStep, RunningSteps, StepOutput
 from worker.background import compile_workers
 from worker.call_inputs import CallInputs, Chunk
-from worker.call_planner import CallPlanner, Fills, fill_previous_tokens
+from worker.call_planner import CallPlanner, StepRows
 from worker.forward import CompiledModel
 from worker.input_batch import PersistentBatch
 from worker.kv_caches import KVCaches
 from worker.kv_transfer import KVTransfer
 from worker.lora_slots import LoRASlots
-from worker.outputs import TokenCollector
+from worker.outputs import CallOutputs, ToHost, TokenCollector, start_reads
 from worker.readiness import Readiness, lowered_graphs
 from worker.sleep_mode import SleepMode
 from worker.step_metrics import StepMetrics
-from worker.step_state import CallOutputs, RunningStep, StepFigures, ToHost, start_reads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,9 +61,7 @@ class NeuronModelRunner:
         self.tokens = TokenCollector(
             Sampler(logprobs_mode=self.model_config.logprobs_mode), self.model_config.get_vocab_size()
         )
-        self.planner = CallPlanner(self.buckets, self.block_size, device, lora=bool(vllm_config.lora_config))
-        self.max_rows = vllm_config.scheduler_config.max_num_seqs
-        self._slot_base = 1  # the half of the token slots the latest step wrote
+        self.slot_halves = token_slots.Halves(vllm_config.scheduler_config.max_num_seqs)
         self.compiled: CompiledModel | None = None
         self.kv_cache = KVCaches(vllm_config, device)
         self.sleep_mode = SleepMode(self.kv_cache)
@@ -74,14 +70,15 @@ class NeuronModelRunner:
             envs.VLLM_NEURON_COMPILE_WORKERS, neuron_device.mode() == "neuron", os.cpu_count() or 1
         )
         self.readiness = Readiness(self.buckets, workers, PROFILES[profile_for(neuron_device.target())])
+        self.planner = CallPlanner(
+            self.buckets, self.block_size, device, self.readiness, lora=bool(vllm_config.lora_config)
+        )
         self.stats = metrics.CallStats()
         self.step_calls: list[Call] = []  # the calls of the latest step (tests, debugging, the step trace)
         # Every rank runs every call; only the driver rank (TP rank 0) records traffic.
         self.tp_rank = get_tensor_model_parallel_rank()
         self.step_metrics = StepMetrics(records_traffic=self.tp_rank == 0)
-        self._pending: RunningStep | None = None  # between execute_model and sample_tokens
-        self._in_flight: RunningStep | None = None  # async scheduling: sampled on the device, output not made
-        self._unrecorded: RunningStep | None = None  # made by the next step; recorded once its calls run
+        self.steps = RunningSteps(self._output, self.step_metrics.record, self.readiness.activity.busy)
         # Async scheduling (vLLM's default): on Trainium a step's calls run on this thread while the engine
         # schedules the next one and processes the previous one's output (worker/async_steps.py).
         self.device_thread = (
@@ -94,9 +91,6 @@ class NeuronModelRunner:
         self.drafter = speculation.Drafter.for_config(vllm_config)
         self.lora = LoRASlots(vllm_config, device, self.device_thread) if vllm_config.lora_config else None
         self._model_drafts: DraftTokenIds | None = None
-        self._step_ended = 0.0  # when the latest step's output was made
-        self._execute_returned = 0.0  # when execute_model last returned
-        self._device_ended = 0.0  # when the latest step's calls finished
 
     @property
     def serving(self) -> bool:
@@ -213,7 +207,7 @@ class NeuronModelRunner:
     # ---- sleep mode (worker/sleep_mode.py) ------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        self._finish_in_flight()
+        self.steps.finish_in_flight()
         self.readiness.pause()  # background compiles run the model on its weights and KV cache
         self.sleep_mode.sleep(level, self.compiled.models)
 
@@ -233,41 +227,40 @@ class NeuronModelRunner:
         # runs: the decode rows whose token is its sample get it on the device thread, once its calls end, so
         # the device waits only for that copy. Otherwise the previous step's output is made first. Either way
         # its figures are recorded once this step's calls run, off the host's critical path.
-        previous = self._in_flight if self._calls_on_a_thread() else None
+        previous = self.steps.in_flight if self._calls_on_a_thread() else None
         if previous is None:
-            self._finish_in_flight(record_later=True)
-        step_start = time.perf_counter()
-        # The engine's time since the previous step (its output made, or with the calls on a thread, since
-        # execute_model returned: its output is made later), while requests kept running (not an idle wait).
-        continuing = bool(scheduler_output.scheduled_cached_reqs.req_ids) and self._step_ended > 0
-        schedule = step_start - max(self._step_ended, self._execute_returned) if continuing else None
+            self.steps.finish_in_flight(record_later=True)
+        started, schedule = self.step_metrics.step_started(scheduler_output)
         self.readiness.activity.busy.set()  # until the step's output is made
         self.batch.update(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            self._finish_in_flight(record_later=True)
-            self.readiness.activity.busy.clear()
-            self._record_unrecorded()
-            self._execute_returned = time.perf_counter()
-            return self.kv_transfer.without_forward(scheduler_output)
-        step = self._prepare(scheduler_output, previous, step_start, schedule)
-        self._pending = step
+            return self._without_forward(scheduler_output)
+        self.steps.pending = step = self._prepare(scheduler_output, previous, started, schedule)
         if self.device_thread is not None and self.serving:
             step.outputs = self.device_thread.submit(lambda: self._run_step(step))
         else:
             step.outputs = self._run_step(step)
-        self._finish_in_flight(record_later=True)  # the previous step, while this one's calls run
-        self._record_unrecorded()
-        if self.serving and self.step_metrics.records_traffic:
-            rows = self.batch.input_batch.num_reqs
-            self.step_metrics.sample_usage(step_start, self.batch.block_table[:rows])
-        self._execute_returned = time.perf_counter()
+        self.steps.finish_in_flight(record_later=True)  # the previous step, while this one's calls run
+        self.steps.record_unrecorded()
+        if self.serving:
+            self.step_metrics.sample_usage(started, self.batch.block_table[: self.batch.input_batch.num_reqs])
+        self.step_metrics.execute_returned()
         return None
+
+    def _without_forward(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput:
+        """A step that runs no token (requests finished or preempted only): the previous step's output is
+        made, and a KV connector's transfers go on."""
+        self.steps.finish_in_flight(record_later=True)
+        self.readiness.activity.busy.clear()
+        self.steps.record_unrecorded()
+        self.step_metrics.execute_returned()
+        return self.kv_transfer.without_forward(scheduler_output)
 
     def _prepare(
         self,
         scheduler_output: "SchedulerOutput",
         previous: RunningStep | None,
-        step_start: float,
+        started: float,
         schedule: float | None,
     ) -> RunningStep:
         """The step's rows as decode rows (one token, or a verify row's last token and drafts) and prefill
@@ -276,7 +269,7 @@ class NeuronModelRunner:
         decode: list[tuple[int, Chunk]] = []
         prefill: list[tuple[int, Chunk]] = []
         partial: list[int] = []
-        fills = Fills()  # rows whose token is still on the device
+        fills = token_slots.Fills()  # rows whose token the previous step is still sampling
         drafts = scheduler_output.scheduled_spec_decode_tokens
         row_drafts: dict[int, list[int]] = {}  # batch row -> its drafts, of decode rows to verify
         lora_slots = self.lora.activate(batch) if self.lora is not None else [0] * batch.num_reqs
@@ -284,9 +277,7 @@ class NeuronModelRunner:
             count = scheduler_output.num_scheduled_tokens[req_id]
             start = int(batch.num_computed_tokens_cpu[row])
             if count == 1 and start == batch.num_tokens_no_spec[row]:
-                if previous is None:
-                    raise RuntimeError(f"request {req_id}: its next token is neither known nor being sampled")
-                fills.add(row, req_id, previous.final_slots)
+                fills.add(row, req_id, previous)
             if req_id in drafts:  # a decode row to verify: its last token, then its draft tokens
                 assert count == 1 + len(drafts[req_id]), (req_id, count, drafts[req_id])
                 # vLLM's scheduler pads a request that joins as a decode row (its whole prompt cached)
@@ -303,9 +294,9 @@ class NeuronModelRunner:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
         parameters = self._sampling_parameters(partial)
-        self._slot_base = slot_base = token_slots.next_base(self._slot_base, self.max_rows)
+        slot_base = self.slot_halves.next()
         planned = self.planner.plan(
-            decode, prefill, parameters, fills, row_drafts, self._random_draws, self.readiness, slot_base
+            StepRows(decode, prefill, parameters, fills, row_drafts, self._random_draws, slot_base)
         )
         host_rows = [
             self.host_sampler_only or self.batch.sampling[req_id].host_reason is not None
@@ -319,7 +310,7 @@ class NeuronModelRunner:
             list(batch.req_ids),
             host_rows,
             logprobs,
-            step_start,
+            started,
             schedule,
             drafts=row_drafts,
             final_slots=token_slots.final_slots(batch.req_ids, parameters, partial, row_drafts, slot_base),
@@ -327,7 +318,7 @@ class NeuronModelRunner:
         if fills.from_host:
             step.previous, step.previous_outputs = previous, previous.outputs
         self.step_calls = [item.call for item in planned]
-        step.prepare_seconds = time.perf_counter() - step_start
+        step.prepare_seconds = time.perf_counter() - started
         return step
 
     def _calls_on_a_thread(self) -> bool:
@@ -352,7 +343,7 @@ class NeuronModelRunner:
         """Run a step's calls (in the device thread with async scheduling), and start the reads of the
         outputs the step's output needs."""
         if step.previous is not None:
-            fill_previous_tokens(step)
+            token_slots.fill_previous_tokens(step)
         step.device_started = time.perf_counter()
         with self.kv_transfer.around(step.scheduler_output) as step.kv_connector_output:
             staging = self.planner.staging
@@ -385,51 +376,9 @@ class NeuronModelRunner:
 
     @torch.no_grad()
     def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput | StepOutput:
-        step, self._pending = self._pending, None
-        if step is None:
-            return EMPTY_MODEL_RUNNER_OUTPUT
-        step.grammar_output = grammar_output
-        if isinstance(step.outputs, Future) and not step.host_bound and grammar_output is None:
-            # Sampled in the graph: the engine goes on while the calls run, and asks for the output later.
-            self._in_flight = step
-            return StepOutput(lambda: self._finish(step))
-        return self._finish(step)
+        return self.steps.sample(grammar_output)
 
-    def _finish_in_flight(self, record_later: bool = False) -> None:
-        step, self._in_flight = self._in_flight, None
-        if step is not None:
-            self._finish(step, record_later)
-
-    @torch.no_grad()
-    def _finish(self, step: RunningStep, record_later: bool = False) -> ModelRunnerOutput:
-        """Make the step's output once, whoever asks first: the engine (in its output thread with several
-        ranks) or the next step (which records its figures after its own calls started)."""
-        with step.lock:
-            if step.result is None:
-                try:
-                    if isinstance(step.outputs, Future):
-                        step.outputs = step.outputs.result()
-                    step.result = self._output(step)
-                except Exception as error:
-                    # A device error can surface at the copy of the outputs, after the call returned.
-                    calls = "; ".join(str(item.call) for item in step.planned)
-                    logger.error("Step failed (its compiled calls: %s): %s", calls, error)
-                    raise
-                finally:
-                    step.tokens_ready.set()
-                    if self._pending is None:  # no later step prepared: the device is idle
-                        self.readiness.activity.busy.clear()
-                if record_later:
-                    self._unrecorded = step
-                else:
-                    self.step_metrics.record(step)
-            return step.result
-
-    def _record_unrecorded(self) -> None:
-        step, self._unrecorded = self._unrecorded, None
-        if step is not None:
-            self.step_metrics.record(step)
-
+    @torch.no_grad()  # made in the engine's output thread too: dynamo guards on the grad mode
     def _output(self, step: RunningStep) -> ModelRunnerOutput:
         """The step's tokens on the host, its drafts accepted, and vLLM's output; then the next drafts."""
         start, to_host = time.perf_counter(), ToHost()
@@ -457,21 +406,13 @@ class NeuronModelRunner:
         self.batch.append_sampled(step.req_ids, sampled_ids)
         if self.compiled.draft is not None and self.serving:
             self._model_drafts = draft_model.propose(
-                step, sampled_ids, self.batch, speculating, self.planner, self.readiness, self._run_draft
+                step, sampled_ids, self.batch, speculating, self.planner, self._run_draft
             )
         if self.drafter is not None and self.serving:
             wanted = step.scheduler_output.num_spec_tokens_to_schedule
             self.drafter.propose(self.batch.input_batch, step.req_ids, sampled_ids, speculating, wanted)
         step.tokens = collected.tokens
-        # The host's share: the device's idle time since the previous step's calls ended, while requests kept
-        # running (with async scheduling the engine schedules and processes outputs during calls).
-        host_seconds = None
-        if step.schedule_seconds is not None and self._device_ended:
-            host_seconds = step.device_started - self._device_ended
-        self._device_ended = step.device_ended
-        self._step_ended = ended = time.perf_counter()
-        if self.serving and self.step_metrics.records_traffic:
-            step.figures = StepFigures(ended, ended - start, host_seconds, to_host.bytes, collected.on_host)
+        self.step_metrics.output_made(step, start, to_host.bytes, collected.on_host, self.serving)
         return output
 
     def _run_draft(self, call: Call, inputs: CallInputs) -> torch.Tensor:

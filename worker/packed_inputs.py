@@ -28,24 +28,25 @@ Layout = tuple[tuple[int, np.dtype, tuple[int, ...]], ...]  # each array's byte 
 
 @dataclass
 class Packed:
-    """A call's arrays packed into one host buffer, and where each lies in it."""
+    """A call's arrays packed into one host buffer, their names, and where each lies in it."""
 
     buffer: np.ndarray  # uint8
+    names: tuple[str, ...]
     layout: Layout
 
 
-def pack(arrays: list[np.ndarray]) -> Packed:
+def pack(arrays: dict[str, np.ndarray]) -> Packed:
     """The arrays in one host buffer, each at an ALIGN-ed offset."""
     layout, total = [], 0
-    for array in arrays:
+    for array in arrays.values():
         if array.dtype not in _TORCH_DTYPES:
             raise TypeError(f"a call input of dtype {array.dtype}: only {list(_TORCH_DTYPES)} are packed")
         layout.append((total, array.dtype, array.shape))
         total += -(-array.nbytes // ALIGN) * ALIGN
     buffer = np.zeros(total, dtype=np.uint8)
-    for array, (offset, _, _) in zip(arrays, layout, strict=True):
+    for array, (offset, _, _) in zip(arrays.values(), layout, strict=True):
         buffer[offset : offset + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
-    return Packed(buffer, tuple(layout))
+    return Packed(buffer, tuple(arrays), tuple(layout))
 
 
 class StagingBuffers:
@@ -57,16 +58,16 @@ class StagingBuffers:
         self._buffers: dict[tuple[str, Layout | int], torch.Tensor] = {}
         self._lock = threading.Lock()  # the device thread and a background compile may add buffers at once
 
-    def send(self, packed: Packed) -> list[torch.Tensor]:
-        """The packed arrays on the device, in one transfer that does not wait for the device: each a view of
-        this thread's buffer for the layout, with its dtype and shape."""
+    def send(self, packed: Packed) -> dict[str, torch.Tensor]:
+        """The packed arrays on the device, by name, in one transfer that does not wait for the device: each
+        a view of this thread's buffer for the layout, with its dtype and shape."""
         staging = self.send_bytes(packed.buffer, packed.layout)
-        return [
-            staging[offset : offset + int(np.prod(shape)) * dtype.itemsize]
+        return {
+            name: staging[offset : offset + int(np.prod(shape)) * dtype.itemsize]
             .view(_TORCH_DTYPES[dtype])
             .view(shape)
-            for offset, dtype, shape in packed.layout
-        ]
+            for name, (offset, dtype, shape) in zip(packed.names, packed.layout, strict=True)
+        }
 
     def send_bytes(self, buffer: np.ndarray, layout: Layout | None = None) -> torch.Tensor:
         """A host byte buffer (any dtype, viewed as bytes) on the device, in one transfer that does not wait

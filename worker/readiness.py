@@ -204,7 +204,17 @@ class Readiness:
         metrics.COMPILED_GRAPHS.set(self._recorder.num_graphs)
         return seconds
 
-    def report_demand(self, plans: list[CallPlan], ideal: list[CallPlan]) -> None:
+    def plan_calls(self, plan: Callable[[frozenset[GraphKey] | None], list[CallPlan]]) -> list[CallPlan]:
+        """A step's calls, `plan(ready)` on the graphs it may use (None: every graph). While staging, the plan
+        with every graph is asked for too: the demand it shows goes to the background compiles."""
+        if not self.staging:
+            return plan(None)
+        plans = plan(self.ready_graphs)
+        if self.serving:
+            self._report_demand(plans, plan(None))
+        return plans
+
+    def _report_demand(self, plans: list[CallPlan], ideal: list[CallPlan]) -> None:
         """What a step would have saved with every graph (estimated call costs), shared among the pending
         graphs it would have used: the background compiles those first."""
         missing = {plan.call.graph for plan in ideal} - self.ready_graphs

@@ -23,8 +23,9 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm_neuron import sampling
 from vllm_neuron.upstream import vllm_runner
 from worker import sampling_rows
+from worker.async_steps import RunningStep
+from worker.outputs import ToHost
 from worker.sampling_rows import RowSampling
-from worker.step_state import RunningStep, ToHost
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,15 +1,32 @@
 """What each served step leaves on /metrics (vllm_neuron:* series) and in the step trace
 (VLLM_NEURON_STEP_TRACE): its parts' seconds, the bytes it copied to the host, where it sampled, and the KV
 blocks and device memory in use. Only the driver rank (TP rank 0) records, so that Prometheus counters count
-steps once, not once per rank."""
+steps once, not once per rank. Times are time.perf_counter()."""
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kv_cache import layout
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, metrics
-from worker.step_state import RunningStep
 from worker.step_trace import StepTrace
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from worker.async_steps import RunningStep
+
+
+@dataclass
+class StepFigures:
+    ended: float  # when the output was made
+    sample_seconds: float
+    host_seconds: float | None  # the device's idle time since the previous step's calls (None: not after one)
+    to_host_bytes: int
+    sampled_on_host: bool
 
 
 class StepMetrics:
@@ -18,8 +35,36 @@ class StepMetrics:
         path = envs.VLLM_NEURON_STEP_TRACE
         self.trace = StepTrace(path) if path and records_traffic else None
         self._memory_sampled_at = 0.0
+        self._step_ended = 0.0  # when the latest step's output was made
+        self._execute_returned = 0.0  # when execute_model last returned
+        self._device_ended = 0.0  # when the latest step's calls finished
 
-    def record(self, step: RunningStep) -> None:
+    def step_started(self, scheduler_output: "SchedulerOutput") -> tuple[float, float | None]:
+        """A step's start, and the engine's time since the previous step (its output made, or with the calls
+        on a thread, since execute_model returned: its output is made later), while requests kept running
+        (None: it may have idled)."""
+        start = time.perf_counter()
+        continuing = bool(scheduler_output.scheduled_cached_reqs.req_ids) and self._step_ended > 0
+        return start, start - max(self._step_ended, self._execute_returned) if continuing else None
+
+    def execute_returned(self) -> None:
+        self._execute_returned = time.perf_counter()
+
+    def output_made(
+        self, step: "RunningStep", started: float, to_host_bytes: int, on_host: bool, serving: bool
+    ) -> None:
+        """The step's output is made (its making `started`): its figures, once serving. The host's share is
+        the device's idle time since the previous step's calls ended, while requests kept running (with
+        async scheduling the engine schedules and processes outputs during calls)."""
+        host_seconds = None
+        if step.schedule_seconds is not None and self._device_ended:
+            host_seconds = step.device_started - self._device_ended
+        self._device_ended = step.device_ended
+        self._step_ended = ended = time.perf_counter()
+        if serving and self.records_traffic:
+            step.figures = StepFigures(ended, ended - started, host_seconds, to_host_bytes, on_host)
+
+    def record(self, step: "RunningStep") -> None:
         """The step's parts on /metrics and in the step trace."""
         figures = step.figures
         if figures is None:  # warm-up, or a rank that records no traffic
@@ -56,6 +101,8 @@ class StepMetrics:
     def sample_usage(self, now: float, block_table: np.ndarray) -> None:
         """KV blocks held by the batch's requests (`block_table`: their rows), and device memory (at most
         once a second)."""
+        if not self.records_traffic:
+            return
         metrics.KV_BLOCKS_USED.set(len(np.unique(block_table[block_table != layout.NULL_BLOCK])))
         if now - self._memory_sampled_at >= 1.0:
             self._memory_sampled_at = now
