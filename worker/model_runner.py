@@ -61,7 +61,7 @@ class NeuronModelRunner:
         self.tokens = TokenCollector(
             Sampler(logprobs_mode=self.model_config.logprobs_mode), self.model_config.get_vocab_size()
         )
-        self.slot_halves = token_slots.Halves(vllm_config.scheduler_config.max_num_seqs)
+        self.slot_halves = token_slots.Halves(self.neuron_config.max_num_seqs)
         self.compiled: CompiledModel | None = None
         self.kv_cache = KVCaches(vllm_config, device)
         self.sleep_mode = SleepMode(self.kv_cache)
@@ -191,7 +191,7 @@ class NeuronModelRunner:
             self.block_size,
             blocks * self.block_size / max_len,
             max_len,
-            self.vllm_config.scheduler_config.max_num_seqs,
+            self.neuron_config.max_num_seqs,
             self.buckets.prefill_tokens_while_decoding or "unlimited",
         )
         logger.info("%s", sampling_rows.start_up_line(self.host_sampler_only))
