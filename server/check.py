@@ -179,8 +179,8 @@ def _graph_reserve(vllm_config, graphs: list[dict[str, object]]) -> graph_memory
 
 
 def _copy_buckets(vllm_config, figures: ModelFigures) -> tuple[int, ...]:
-    """NIXL's block-copy buckets on a rank at the TP given (worker/nixl_blocks.py): a block's pages of every
-    layer are its KV bytes per token on the rank, block_size times; () without NIXL."""
+    """NIXL's block-copy buckets on a rank at the TP given (worker/kv/nixl_blocks.py): a block's pages of
+    every layer are its KV bytes per token on the rank, block_size times; () without NIXL."""
     transfer = vllm_config.kv_transfer_config
     if transfer is None or transfer.kv_connector not in NIXL_CONNECTORS:
         return ()

@@ -177,7 +177,7 @@ def measure_model(worker: "WorkerBase") -> BuiltModel:
 
 
 def _adapter_bytes(slots, prefix: str, layers: int, vllm_config: "VllmConfig") -> dict[str, Any]:
-    """BuiltModel's adapter fields: the LoRA slots' bytes (worker/lora_slots.py) by decoder layer."""
+    """BuiltModel's adapter fields: the LoRA slots' bytes (worker/lora/slots.py) by decoder layer."""
     per_layer, other = [[0, 0] for _ in range(layers)], [0, 0]
     for name, sizes in slots.bytes_by_module().items():
         found = re.match(rf"{re.escape(prefix)}\.(\d+)\.", name)

@@ -17,7 +17,7 @@ from server import admission
 from vllm_neuron import acceptance, device, host_cpu
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.upstream import vllm_engine, vllm_server
-from worker import sampling_rows
+from worker.step import sampling_rows
 
 ENDPOINT_PLUGIN_NAME = "neuron-info"
 
@@ -80,7 +80,8 @@ def _speculative(vllm_config, buckets) -> dict[str, Any] | None:
         "draft_model": speculative.draft_model_config.model if draft_model else None,
         "verify_tokens": buckets.verify_tokens,
         "verify_graphs": len(buckets.verify_shapes()),
-        # A draft model compiles a graph of its own for each of the plan's shapes (worker/draft_model.py).
+        # A draft model compiles a graph of its own for each of the plan's shapes
+        # (worker/spec_decode/draft_model.py).
         "draft_graphs": buckets.num_graphs if draft_model else 0,
         "applies_to": "requests sampled in the graph without logprobs; others decode a token a step",
     }

@@ -1,12 +1,12 @@
-"""worker.background: the order of staged readiness's background compiles, failures, how many at once, and
-how they stop."""
+"""worker.compiles.background: the order of staged readiness's background compiles, failures, how many at
+once, and how they stop."""
 
 import threading
 import time
 
 import pytest
 
-from worker.background import BackgroundCompiler, compile_workers
+from worker.compiles.background import BackgroundCompiler, compile_workers
 
 GRAPHS = [("prefill", 32, 128), ("prefill", 64, 256), ("decode", 2, 128), ("decode", 4, 256)]
 
@@ -57,7 +57,7 @@ def test_a_negative_number_of_workers_is_refused(monkeypatch):
 
 def test_shutdown_cancels_a_trace_under_way_and_joins_its_thread():
     """A compile thread must not outlive the engine: one left running into the interpreter's exit aborts the
-    process (worker/background.py). Dynamo's trace stops at its next instruction."""
+    process (worker/compiles/background.py). Dynamo's trace stops at its next instruction."""
     import torch
 
     def long_trace(x):  # about 20 s of dynamo's tracing

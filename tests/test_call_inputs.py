@@ -1,4 +1,4 @@
-"""worker.call_inputs: bucket-shaped, padded host inputs of decode and prefill calls."""
+"""worker.step.call_inputs: bucket-shaped, padded host inputs of decode and prefill calls."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -12,7 +12,7 @@ from kv_cache.layout import NULL_BLOCK, allocate
 from kv_cache.ops import page_attention, table_attention, write_kv
 from vllm_neuron.attention_backend import NeuronAttentionImpl
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
-from worker.call_inputs import (
+from worker.step.call_inputs import (
     CallInputs,
     Chunk,
     HostInputs,
@@ -21,7 +21,7 @@ from worker.call_inputs import (
     prefill_inputs,
     verify_inputs,
 )
-from worker.packed_inputs import StagingBuffers
+from worker.step.packed_inputs import StagingBuffers
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4

@@ -4,7 +4,7 @@ thread started are used once their fence is passed, and counted as the step's by
 
 import torch
 
-from worker.outputs import CallOutputs, ToHost
+from worker.step.step_state import CallOutputs, ToHost
 
 
 class ContiguousOnly(ToHost):

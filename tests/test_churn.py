@@ -82,7 +82,7 @@ def test_off_bucket_call_is_refused_in_strict_mode(llm):
     import numpy as np
 
     from vllm_neuron.calls import Call
-    from worker import call_inputs
+    from worker.step import call_inputs
 
     runner = model_runner(llm)
     chunk = call_inputs.Chunk(np.zeros(1, np.int64), 0, np.zeros(8, np.int64))

@@ -1,6 +1,6 @@
 """Stopping an engine while staged readiness still compiles in the background, as Kubernetes stops a pod
 during a rollout: a server's SIGTERM and the end of an LLM script exit 0, with no abort in any process (a
-compile thread left running into the interpreter's exit aborts it: worker/background.py), and the
+compile thread left running into the interpreter's exit aborts it: worker/compiles/background.py), and the
 compiles are cancelled, not waited for."""
 
 import json

@@ -1,8 +1,9 @@
 """Prefill/decode disaggregation through vLLM's KV connector API (issue 41): a prefill server (kv_producer)
 and a decode server (kv_consumer) with vLLM's ExampleConnector over a shared folder, driven by the plugin's
-worker around its compiled steps (worker/kv_transfer.py), give one server's greedy tokens; the decode server
-loads the prompts' KV rather than computing it; neither compiles a graph after warm-up. Start-up refuses the
-connectors and settings the plugin would serve wrong (vllm_neuron/refusals.py: _kv_transfer_refusals)."""
+worker around its compiled steps (worker/kv/kv_transfer.py), give one server's greedy tokens; the decode
+server loads the prompts' KV rather than computing it; neither compiles a graph after warm-up. Start-up
+refuses the connectors and settings the plugin would serve wrong (vllm_neuron/refusals.py:
+_kv_transfer_refusals)."""
 
 import json
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from tests.conftest import FEW_BUCKETS
 from tests.helpers import engine_config, hf_greedy, random_prompt
 from tests.serving import ServerProcess, complete, http, stop_all
 from tests.test_server import metric_values
-from worker.kv_transfer import KVTransfer
+from worker.kv.kv_transfer import KVTransfer
 
 MAX_TOKENS = 8
 BLOCK_SIZE = 32

@@ -20,7 +20,7 @@ def test_platform_is_the_plugin_in_cpu_mode(llm):
     assert isinstance(current_platform, NeuronPlatform)
     assert current_platform.device_type == "cpu"
     runner = model_runner(llm)
-    assert type(runner).__module__ == "worker.model_runner"
+    assert type(runner).__module__ == "worker.step.model_runner"
     assert runner.recorder.num_graphs == EXPECTED_GRAPHS == runner.buckets.num_graphs
 
 

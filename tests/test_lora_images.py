@@ -1,4 +1,4 @@
-"""worker/lora_images.py against vLLM's own in-place slot writes: vLLM's LoRA layers (one slice, two packed
+"""worker/lora/images.py against vLLM's own in-place slot writes: vLLM's LoRA layers (one slice, two packed
 slices, the embedding) at one rank, in a process of their own (the layers need vLLM's parallel groups), on
 fake TorchNeuron (tests/fake_neuron), which sees how the writes reach the device."""
 
@@ -19,7 +19,7 @@ from vllm.lora.layers import (
 )
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from worker.lora_images import SlotImages
+from worker.lora.images import SlotImages
 
 with socket.socket() as probe:
     probe.bind(("127.0.0.1", 0))

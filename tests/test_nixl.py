@@ -1,11 +1,11 @@
 """Prefill/decode disaggregation over NIXL (issue 41): vLLM's NixlConnector, staged through host buffers
-(worker/nixl.py) as on Trainium, moves each prompt's KV from a prefill server to a decode server over UCX on
-127.0.0.1; the decode server gives HF's greedy tokens without computing the prompt, and neither server
-compiles after warm-up. The pages NIXL moves are the blocks of the plugin's head-major cache, copied whole
-by compiled graphs (worker/nixl_blocks.py, tests/test_nixl_blocks.py); peers whose pages differ are
-refused. Both servers run in Neuron mode on fake TorchNeuron, one rank each and then two (vLLM's
-multiprocess executor, a worker per rank): on every rank the block copies break none of its runtime rules.
-The two-rank pair has an FP8 KV cache, whose uint8 pages move as they are."""
+(worker/kv/nixl.py) as on Trainium, moves each prompt's KV from a prefill server to a decode server over UCX
+on 127.0.0.1; the decode server gives HF's greedy tokens without computing the prompt, and neither server
+compiles after warm-up. The pages NIXL moves are the blocks of the plugin's head-major cache, copied whole by
+compiled graphs (worker/kv/nixl_blocks.py, tests/test_nixl_blocks.py); peers whose pages differ are refused.
+Both servers run in Neuron mode on fake TorchNeuron, one rank each and then two (vLLM's multiprocess executor,
+a worker per rank): on every rank the block copies break none of its runtime rules. The two-rank pair has an
+FP8 KV cache, whose uint8 pages move as they are."""
 
 import json
 from pathlib import Path
@@ -24,7 +24,7 @@ from tests.test_neuron_startup import fake_neuron_environment
 from tests.test_server import metric_values
 from vllm_neuron import refusals
 from vllm_neuron.upstream import vllm_nixl
-from worker.nixl import HostStagedNixlConnector, page_layout_mismatch
+from worker.kv.nixl import HostStagedNixlConnector, page_layout_mismatch
 
 MAX_TOKENS = 8
 BLOCK_SIZE = 32

@@ -1,4 +1,4 @@
-"""NIXL's block copies as compiled graphs (worker/nixl_blocks.py): each moves whole blocks between the
+"""NIXL's block copies as compiled graphs (worker/kv/nixl_blocks.py): each moves whole blocks between the
 head-major caches and NIXL's block-major host buffers exactly as indexing the views would, for any block
 count (padded to a bucket, or split past the largest), compiles only at warm-up, and touches the caches only
 inside its graphs. For a float32 cache and an FP8 one (`--kv-cache-dtype fp8`: uint8 e4m3 bits,
@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from kv_cache import layout
 from vllm_neuron.compiler.compile import CompileRecorder
 from vllm_neuron.graph_plan import copy_buckets, max_copy_blocks
-from worker.nixl_blocks import BlockCopier
+from worker.kv.nixl_blocks import BlockCopier
 
 BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE = 12, 4, 2, 3
 LAYERS = ("layers.0", "layers.1", "layers.2")
@@ -24,7 +24,7 @@ MAX_BLOCKS = 4  # buckets 1, 2, 4
 
 
 class Caches(SimpleNamespace):
-    """What the copier reads of worker.kv_caches.KVCaches."""
+    """What the copier reads of worker.kv.kv_caches.KVCaches."""
 
     def by_layer(self) -> dict[str, torch.Tensor]:
         return self.tensors

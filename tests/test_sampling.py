@@ -8,7 +8,7 @@ from vllm.v1.sample.sampler import Sampler
 
 from vllm_neuron import sampling
 from vllm_neuron.compiler.stablehlo import StableHLOBackend
-from worker import sampling_rows
+from worker.step import sampling_rows
 
 VOCAB = 300  # above TOP_K_CAP, so the candidates are a part of the vocabulary
 DRAWS = 100_000  # samples per distribution
@@ -126,7 +126,8 @@ def test_a_top_p_cut_beyond_the_candidates_is_left_to_the_host():
 )
 def test_the_host_knows_which_rows_the_graph_may_leave_to_it(temperature, top_k, top_p):
     """sampling.may_overflow, which decides whether the next step takes a row's token on the device
-    (worker/token_slots.py): a row it clears never comes back NO_TOKEN, whatever the logits, ties included."""
+    (worker/step/token_slots.py): a row it clears never comes back NO_TOKEN, whatever the logits, ties
+    included."""
     table = params(3, temperature=temperature, top_k=top_k, top_p=top_p)
     flat = torch.zeros(3, 4 * sampling.TOP_K_CAP)  # every token tied
     flat[1] = torch.randn(4 * sampling.TOP_K_CAP, generator=torch.Generator().manual_seed(3)) * 0.01

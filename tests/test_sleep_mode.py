@@ -76,7 +76,7 @@ def test_a_request_added_while_asleep_waits_and_is_served_after_wake_up(llm):
 
 
 def test_the_worker_refuses_a_step_while_asleep(llm):
-    from worker import warmup
+    from worker.compiles import warmup
 
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     runner = worker.model_runner

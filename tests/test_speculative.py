@@ -22,7 +22,7 @@ from vllm_neuron import sampling
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import plan_step
 from vllm_neuron.compiler import hlo_text
-from worker.speculation import accepted_sampled, accepted_tokens
+from worker.spec_decode.speculation import accepted_sampled, accepted_tokens
 
 DRAFTS = 3
 SPECULATIVE = {

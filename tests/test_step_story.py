@@ -14,7 +14,7 @@ from vllm import SamplingParams
 
 from tests.conftest import model_runner
 from tests.helpers import generate_ids, random_prompt
-from worker.async_steps import StepOutput
+from worker.step.async_steps import StepOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = tuple(str(ROOT / folder) + "/" for folder in ("vllm_neuron", "worker", "kv_cache", "server"))

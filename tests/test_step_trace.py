@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests.conftest import model_runner
-from worker.step_trace import StepTrace
+from worker.metrics.step_trace import StepTrace
 
 
 def test_each_record_is_a_line_on_disk_at_once_and_close_closes_the_file(tmp_path):

@@ -1,5 +1,5 @@
-"""A call's inputs cross to the device in one transfer (worker/packed_inputs.py), and a decode row takes the
-previous step's token from the token slots on the device (worker/token_slots.py)."""
+"""A call's inputs cross to the device in one transfer (worker/step/packed_inputs.py), and a decode row takes
+the previous step's token from the token slots on the device (worker/step/token_slots.py)."""
 
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.test_sampling import params
-from worker import packed_inputs, token_slots
+from worker.step import packed_inputs, token_slots
 
 CPU = torch.device("cpu")
 

@@ -637,9 +637,9 @@ def test_the_runner_helpers():
 
 
 def test_the_kv_connector_lifecycle_a_step_runs_in(monkeypatch):
-    """worker/kv_transfer.py runs a step's calls inside vLLM's connector lifecycle: the scheduler's metadata
-    bound and a synchronous load started (with the current forward context) on entry; the saves waited for,
-    the transfers collected and the metadata cleared on exit."""
+    """worker/kv/kv_transfer.py runs a step's calls inside vLLM's connector lifecycle: the scheduler's
+    metadata bound and a synchronous load started (with the current forward context) on entry; the saves
+    waited for, the transfers collected and the metadata cleared on exit."""
     from types import SimpleNamespace
     from unittest import mock
 
@@ -666,7 +666,7 @@ def test_the_kv_connector_lifecycle_a_step_runs_in(monkeypatch):
 
 
 def test_the_attention_op_runs_the_connector_hooks_only_with_metadata():
-    """worker/kv_transfer.py unbinds the metadata while the compiled calls run, for this check."""
+    """worker/kv/kv_transfer.py unbinds the metadata while the compiled calls run, for this check."""
     from vllm.model_executor.layers.attention import kv_transfer_utils
 
     hook = inspect.getsource(kv_transfer_utils.maybe_transfer_kv_layer)
@@ -676,10 +676,10 @@ def test_the_attention_op_runs_the_connector_hooks_only_with_metadata():
 
 
 def test_the_nixl_connector_stages_through_host_buffers_by_two_flags():
-    """worker/nixl.py: vLLM's pull connector decides host staging in each side's __init__ from the platform's
-    device type (never for 'cpu'), saves in wait_for_save and loads in its transfer results only where the
-    worker's flag and copy operation are set, ignores the copy operation on 'cpu', and validates each remote
-    engine once (vllm_nixl.check_each_remote); its agent is configured in __init__, where
+    """worker/kv/nixl.py: vLLM's pull connector decides host staging in each side's __init__ from the
+    platform's device type (never for 'cpu'), saves in wait_for_save and loads in its transfer results only
+    where the worker's flag and copy operation are set, ignores the copy operation on 'cpu', and validates
+    each remote engine once (vllm_nixl.check_each_remote); its agent is configured in __init__, where
     vllm_nixl.agent_progress_thread reaches it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler, base_worker, connector
 
@@ -708,7 +708,7 @@ def test_the_nixl_connector_stages_through_host_buffers_by_two_flags():
     with vllm_nixl.agent_progress_thread(False):
         assert base_worker.nixl_agent_config(num_threads=4).enable_pthread is False
     assert base_worker.nixl_agent_config().enable_pthread is True  # nixl's own default, put back
-    # The block copy's calls (worker/nixl_blocks.py): host buffers to the caches' views once a transfer
+    # The block copy's calls (worker/kv/nixl_blocks.py): host buffers to the caches' views once a transfer
     # lands, the views to the host buffers on a save; vLLM's copy_kv_blocks's arguments.
     worker = base_worker.NixlBaseConnectorWorker
     load = "".join(inspect.getsource(worker.sync_recved_kv_to_device).split())
@@ -772,7 +772,7 @@ def test_the_persistent_batch():
     assert not missing, moved(f"InputBatch's {missing}", "vllm_runner")
     assert batch.block_table[0].block_table.np.shape[0] == 2
     fields = {field.name for field in dataclasses.fields(CachedRequestState)}
-    # worker/input_batch.py's fields of a new request.
+    # worker/step/input_batch.py's fields of a new request.
     used = {"req_id", "prompt_token_ids", "prompt_embeds", "prompt_is_token_ids", "mm_features"}
     used |= {"sampling_params", "pooling_params", "generator", "block_ids", "num_computed_tokens"}
     used |= {"output_token_ids", "lora_request"}

@@ -107,7 +107,7 @@ class NeuronAttentionMetadataBuilder(AttentionMetadataBuilder[NeuronAttentionMet
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> NeuronAttentionMetadata:
         raise NotImplementedError(
-            "NeuronAttentionBackend metadata is built by worker.model_runner for bucketed shapes"
+            "NeuronAttentionBackend metadata is built by worker.step.model_runner for bucketed shapes"
         )
 
 

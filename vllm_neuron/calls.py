@@ -3,8 +3,8 @@ no torch.
 
 A `Call` is what the runner runs, what the compile recorder names in a recompile error and a lowered graph's
 label, what the padding metrics count, and what the bucket policy's simulation predicts. `plan_step` is the
-one rule that maps a step's decode rows and prefill chunks to calls: the runner (worker/model_runner.py) and
-the simulation (vllm_neuron/planning/step_simulation.py) both call it. A step becomes one or more calls:
+one rule that maps a step's decode rows and prefill chunks to calls: the runner (worker/step/model_runner.py)
+and the simulation (vllm_neuron/planning/step_simulation.py) both call it. A step becomes one or more calls:
 - prefill: one or more requests' chunks packed in one row of queries (`chunks`), `tokens` real tokens
   padded to `token_bucket`, attending over the context bucket `chunk_context`; a fresh prefill call
   (`chunk_context` 0) runs one request's first chunk over its own keys (buckets.py);

@@ -235,7 +235,7 @@ def mixed_call_prefill_share() -> int:
 def calls_on_a_thread() -> bool:
     """Whether, with async scheduling, a step's compiled calls run on a thread of their own
     (VLLM_NEURON_DEVICE_THREAD; by default on Trainium only: in CPU mode the calls and the host share the
-    same cores, worker/async_steps.py)."""
+    same cores, worker/step/async_steps.py)."""
     choice = envs.VLLM_NEURON_DEVICE_THREAD
     return choice == "on" or (choice == "auto" and mode() == "neuron")
 
@@ -352,15 +352,15 @@ def read_now(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def copy_to_device(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """One host-to-device transfer of a host tensor into a contiguous device tensor of its shape and dtype
-    (a call's packed inputs, worker/packed_inputs.py; a LoRA slot's image, worker/lora_images.py), without
-    waiting for the device: every host-to-device write on the serving path. Non-blocking, TorchNeuron
-    copies the host bytes to a bounce buffer at once and queues the write on the stream, behind the graphs
-    already submitted, so the source may be reused at once; blocking, it then waits until the stream is idle
-    (copy_cpu_to_neuron, csrc/utils/CopyUtils.cpp; KernelExecution.cpp, AllocateBounceBuffer). Every
-    thread's current stream is the device's default stream (c10/neuron/NeuronStream.cpp). A non-contiguous
-    destination would instead round-trip its whole storage through the host (python_ops/cast_policy.py),
-    so it is refused. In CPU mode, a copy in host memory."""
+    """One host-to-device transfer of a host tensor into a contiguous device tensor of its shape and dtype (a
+    call's packed inputs, worker/step/packed_inputs.py; a LoRA slot's image, worker/lora/images.py), without
+    waiting for the device: every host-to-device write on the serving path. Non-blocking, TorchNeuron copies
+    the host bytes to a bounce buffer at once and queues the write on the stream, behind the graphs already
+    submitted, so the source may be reused at once; blocking, it then waits until the stream is idle
+    (copy_cpu_to_neuron, csrc/utils/CopyUtils.cpp; KernelExecution.cpp, AllocateBounceBuffer). Every thread's
+    current stream is the device's default stream (c10/neuron/NeuronStream.cpp). A non-contiguous destination
+    would instead round-trip its whole storage through the host (python_ops/cast_policy.py), so it is refused.
+    In CPU mode, a copy in host memory."""
     if not destination.is_contiguous():
         raise ValueError(
             f"copy_to_device into a non-contiguous tensor (shape {list(destination.shape)}, stride "

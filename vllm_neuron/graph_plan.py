@@ -4,9 +4,9 @@ no torch.
 
 - the model's: one graph per bucket shape of each phase (vllm_neuron/buckets.py);
 - a draft model's (speculative decoding's draft_model method): one beside each of the model's, traced in the
-  same warm-up step (worker/draft_model.py);
+  same warm-up step (worker/spec_decode/draft_model.py);
 - NIXL's block copies (prefill/decode disaggregation): a gather and a scatter per bucket of blocks
-  (worker/nixl_blocks.py), compiled before the model's.
+  (worker/kv/nixl_blocks.py), compiled before the model's.
 """
 
 from dataclasses import dataclass
@@ -62,11 +62,11 @@ class GraphPlan:
 
 def staging_refused(one_rank: bool, kv_connector: bool) -> str | None:
     """Why the model's graphs beyond the minimal set cannot compile while serving (staged readiness,
-    worker/readiness.py), or None where they can."""
+    worker/compiles/readiness.py), or None where they can."""
     if not one_rank:
         return "tensor parallelism: every rank must plan the same calls, so agree on the ready graphs"
     if kv_connector:
         # A background trace of vLLM's attention op would see a serving step's KV connector metadata, and
-        # trace the connector's per-layer hooks (worker/kv_transfer.py).
+        # trace the connector's per-layer hooks (worker/kv/kv_transfer.py).
         return "a KV connector"
     return None

@@ -267,7 +267,7 @@ class NeuronPlatform(Platform):
 
     @classmethod
     def get_nixl_supported_devices(cls) -> dict[str, tuple[str, ...]]:
-        # NIXL cannot register Neuron device memory: it stages KV through host buffers (worker/nixl.py).
+        # NIXL cannot register Neuron device memory: it stages KV through host buffers (worker/kv/nixl.py).
         return {cls.device_type: ("cpu",)}
 
     @classmethod
@@ -284,7 +284,7 @@ class NeuronPlatform(Platform):
 
 
 def _stage_nixl_through_host(vllm_config: "VllmConfig") -> None:
-    """vLLM's NixlConnector becomes the plugin's (worker/nixl.py, the same connector staged through host
+    """vLLM's NixlConnector becomes the plugin's (worker/kv/nixl.py, the same connector staged through host
     buffers), and its buffer device the host's, which vLLM would otherwise take from the device type."""
     transfer = vllm_config.kv_transfer_config
     if transfer is not None and transfer.kv_connector in refusals.NIXL_CONNECTORS:

@@ -83,7 +83,7 @@ def _scheme(args: dict) -> str:
 
 
 def _draft_model_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
-    """What the plugin's draft model runner (worker/draft_model.py) does not do."""
+    """What the plugin's draft model runner (worker/spec_decode/draft_model.py) does not do."""
     speculative = vllm_config.speculative_config
     if speculative is None or speculative.method != "draft_model":
         return {}
@@ -179,12 +179,12 @@ def _raise_refused(refusals: dict[str, bool]) -> None:
             raise UnsupportedConfigError(f"Neuron plugin: {message}")
 
 
-# The KV connectors the worker drives around its compiled steps (worker/kv_transfer.py); NIXL's pull connector
-# through host buffers of its own (worker/nixl.py), which the platform points vLLM's factory to.
+# The KV connectors the worker drives around its compiled steps (worker/kv/kv_transfer.py); NIXL's pull
+# connector through host buffers of its own (worker/kv/nixl.py), which the platform points vLLM's factory to.
 NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector")
 KV_CONNECTORS = ("ExampleConnector", *NIXL_CONNECTORS)
-NIXL_MODULE = "worker.nixl"
-# kv_connector_extra_config's switch for nixl's progress thread in each rank's NIXL agent (worker/nixl.py).
+NIXL_MODULE = "worker.kv.nixl"
+# kv_connector_extra_config's switch for nixl's progress thread in each rank's NIXL agent (worker/kv/nixl.py).
 NIXL_PROGRESS_THREAD = "progress_thread"
 
 

@@ -15,7 +15,7 @@ Speculative decoding's rejection sampling (a random request's draft token d at a
 row's DRAFT column names d, and the graph returns d's probability p(d) under the row's distribution, and a
 token sampled from that distribution with d left out. The host accepts d with probability p(d) (the draft
 is a point mass, as an n-gram proposer's is); otherwise the other token is the row's. Together that draws
-exactly from the distribution (worker/speculation.py).
+exactly from the distribution (worker/spec_decode/speculation.py).
 
 The random draw is one uniform number per row, made on the host (from a seeded request's own generator),
 used by an inverse CDF over the whole vocabulary: chunk sums, a cumulative sum over chunks, then one within

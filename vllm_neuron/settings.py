@@ -96,7 +96,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Folder where the `stablehlo` and `xla` backends write each graph's FX graph and StableHLO (and, "
         "under `xla`, XLA's optimised HLO), named by call (phase and bucket).",
         Text(lower=False),
-        "worker/forward.py",
+        "worker/step/forward.py",
         env="VLLM_NEURON_DUMP_GRAPHS",
         flag="--dump-graphs",
         metavar="DIR",
@@ -107,7 +107,7 @@ SETTINGS: tuple[Setting, ...] = (
         "`1`: a compile after warm-up (a shape outside the buckets) is refused with an error instead of "
         "being counted and logged. For CI and canaries.",
         Switch(),
-        "worker/forward.py",
+        "worker/step/forward.py",
         env="VLLM_NEURON_STRICT_SHAPES",
         flag="--strict-shapes",
         default=False,
@@ -117,7 +117,7 @@ SETTINGS: tuple[Setting, ...] = (
         "decode); the others compile in the background, each used once ready, so no request waits for a "
         "compile. `full`: every graph compiles before /health answers 200. docs/compile-cache.md.",
         Choice(("staged", "full")),
-        "worker/readiness.py",
+        "worker/compiles/readiness.py",
         env="VLLM_NEURON_READINESS",
         flag="--readiness",
         default="staged",
@@ -127,7 +127,7 @@ SETTINGS: tuple[Setting, ...] = (
         "background compiles, and full readiness's after the first two graphs. `0`: one per 16 host CPUs, "
         "1 to 8, on Trainium; 1 in CPU mode.",
         Integer(minimum=0, hint=" (0: automatic)"),
-        "worker/model_runner.py",
+        "worker/step/model_runner.py",
         env="VLLM_NEURON_COMPILE_WORKERS",
         flag="--compile-workers",
         metavar="N",
@@ -139,7 +139,7 @@ SETTINGS: tuple[Setting, ...] = (
         "host sampler on the steps they are in (docs/configuration.md#where-sampling-runs). `host`: every "
         "step copies its logits to the host for vLLM's sampler.",
         Choice(("device", "host")),
-        "worker/sampling_rows.py",
+        "worker/step/sampling_rows.py",
         env="VLLM_NEURON_SAMPLER",
         flag="--sampler",
         default="device",
@@ -160,7 +160,7 @@ SETTINGS: tuple[Setting, ...] = (
         "the host's share, bytes copied from the device and where the step sampled. For finding what makes "
         "a slow token (docs/batching.md).",
         Text(lower=False),
-        "worker/step_metrics.py",
+        "worker/metrics/step_metrics.py",
         env="VLLM_NEURON_STEP_TRACE",
         default="",
         shown_default="unset: no trace",

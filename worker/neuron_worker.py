@@ -13,8 +13,8 @@ from vllm_neuron.compiler import compile_cache, graph_memory
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.quantization import fp8
 from vllm_neuron.upstream import vllm_engine
-from worker import kv_transfer
-from worker.model_runner import NeuronModelRunner
+from worker.kv import kv_transfer
+from worker.step.model_runner import NeuronModelRunner
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from vllm.v1.outputs import AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput
 
-    from worker.lora_slots import LoRASlots
+    from worker.lora.slots import LoRASlots
 
 logger = init_logger("vllm.vllm_neuron.worker")
 

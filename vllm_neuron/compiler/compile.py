@@ -11,7 +11,7 @@ recorder sees every compile, whatever the backend:
 - it records the input shapes of each graph;
 - once armed (after warm-up), a new graph is an unexpected recompile: counted and logged with its shapes,
   or refused with an error in strict mode; except in a thread that `expecting` a graph (staged readiness's
-  background compiles, worker/background.py).
+  background compiles, worker/compiles/background.py).
 """
 
 import logging
@@ -130,7 +130,7 @@ class CompileRecorder:
     @property
     def current_call(self) -> Call | str | None:
         """The model call about to run in this thread, or the label of another graph's run (NIXL's block
-        copies, worker/nixl_blocks.py)."""
+        copies, worker/kv/nixl_blocks.py)."""
         return getattr(self._thread, "call", None)
 
     @current_call.setter

@@ -139,7 +139,7 @@ _OP = re.compile(r"=\s+(?:\"?)((?:stablehlo|chlo|func|tensor|arith)\.[\w.]+)")
 
 # Dynamo's names of what the model holds rather than what a call passes: parameters, buffers, and the tensors
 # its modules keep as attributes (KV caches, LoRA slots), all reached through `self`; and the KV caches NIXL's
-# block copies are handed as `kv_caches` (worker/nixl_blocks.py).
+# block copies are handed as `kv_caches` (worker/kv/nixl_blocks.py).
 _MODEL_STATE = re.compile(r"^l_self_|_parameters_|_buffers_|^l_kv_caches_")
 
 

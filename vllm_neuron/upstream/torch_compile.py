@@ -23,8 +23,8 @@ def wrap_dynamo_step(before_step: Callable[[], None]) -> None:
     (a later call, with any hook, changes nothing).
 
     torch 2.13: replaces `torch._dynamo.symbolic_convert.InstructionTranslatorBase.step`, which the
-    translator's `run` calls once per instruction, with a wrapper (worker/background.py: a compile thread
-    gives the GIL to serving between two instructions)."""
+    translator's `run` calls once per instruction, with a wrapper (worker/compiles/background.py: a compile
+    thread gives the GIL to serving between two instructions)."""
     from torch._dynamo.symbolic_convert import InstructionTranslatorBase
 
     step = InstructionTranslatorBase.step

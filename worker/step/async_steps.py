@@ -15,25 +15,21 @@ host time it leaves between calls."""
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from vllm.logger import init_logger
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     AsyncModelRunnerOutput,
-    KVConnectorOutput,
     ModelRunnerOutput,
 )
 
-if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from worker.step.step_state import RunningStep
 
-    from worker.call_planner import PlannedCall
-    from worker.outputs import CallOutputs
-    from worker.step_metrics import StepFigures
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import GrammarOutput
+
 
 logger = init_logger("vllm.vllm_neuron.async_steps")
 
@@ -74,45 +70,6 @@ class StepOutput(AsyncModelRunnerOutput):
 
     def get_output(self) -> ModelRunnerOutput:
         return self._resolve()
-
-
-@dataclass
-class RunningStep:
-    """A step from execute_model until its output is made: its calls run (on the device thread with async
-    scheduling), then sample_tokens or, with async scheduling, the engine or the next step asks for its
-    output (the grammar bitmask arrives in between). Times are time.perf_counter()."""
-
-    scheduler_output: "SchedulerOutput"
-    planned: "list[PlannedCall]"
-    partial_prefill_rows: list[int]
-    # The batch as the step was prepared (the next step may update it before this one's output is made).
-    req_ids: list[str]
-    host_rows: list[bool]  # rows that need vLLM's host sampler: their logits come to the host
-    num_logprobs: int | None  # the most logprobs a row asks for (None: no row asks)
-    started: float  # execute_model
-    schedule_seconds: float | None  # the engine's time since the previous step (None: it may have idled)
-    drafts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> the draft tokens it verifies
-    # Requests whose sampled token is final in the token slots -> its slot (worker/token_slots.py).
-    final_slots: dict[str, int] = field(default_factory=dict)
-    prepare_seconds: float = 0.0
-    outputs: "list[CallOutputs] | Future" = field(default_factory=list)  # in call order: later rows win
-    forward_seconds: float = 0.0
-    device_started: float = 0.0
-    device_ended: float = 0.0
-    grammar_output: "GrammarOutput | None" = None
-    result: ModelRunnerOutput | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    figures: "StepFigures | None" = None  # what /metrics and the step trace get, once the output is made
-    tokens: np.ndarray | None = None  # each row's token, once the output is made
-    tokens_ready: threading.Event = field(default_factory=threading.Event)  # set then (or on failure)
-    # The step still running when this one was prepared, and its outputs: fills come from them.
-    previous: "RunningStep | None" = None
-    previous_outputs: "list[CallOutputs] | Future | None" = None
-    kv_connector_output: KVConnectorOutput | None = None  # --kv-transfer-config: filled once its calls end
-
-    @property
-    def host_bound(self) -> bool:
-        return any(self.host_rows)
 
 
 class RunningSteps:

@@ -1,11 +1,12 @@
 """One scheduler step on static shapes, as a short story: update the persistent batch, plan the step's
-bucketed calls with their inputs (worker/call_planner.py), run the compiled model and its sampler
-(worker/forward.py), bring the tokens to the host (worker/outputs.py) and make vLLM's output; with async
-scheduling the calls run while the engine schedules the next step (worker/async_steps.py).
+bucketed calls with their inputs (worker/step/call_planner.py), run the compiled model and its sampler
+(worker/step/forward.py), bring the tokens to the host (worker/step/outputs.py) and make vLLM's output; with
+async scheduling the calls run while the engine schedules the next step (worker/step/async_steps.py).
 
-The runner's other jobs live beside it: readiness (warm-up and background compiles, worker/readiness.py),
-the KV cache (worker/kv_caches.py), sleep mode (worker/sleep_mode.py), speculative decoding
-(worker/speculation.py, worker/draft_model.py) and step metrics (worker/step_metrics.py)."""
+The runner's other jobs live beside it: readiness (warm-up and background compiles,
+worker/compiles/readiness.py), the KV cache (worker/kv/kv_caches.py), sleep mode (worker/kv/sleep_mode.py),
+speculative decoding (worker/spec_decode/speculation.py, worker/spec_decode/draft_model.py) and step metrics
+(worker/metrics/step_metrics.py)."""
 
 import os
 import time
@@ -26,20 +27,23 @@ from vllm_neuron.calls import Call
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.graph_plan import GraphPlan
 from vllm_neuron.upstream.vllm_runner import Sampler, strip_speculative_padding
-from worker import draft_model, sampling_rows, speculation, token_slots, warmup
-from worker.async_steps import DeviceThread, RunningStep, RunningSteps, StepOutput
-from worker.background import compile_workers
-from worker.call_inputs import CallInputs, Chunk
-from worker.call_planner import CallPlanner, StepRows
-from worker.forward import CompiledModel
-from worker.input_batch import PersistentBatch
-from worker.kv_caches import KVCaches
-from worker.kv_transfer import KVTransfer
-from worker.lora_slots import LoRASlots
-from worker.outputs import CallOutputs, ToHost, TokenCollector, start_reads
-from worker.readiness import Readiness, lowered_graphs
-from worker.sleep_mode import SleepMode
-from worker.step_metrics import StepMetrics
+from worker.compiles import warmup
+from worker.compiles.background import compile_workers
+from worker.compiles.readiness import Readiness, lowered_graphs
+from worker.kv.kv_caches import KVCaches
+from worker.kv.kv_transfer import KVTransfer
+from worker.kv.sleep_mode import SleepMode
+from worker.lora.slots import LoRASlots
+from worker.metrics.step_metrics import StepMetrics
+from worker.spec_decode import draft_model, speculation
+from worker.step import sampling_rows, token_slots
+from worker.step.async_steps import DeviceThread, RunningSteps, StepOutput
+from worker.step.call_inputs import CallInputs, Chunk
+from worker.step.call_planner import CallPlanner, StepRows
+from worker.step.forward import CompiledModel
+from worker.step.input_batch import PersistentBatch
+from worker.step.outputs import TokenCollector
+from worker.step.step_state import CallOutputs, RunningStep, ToHost, start_reads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,14 +84,14 @@ class NeuronModelRunner:
         self.step_metrics = StepMetrics(records_traffic=self.tp_rank == 0)
         self.steps = RunningSteps(self._output, self.step_metrics.record, self.readiness.activity.busy)
         # Async scheduling (vLLM's default): on Trainium a step's calls run on this thread while the engine
-        # schedules the next one and processes the previous one's output (worker/async_steps.py).
+        # schedules the next one and processes the previous one's output (worker/step/async_steps.py).
         self.device_thread = (
             DeviceThread(threaded=neuron_device.calls_on_a_thread())
             if vllm_config.scheduler_config.async_scheduling
             else None
         )
-        # Speculative decoding: the n-gram drafter, or a draft model (worker/draft_model.py), proposes draft
-        # tokens after each step; the scheduler takes them.
+        # Speculative decoding: the n-gram drafter, or a draft model (worker/spec_decode/draft_model.py),
+        # proposes draft tokens after each step; the scheduler takes them.
         self.drafter = speculation.Drafter.for_config(vllm_config)
         self.lora = LoRASlots(vllm_config, device, self.device_thread) if vllm_config.lora_config else None
         self._model_drafts: DraftTokenIds | None = None
@@ -135,8 +139,8 @@ class NeuronModelRunner:
         self.compiled.attention_layers = self.kv_cache.layers
 
     def warm_up(self) -> float:
-        """Compile a KV connector's block copies, then the graphs serving needs (worker/readiness.py); returns
-        the seconds until serving may start."""
+        """Compile a KV connector's block copies, then the graphs serving needs
+        (worker/compiles/readiness.py); returns the seconds until serving may start."""
         plan = GraphPlan(self.buckets, self.compiled.draft is not None, self.kv_transfer.copy_buckets)
         seconds = self.kv_transfer.warm_up() + self.readiness.warm_up(
             self.compiled.recorder,
@@ -204,7 +208,7 @@ class NeuronModelRunner:
             self.recorder.close()
         self.step_metrics.close()
 
-    # ---- sleep mode (worker/sleep_mode.py) ------------------------------------------------------------
+    # ---- sleep mode (worker/kv/sleep_mode.py) ------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
         self.steps.finish_in_flight()

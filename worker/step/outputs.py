@@ -3,118 +3,21 @@ reads start right after the calls; rows whose top-p cut lay beyond the graph's c
 the host; and on a step with a request the graph cannot sample, vLLM's Sampler over the step's logits (the
 rows the graph sampled keep its tokens)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors
 
-from vllm_neuron import device as neuron_device
 from vllm_neuron import sampling
 from vllm_neuron.upstream.vllm_runner import Sampler, apply_grammar_bitmask
+from worker.step.step_state import ToHost, final_rows
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu_input_batch import InputBatch
 
-    from worker.async_steps import RunningStep
-
-
-@dataclass
-class CallOutputs:
-    """A compiled call's outputs (device tensors), for the batch rows its first rows are."""
-
-    batch_rows: list[int]
-    logits: torch.Tensor
-    token_ids: torch.Tensor
-    logprob_token_ids: torch.Tensor
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
-    draft_probs: torch.Tensor
-    queries: int = 1  # logits rows a batch row has (a verify call's: its last token's, then its drafts')
-    # Outputs whose batch rows are on their way to the host (start_reads), and the fence behind the reads.
-    reads: dict[str, torch.Tensor] = field(default_factory=dict)
-    fence: neuron_device.ReadFence | None = None
-
-    def rows(self, name: str) -> torch.Tensor:
-        """Output `name`'s rows of the batch rows (every query of each), on the device: a contiguous prefix,
-        as a read to the host needs (TorchNeuron makes a strided device view contiguous first, with an eager
-        kernel compiled per shape)."""
-        return getattr(self, name)[: len(self.batch_rows) * self.queries]
-
-    def host(self, name: str, to_host: "ToHost") -> torch.Tensor:
-        """Output `name`'s rows on the host: the read the device thread started, once the device has passed
-        its fence; else a read now, which waits for all the device has queued."""
-        if name in self.reads:
-            return to_host.arrived(self.reads[name], self.fence)
-        return to_host(self.rows(name))
-
-    def part(self, name: str, rows: slice, to_host: "ToHost") -> torch.Tensor:
-        """Some of output `name`'s rows on the host (a top-p overflow's logits): from the started read where
-        there is one, else read now."""
-        if name in self.reads:
-            return self.host(name, to_host)[rows]
-        return to_host(getattr(self, name)[rows])
-
-    def real(self, name: str, to_host: "ToHost") -> torch.Tensor:
-        """The batch rows' output `name` on the host: of each row's first query (a verify row's last
-        token)."""
-        return self.host(name, to_host)[:: self.queries]
-
-    def all_queries(self, name: str, to_host: "ToHost") -> torch.Tensor:
-        """[batch rows, queries, ...]: every query's output `name` on the host (a verify call's)."""
-        host = self.host(name, to_host)
-        return host.view(len(self.batch_rows), self.queries, *host.shape[1:])
-
-
-def start_reads(step: "RunningStep", outputs: list[CallOutputs]) -> None:
-    """On the device thread, right after a step's calls: the outputs the step's output is made of start for
-    the host (the tokens; logprobs where a row asks; logits where a row samples on the host; a verify call's
-    draft probabilities), and a fence goes behind them. The engine thread then waits for the work before
-    the fence only: a read it started itself would queue behind the next step's calls, which async
-    scheduling has submitted by then, and wait for them too."""
-    names = ["token_ids"]
-    if step.num_logprobs is not None:
-        names += ["logprob_token_ids", "logprobs", "ranks"]
-    if step.host_bound:
-        names.append("logits")
-    try:
-        for out in outputs:
-            for name in [*names, "draft_probs"] if out.queries > 1 else names:
-                out.reads[name] = neuron_device.start_read(out.rows(name))
-        fence = neuron_device.ReadFence()
-    except BaseException:
-        neuron_device.synchronize()  # the reads queued so far must land before their host tensors go
-        raise
-    for out in outputs:
-        out.fence = fence
-
-
-class ToHost:
-    """Device-to-host copies of one step, counted in bytes."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.bytes += tensor.numel() * tensor.element_size()
-        return neuron_device.to_host(tensor)
-
-    def arrived(self, host: torch.Tensor, fence: neuron_device.ReadFence) -> torch.Tensor:
-        """A read started earlier, once the device has passed `fence`."""
-        fence.wait()
-        self.bytes += host.numel() * host.element_size()
-        return host
-
-
-def final_rows(outputs: list[CallOutputs]) -> dict[int, tuple[int, int]]:
-    """Batch row -> (call, row in the call) of the call whose sample is the row's: the last one (a prompt's
-    sub-chunks each sample its row; the last part gives its token)."""
-    final = {}
-    for call_index, out in enumerate(outputs):
-        for j, row in enumerate(out.batch_rows):
-            final[row] = (call_index, j * out.queries)  # a verify row's first query
-    return final
+    from worker.step.step_state import RunningStep
 
 
 DeviceLogprobs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # token ids, logprobs, ranks per row

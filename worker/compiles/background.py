@@ -225,9 +225,10 @@ class BackgroundCompiler:
         return self.done.wait(timeout)
 
 
-# Compilers started in this process. An engine shuts its own down (worker/readiness.py: Readiness.stop); one
-# whose engine never did (an in-process LLM at a script's end) is shut down, and its threads joined, before
-# the interpreter finalizes (atexit handlers run first, while daemon threads still run).
+# Compilers started in this process. An engine shuts its own down (worker/compiles/readiness.py:
+# Readiness.stop); one whose engine never did (an in-process LLM at a script's end) is shut down, and its
+# threads joined, before the interpreter finalizes (atexit handlers run first, while daemon threads still
+# run).
 _started: "weakref.WeakSet[BackgroundCompiler]" = weakref.WeakSet()
 
 

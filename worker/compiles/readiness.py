@@ -1,8 +1,8 @@
 """Readiness: the graphs steps may use. Warm-up compiles the graphs serving needs by running synthetic steps
 through the runner (VLLM_NEURON_READINESS=full: every graph; staged, the default: the bucket set's minimal
 graphs, which serve every step), arms the recompile guard, and with staged readiness compiles the others in
-background threads (worker/background.py) while serving, each usable once it has run. Its progress counts
-every graph of the plan (vllm_neuron/graph_plan.py): a draft model's beside each of the model's, NIXL's
+background threads (worker/compiles/background.py) while serving, each usable once it has run. Its progress
+counts every graph of the plan (vllm_neuron/graph_plan.py): a draft model's beside each of the model's, NIXL's
 block copies (compiled before it starts)."""
 
 import threading
@@ -18,8 +18,8 @@ from vllm_neuron.call_costs import CallCosts
 from vllm_neuron.calls import CallPlan
 from vllm_neuron.compiler import compile as neuron_compile
 from vllm_neuron.graph_plan import GraphPlan, staging_refused
-from worker.background import BackgroundCompiler, CompileProgress, ServingActivity
-from worker.warmup import WarmupStep, warmup_steps
+from worker.compiles.background import BackgroundCompiler, CompileProgress, ServingActivity
+from worker.compiles.warmup import WarmupStep, warmup_steps
 
 logger = init_logger("vllm.vllm_neuron.readiness")
 
@@ -238,9 +238,10 @@ class Readiness:
             self._start_background(paused)
 
     def stop(self) -> None:
-        """Engine shutdown: cancel the background compiles and join their threads (worker/background.py
-        says why), for at most STOP_SECONDS: vLLM gives an engine process 5 s after its SIGTERM (an LLM's
-        default) before it kills it. A compile that could not be cancelled in time is waited for at exit."""
+        """Engine shutdown: cancel the background compiles and join their threads
+        (worker/compiles/background.py says why), for at most STOP_SECONDS: vLLM gives an engine process 5 s
+        after its SIGTERM (an LLM's default) before it kills it. A compile that could not be cancelled in time
+        is waited for at exit."""
         if self.background is not None:
             self.background.shutdown(STOP_SECONDS)
 

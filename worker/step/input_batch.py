@@ -4,13 +4,12 @@ Follows the protocol of vLLM's GPU runner (finished requests leave, unscheduled 
 resumed ones join, sampled tokens are appended here because the scheduler does not send them back), without
 pipeline parallelism, which the platform refuses. With speculative decoding the batch holds the tokens the
 runner accepted only (`num_tokens_no_spec`): a step's draft tokens come with the scheduler's output and are
-verified by the runner (worker/model_runner.py, worker/speculation.py), and `append_sampled` appends each
-request's accepted drafts and the token after them. With async scheduling the scheduler's token counts include
-the tokens still being sampled; a step's tokens are appended when its output is made, which with the calls on
-a thread of their own is after the next step updated the batch (its decode rows whose token is not here yet
-take it from the previous step's outputs, worker/model_runner.py).
-Each request's sampling row (worker/sampling_rows.py) is worked out once, when it joins.
-"""
+verified by the runner (worker/step/model_runner.py, worker/spec_decode/speculation.py), and `append_sampled`
+appends each request's accepted drafts and the token after them. With async scheduling the scheduler's token
+counts include the tokens still being sampled; a step's tokens are appended when its output is made, which
+with the calls on a thread of their own is after the next step updated the batch (its decode rows whose token
+is not here yet take it from the previous step's outputs, worker/step/model_runner.py). Each request's
+sampling row (worker/step/sampling_rows.py) is worked out once, when it joins."""
 
 from typing import TYPE_CHECKING
 
@@ -20,8 +19,8 @@ from vllm.sampling_params import SamplingType
 from vllm_neuron.buckets import ceil_div
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.upstream import vllm_runner
-from worker import sampling_rows
-from worker.sampling_rows import RowSampling
+from worker.step import sampling_rows
+from worker.step.sampling_rows import RowSampling
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

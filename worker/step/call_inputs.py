@@ -16,8 +16,8 @@ from kv_cache.layout import NULL_BLOCK, slot_mapping
 from vllm_neuron import sampling
 from vllm_neuron.attention_backend import NeuronAttentionMetadata, PageQueries, TableQueries
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
-from worker import packed_inputs
-from worker.packed_inputs import StagingBuffers
+from worker.step import packed_inputs
+from worker.step.packed_inputs import StagingBuffers
 
 # First position of a padding decode page: past any context (and within int32, for device index types).
 PADDING_PAGE_START = 2**30
@@ -35,7 +35,7 @@ class Chunk:
 
 @dataclass
 class CallInputs:
-    """A call's inputs on the device (views of one transfer, worker/packed_inputs.py)."""
+    """A call's inputs on the device (views of one transfer, worker/step/packed_inputs.py)."""
 
     input_ids: torch.Tensor  # [tokens], as built on the host (see token_feed)
     positions: torch.Tensor  # [tokens]
@@ -43,7 +43,7 @@ class CallInputs:
     metadata: NeuronAttentionMetadata
     params: torch.Tensor  # [rows, sampling.PARAMS]: each logits row's sampling parameters
     # Where each token's id is, in the compiled model's token slots (0: it is input_ids'), and where each
-    # logits row's sampled token goes (0: the null slot): worker/token_slots.py.
+    # logits row's sampled token goes (0: the null slot): worker/step/token_slots.py.
     token_feed: torch.Tensor  # [tokens]
     token_keep: torch.Tensor  # [rows]
     # Each token's and each logits row's LoRA slot (vllm_neuron/lora/punica.py); None without --enable-lora.

@@ -26,10 +26,10 @@ from vllm_neuron import device as neuron_device
 from vllm_neuron.buckets import pick_bucket
 from vllm_neuron.compiler import compile as neuron_compile
 from vllm_neuron.graph_plan import copy_buckets, max_copy_blocks
-from worker.packed_inputs import StagingBuffers
+from worker.step.packed_inputs import StagingBuffers
 
 if TYPE_CHECKING:
-    from worker.kv_caches import KVCaches
+    from worker.kv.kv_caches import KVCaches
 
 _INDEX = np.dtype(np.int64)
 
@@ -80,7 +80,7 @@ class BlockCopier:
     ) -> None:
         self.caches = caches
         self.recorder = recorder
-        self.staging = StagingBuffers(caches.device)  # as a call's inputs: worker/packed_inputs.py
+        self.staging = StagingBuffers(caches.device)  # as a call's inputs: worker/step/packed_inputs.py
         tensors = list(caches.by_layer().values())
         dtypes = {cache.dtype for cache in tensors}
         if len(dtypes) != 1:

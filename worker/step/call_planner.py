@@ -1,10 +1,10 @@
 """A step's compiled calls with their inputs on the device: `calls.plan_step` splits the step's decode rows
 and prefill chunks into bucketed calls, and each call's padded inputs and sampling parameter rows are built
 here and packed for one transfer. A decode row whose token the previous step is still sampling takes it
-through the token slots (worker/token_slots.py)."""
+through the token slots (worker/step/token_slots.py)."""
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,11 +12,13 @@ import torch
 from vllm_neuron import sampling
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import Call, plan_step
-from worker import call_inputs, speculation, token_slots
-from worker.call_inputs import CallInputs, Chunk, HostInputs
-from worker.packed_inputs import Packed, StagingBuffers
-from worker.readiness import Readiness
-from worker.token_slots import Fills
+from worker.compiles.readiness import Readiness
+from worker.spec_decode import speculation
+from worker.step import call_inputs, token_slots
+from worker.step.call_inputs import CallInputs, Chunk, HostInputs
+from worker.step.packed_inputs import StagingBuffers
+from worker.step.step_state import PlannedCall
+from worker.step.token_slots import Fills
 
 Rows = list[tuple[int, Chunk]]  # (batch row, its chunk of tokens)
 
@@ -36,31 +38,6 @@ class StepRows:
     slot_base: int  # where the step's tokens go in the token slots
 
 
-@dataclass
-class PlannedCall:
-    """One compiled call of a step: its inputs, packed for one transfer on the device thread, and the
-    batch rows of its first logits rows."""
-
-    call: Call
-    host: HostInputs
-    params: np.ndarray  # [logits rows, sampling.PARAMS], as sent
-    token_feed: np.ndarray  # worker/token_slots.py
-    token_keep: np.ndarray
-    batch_rows: list[int]
-    # Decode rows whose token is the previous step's sample that the graph may leave to the host: (index in
-    # input_ids, request id), filled in on the device thread before the inputs are packed.
-    fills: list[tuple[int, str]] = field(default_factory=list)
-    lora: bool = False  # send the LoRA slots too (--enable-lora)
-    packed: Packed | None = None  # None until packed
-
-    def pack(self) -> None:
-        self.packed = self.host.pack(self.params, self.token_feed, self.token_keep, self.lora)
-
-    def send(self, staging: StagingBuffers) -> CallInputs:
-        """The call's inputs on the device, sent from the thread that runs it (worker/packed_inputs.py)."""
-        return self.host.send(staging, self.packed)
-
-
 class CallPlanner:
     def __init__(
         self,
@@ -75,7 +52,7 @@ class CallPlanner:
         self.device = device
         self.readiness = readiness  # the graphs a step may use
         self.lora = lora  # send each call's LoRA slots (--enable-lora)
-        self.staging = StagingBuffers(device)  # where each call's inputs land (worker/packed_inputs.py)
+        self.staging = StagingBuffers(device)  # where each call's inputs land (worker/step/packed_inputs.py)
 
     def plan(self, step: StepRows) -> list[PlannedCall]:
         """The step's calls, each sampling the rows of its requests (a sub-chunk's row is sampled again by

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm_neuron import sampling
-from worker.outputs import ToHost, final_rows
+from worker.step.step_state import ToHost, final_rows
 
 if TYPE_CHECKING:
-    from worker.async_steps import RunningStep
+    from worker.step.step_state import RunningStep
 
 
 def size(max_rows: int) -> int:

@@ -22,10 +22,9 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_neuron import sampling
 from vllm_neuron.upstream import vllm_runner
-from worker import sampling_rows
-from worker.async_steps import RunningStep
-from worker.outputs import ToHost
-from worker.sampling_rows import RowSampling
+from worker.step import sampling_rows
+from worker.step.sampling_rows import RowSampling
+from worker.step.step_state import RunningStep, ToHost
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,7 +85,7 @@ class Drafter:
     @classmethod
     def for_config(cls, vllm_config: "VllmConfig") -> "Drafter | None":
         """The n-gram drafter of the engine's speculative config (None: speculative decoding is off, or a
-        draft model proposes: worker/draft_model.py)."""
+        draft model proposes: worker/spec_decode/draft_model.py)."""
         speculative = vllm_config.speculative_config
         if speculative is None or speculative.method != "ngram":
             return None

@@ -1,6 +1,6 @@
 """Speculative decoding with a draft model (vLLM's `draft_model` method): a small model with the target's
 tokenizer proposes each row's next tokens greedily; the target verifies them in its verify calls
-(worker/speculation.py says how they are accepted).
+(worker/spec_decode/speculation.py says how they are accepted).
 
 The draft's attention layers sit in vLLM's KV cache groups beside the target's (vLLM registers them in the
 same forward context), so they share each request's block table. Its graphs have the target's shapes:
@@ -25,10 +25,10 @@ from vllm_neuron.calls import Call, plan_step
 from vllm_neuron.sampling import greedy_tokens
 from vllm_neuron.upstream import vllm_runner
 from vllm_neuron.upstream.vllm_runner import override_forward_context
-from worker.async_steps import RunningStep
-from worker.call_inputs import CallInputs, Chunk
-from worker.call_planner import CallPlanner
-from worker.input_batch import PersistentBatch
+from worker.step.call_inputs import CallInputs, Chunk
+from worker.step.call_planner import CallPlanner
+from worker.step.input_batch import PersistentBatch
+from worker.step.step_state import RunningStep
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_neuron import device as neuron_device
-from worker.kv_caches import KVCaches
+from worker.kv.kv_caches import KVCaches
 
 TAGS = ("weights", "kv_cache")
 

@@ -16,10 +16,10 @@ from vllm_neuron.compiler import compile as neuron_compile
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.lora.punica import LORA_ROWS, LORA_SLOTS
 from vllm_neuron.upstream.vllm_runner import create_forward_context, override_forward_context
-from worker import draft_model
-from worker.call_inputs import CallInputs
-from worker.lora_slots import LoRASlots
-from worker.token_slots import size as token_slot_count
+from worker.lora.slots import LoRASlots
+from worker.spec_decode import draft_model
+from worker.step.call_inputs import CallInputs
+from worker.step.token_slots import size as token_slot_count
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,7 +31,7 @@ class ForwardAndSample(torch.nn.Module):
     """What gets compiled: the model forward, the logits of the rows we keep, and a token sampled from each
     (with each row's parameters, vllm_neuron/sampling.py). The logits stay on the device unless a step needs
     vLLM's host sampler. Decode rows whose token the previous step sampled take it from the token slots,
-    and each row's sample goes there for the next step (worker/token_slots.py); with a draft model the
+    and each row's sample goes there for the next step (worker/step/token_slots.py); with a draft model the
     call's token ids are returned too, for the draft's forward."""
 
     def __init__(self, model: torch.nn.Module, returns_input_ids: bool) -> None:

@@ -4,7 +4,6 @@ blocks and device memory in use. Only the driver rank (TP rank 0) records, so th
 steps once, not once per rank. Times are time.perf_counter()."""
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -12,21 +11,13 @@ import numpy as np
 from kv_cache import layout
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, metrics
-from worker.step_trace import StepTrace
+from worker.metrics.step_trace import StepTrace
+from worker.step.step_state import StepFigures
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from worker.async_steps import RunningStep
-
-
-@dataclass
-class StepFigures:
-    ended: float  # when the output was made
-    sample_seconds: float
-    host_seconds: float | None  # the device's idle time since the previous step's calls (None: not after one)
-    to_host_bytes: int
-    sampled_on_host: bool
+    from worker.step.step_state import RunningStep
 
 
 class StepMetrics:

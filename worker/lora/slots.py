@@ -1,7 +1,7 @@
 """The runner's LoRA side (--enable-lora): vLLM's adapter manager wraps the model's layers before it is
 compiled, each step's adapters are activated into vLLM's fixed slots (each slot written whole from the host,
-worker/lora_images.py), and each batch row gets its slot, which the call inputs carry per token
-(worker/call_inputs.py) and the punica wrapper reads (vllm_neuron/lora/punica.py).
+worker/lora/images.py), and each batch row gets its slot, which the call inputs carry per token
+(worker/step/call_inputs.py) and the punica wrapper reads (vllm_neuron/lora/punica.py).
 docs/research/issue-39-lora.md."""
 
 from collections.abc import Callable
@@ -18,8 +18,8 @@ from vllm_neuron.upstream.vllm_lora import (
     split_stack,
     supports_lora,
 )
-from worker.async_steps import DeviceThread
-from worker.lora_images import SlotImages
+from worker.lora.images import SlotImages
+from worker.step.async_steps import DeviceThread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,7 +62,7 @@ class LoRASlots:
             self.vllm_config, self.device, model.embedding_modules, check=refuse_unservable
         )
         wrapped = self.manager.create_lora_manager(model, self.vllm_config)
-        self.images = SlotImages(self.manager.wrapped_modules())  # worker/lora_images.py
+        self.images = SlotImages(self.manager.wrapped_modules())  # worker/lora/images.py
         self.manager.write_slots_through(self.images)
         return wrapped
 

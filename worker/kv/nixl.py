@@ -6,11 +6,10 @@ runs, kv_cache/layout.py), so NIXL never registers them: vLLM's host-buffer path
 host copy of its block-major view ([blocks, 2 * kv_heads, block_size, head_size]), which NIXL registers and
 reads remotely. After a step's compiled calls, the blocks that step wrote for a request a decode server will
 read are copied to it (wait_for_save); once a transfer lands, its blocks are copied into the cache: both by
-compiled graphs of fixed shape (worker/nixl_blocks.py), set as the copy operation. On Trainium that is vLLM's
-own rule for a device NIXL cannot register (kv_buffer_device "cpu"); vLLM skips it on a 'cpu' device type,
-so CPU mode switches it on, to run the path Trainium runs. Both servers must share the page's layout: the same
-tensor-parallel size and block size (page_layout_mismatch, docs/disaggregation.md).
-"""
+compiled graphs of fixed shape (worker/kv/nixl_blocks.py), set as the copy operation. On Trainium that is
+vLLM's own rule for a device NIXL cannot register (kv_buffer_device "cpu"); vLLM skips it on a 'cpu' device
+type, so CPU mode switches it on, to run the path Trainium runs. Both servers must share the page's layout:
+the same tensor-parallel size and block size (page_layout_mismatch, docs/disaggregation.md)."""
 
 from typing import TYPE_CHECKING
 

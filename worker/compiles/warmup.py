@@ -16,7 +16,7 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from kv_cache.layout import NULL_BLOCK
 from vllm_neuron.buckets import BucketConfig, GraphKey, ceil_div, pick_bucket
 from vllm_neuron.calls import Call
-from worker.call_inputs import Chunk
+from worker.step.call_inputs import Chunk
 
 # Sampler variants: greedy, and one request with every host-side sampling feature, so their first use
 # while serving is not their first use at all.

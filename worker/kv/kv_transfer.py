@@ -6,12 +6,10 @@ that runs them: before them the scheduler's metadata is bound and every layer's 
 after them each layer's cache goes to save_kv_layer and the saves are waited for; vLLM's own lifecycle
 (KVConnectorModelRunnerMixin) collects the finished transfers into the step's output. The connector sees the
 caches through block-major views of the same storage (kv_cache.layout.block_major); a NIXL connector copies
-blocks through them with compiled graphs of its own (worker/nixl_blocks.py), compiled at start-up. No graph
-is traced while serving (with a connector, staged readiness is off: worker/readiness.py), as a trace would
-see a step's connector metadata. Which connectors
-work this way, and what is refused at start-up, is the platform's rule (vllm_neuron/platform.py:
-_kv_transfer_refusals).
-"""
+blocks through them with compiled graphs of its own (worker/kv/nixl_blocks.py), compiled at start-up. No graph
+is traced while serving (with a connector, staged readiness is off: worker/compiles/readiness.py), as a trace
+would see a step's connector metadata. Which connectors work this way, and what is refused at start-up, is the
+platform's rule (vllm_neuron/platform.py: _kv_transfer_refusals)."""
 
 import time
 from collections.abc import Iterator
@@ -40,8 +38,8 @@ from vllm_neuron.upstream.vllm_runner import (
     create_forward_context,
     override_forward_context,
 )
-from worker.kv_caches import KVCaches
-from worker.nixl_blocks import BlockCopier
+from worker.kv.kv_caches import KVCaches
+from worker.kv.nixl_blocks import BlockCopier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,7 +74,7 @@ class KVTransfer:
 
     def register(self, recorder: CompileRecorder) -> None:
         """Hand the connector the caches; a NIXL connector, which stages KV through host buffers
-        (worker/nixl.py), also the block copies, compiled through `recorder`."""
+        (worker/kv/nixl.py), also the block copies, compiled through `recorder`."""
         if not has_kv_transfer_group():
             return
         connector = get_kv_transfer_group()

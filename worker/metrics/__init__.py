@@ -1,0 +1,1 @@
+"""What each served step leaves on /metrics and in the step trace."""
