@@ -113,8 +113,8 @@ class CompiledModel:
             self.draft, _ = neuron_compile.compile_static(
                 draft_model.DraftForward(self.draft_model), backend, num_graphs, recorder=self.recorder
             )
-        max_rows = NeuronConfig.of(vllm_config).max_num_seqs
-        self.token_slots = self.recorder.zeros((token_slot_count(max_rows),), torch.int32, device)
+        max_num_seqs = NeuronConfig.of(vllm_config).max_num_seqs
+        self.token_slots = self.recorder.zeros((token_slot_count(max_num_seqs),), torch.int32, device)
         # The layers whose KV cache a call's metadata describes (the draft model's too): set once the cache is
         # bound to them.
         self.attention_layers: list[str] = []

@@ -25,25 +25,25 @@ if TYPE_CHECKING:
     from worker.step.step_state import RunningStep
 
 
-def size(max_rows: int) -> int:
-    return 1 + 2 * max_rows
+def size(max_num_seqs: int) -> int:
+    return 1 + 2 * max_num_seqs
 
 
-def next_base(previous_base: int, max_rows: int) -> int:
+def next_base(previous_base: int, max_num_seqs: int) -> int:
     """The half a step writes: the other one than the step before it."""
-    return 1 + max_rows if previous_base == 1 else 1
+    return 1 + max_num_seqs if previous_base == 1 else 1
 
 
 class Halves:
     """Which half of the slots the latest step wrote."""
 
-    def __init__(self, max_rows: int) -> None:
-        self.max_rows = max_rows
+    def __init__(self, max_num_seqs: int) -> None:
+        self.max_num_seqs = max_num_seqs
         self.base = 1
 
     def next(self) -> int:
         """The base of the half the next step writes."""
-        self.base = next_base(self.base, self.max_rows)
+        self.base = next_base(self.base, self.max_num_seqs)
         return self.base
 
 
