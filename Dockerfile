@@ -10,7 +10,7 @@
 # The server listens on 0.0.0.0:8000 inside the container; docs/deploy.md has the `docker run` lines.
 # Every version pin is a build argument, declared once below, except the Neuron SDK's pip packages (torch-neuronx,
 # nki, neuronx-cc): pyproject.toml's `neuron` extra holds those, and the image installs the extra.
-# tests/test_deploy.py checks the defaults against pyproject.toml and server/default_model.py.
+# tests/unit/test_deploy.py checks the defaults against pyproject.toml and server/default_model.py.
 
 # Each target on its own OS. `neuron` follows AWS's TorchNeuron install guide of Neuron 2.33.1 ("Quickstart: Install
 # and verify torch-neuronx", modified 2026-10-20): its standalone torch-neuronx wheels support Ubuntu 26.04 only
@@ -186,7 +186,7 @@ ENTRYPOINT ["vllm-neuron", "serve"]
 CMD ["--host", "0.0.0.0", "--port", "8000"]
 
 # ---------------------------------------------------------------------------------------------------------------
-# neuron-runtime: `runtime` on neuron-base (the same lines: tests/test_deploy.py checks they stay the same).
+# neuron-runtime: `runtime` on neuron-base (the same lines: tests/unit/test_deploy.py checks they stay the same).
 FROM neuron-base AS neuron-runtime
 ENV PATH=/opt/venv/bin:${PATH} \
     HOME=/home/vllm \

@@ -60,7 +60,7 @@ test: lint
 models-doc: install
 	$(BIN)/python -m tests.model_matrix --write-doc docs/models.md
 
-# docs/configuration.md's settings table from vllm_neuron/settings.py (tests/test_settings.py checks it is current).
+# docs/configuration.md's settings table from vllm_neuron/settings.py (tests/unit/test_settings.py checks it is current).
 settings-doc: install
 	$(BIN)/python -m vllm_neuron.settings_doc --write-doc docs/configuration.md
 

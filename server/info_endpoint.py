@@ -179,7 +179,7 @@ def describe(vllm_config) -> dict[str, Any]:
         "device_thread": bool(scheduler.async_scheduling) and device.calls_on_a_thread(),
         "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
         "data_parallel_size": vllm_config.parallel_config.data_parallel_size,
-        # The endpoint's published names (tests/test_server.py pins them); decode_context_tokens is the
+        # The endpoint's published names (tests/engine/test_server.py pins them); decode_context_tokens is the
         # context buckets decode calls use (BucketConfig.decode_contexts), not the setting
         # decode_context_buckets.
         "buckets": {

@@ -3,9 +3,8 @@ vLLM's HTTP server starts (see server.lifecycle).
 
 vLLM has no hook between binding the socket and starting the engine, so the three steps of its `run_server`
 (vllm.entrypoints.launchers.api_server.entry) before `run_server_worker` are repeated here; everything after
-is vLLM's own `run_server_worker` (each step: vllm_neuron/upstream/vllm_server.py). tests/test_upstream.py
-fails when vLLM's `run_server` changes.
-"""
+is vLLM's own `run_server_worker` (each step: vllm_neuron/upstream/vllm_server.py).
+tests/unit/test_upstream.py fails when vLLM's `run_server` changes."""
 
 import signal
 import threading

@@ -15,7 +15,7 @@ End: on SIGTERM vLLM drains the requests in flight (--shutdown-timeout) and refu
 /health still answers 200, so a load balancer would keep sending traffic. vLLM has no hook for the drain's
 start: its SIGTERM handler (`serve_http`) starts the drain by calling the engine client's `shutdown`, so
 `app_starting` wraps that method to set `app.state.neuron_draining`, and `HealthWhileDraining` answers 503
-{"status": "draining"} from then on. tests/test_upstream.py pins both vLLM behaviours relied on here (the
+{"status": "draining"} from then on. tests/unit/test_upstream.py pins both vLLM behaviours relied on here (the
 wrapping is vllm_neuron/upstream/vllm_server.py's).
 """
 

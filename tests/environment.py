@@ -26,7 +26,7 @@ TEST_ENVIRONMENT = dict(
     # the whole cache around each write (no bfloat16 scatter), so every call's cost follows its size.
     VLLM_NEURON_CPU_KV_CACHE_BYTES=str(64 * 1024**2),
     # Every graph before the engine serves, so each test sees the calls of the whole bucket set; staged
-    # readiness has its own tests (tests/test_staged_readiness.py).
+    # readiness has its own tests (tests/engine/test_staged_readiness.py).
     VLLM_NEURON_READINESS="full",
 )
 # Tensor-parallel engines: XLA runs one rank's program, so the ranks' graphs (with their collectives) run as

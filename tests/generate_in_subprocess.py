@@ -6,14 +6,13 @@ engines of other dtypes run here, in their own process, with the environment the
     python tests/generate_in_subprocess.py '{"model": DIR, "engine": {}, "prompts": [[1]], "max_tokens": 4}'
 
 Optional keys: "sampling" (a list of {"prompt", "params": SamplingParams keywords}, generated in one batch
-after the greedy prompts: "sampled_tokens"), "churn_bursts" (then run tests/test_churn.py's workload and
-report it), "sleep_level" (then sleep at that level, wake up, reload the weights after level 2, and generate
-again), "wait_background" (then wait until staged readiness's background compiles are done), "metrics" (the
-values of these counters of llm.get_metrics(), summed over labels: "metrics" in the result),
+after the greedy prompts: "sampled_tokens"), "churn_bursts" (then run tests/engine/test_churn.py's workload
+and report it), "sleep_level" (then sleep at that level, wake up, reload the weights after level 2, and
+generate again), "wait_background" (then wait until staged readiness's background compiles are done),
+"metrics" (the values of these counters of llm.get_metrics(), summed over labels: "metrics" in the result),
 "save_dequantized" (a path: the driver rank's FP8 linear weights dequantized, torch.save'd), and with the
-plugin active the result carries each rank's compile_stats (graphs, recompiles after warm-up, KV cache
-shape) and the driver's compile_progress.
-"""
+plugin active the result carries each rank's compile_stats (graphs, recompiles after warm-up, KV cache shape)
+and the driver's compile_progress."""
 
 import json
 import sys
@@ -57,7 +56,7 @@ def main() -> None:
         sampled = [list(o.outputs[0].token_ids) for o in sampled_outputs]
     churn = None
     if request.get("churn_bursts"):
-        from tests.test_churn import run_churn
+        from tests.engine.test_churn import run_churn
 
         free_before = core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         requests, finished, cancelled = run_churn(llm.llm_engine, bursts=request["churn_bursts"])

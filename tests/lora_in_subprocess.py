@@ -1,4 +1,4 @@
-"""Run one LoRA engine in a fresh process and print what tests/test_lora.py checks, as JSON.
+"""Run one LoRA engine in a fresh process and print what tests/engine/test_lora.py checks, as JSON.
 
 An engine built in the pytest process would, at its shutdown, tear down the parallel groups the session's
 shared engine still uses; so the LoRA engine lives here, as tests/generate_in_subprocess.py's do.

@@ -4,7 +4,7 @@ with HF transformers (float32, eager attention), and docs/models.md rendered fro
 
     python -m tests.model_matrix [--only NAME ... | --shard I/N] [--json FILE] [--write-doc docs/models.md]
 
-(`make models-doc` runs it and rewrites docs/models.md; tests/test_model_matrix.py runs it in CI.)
+(`make models-doc` runs it and rewrites docs/models.md; tests/engine/test_model_matrix.py runs it in CI.)
 
 Each case runs in this one process, one engine after another (dynamo's caches are reset between them), so
 the matrix costs one vLLM import. A case the plugin refuses at start-up is recorded with its reason.
@@ -223,8 +223,8 @@ DOC_HEADER = f"""# Models
 
 vLLM's own model code runs through the plugin, so any decoder-only architecture vLLM serves is meant to serve
 here. This page is what the architecture matrix proved, case by case. It is generated: `make models-doc`
-rewrites it, and CI (tests/test_model_matrix.py) fails when a fresh run disagrees with it. For a model of
-your own, `vllm-neuron check MODEL` gives the same verdict before you rent a trn2.
+rewrites it, and CI (tests/engine/test_model_matrix.py) fails when a fresh run disagrees with it. For a model
+of your own, `vllm-neuron check MODEL` gives the same verdict before you rent a trn2.
 
 Each case is a tiny random-weight model built offline from the architecture's transformers config (2
 layers, hidden size 64; the structural features listed kept), served through the plugin in CPU mode with

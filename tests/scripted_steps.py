@@ -1,5 +1,5 @@
-"""A scripted workload and the calls the runner makes at each step of it: tests/test_scheduler_steps.py runs
-it through the engine, tests/test_step_simulation.py through the bucket policy's simulation.
+"""A scripted workload and the calls the runner makes at each step of it: tests/engine/test_scheduler_steps.py
+runs it through the engine, tests/unit/test_step_simulation.py through the bucket policy's simulation.
 
 Engine: max_num_batched_tokens 96, max_num_seqs 4; buckets prefill [32, 64], decode [1, 2, 4],
 context [128, 256], prefill share 64 (tests/conftest.py). vLLM's scheduler serves running requests first,

@@ -1,7 +1,7 @@
 """docs/configuration.md's table of settings, written from vllm_neuron/settings.py.
 
 `make settings-doc` (`python -m vllm_neuron.settings_doc --write-doc docs/configuration.md`) rewrites the
-part of the doc between BEGIN and END; tests/test_settings.py fails while the doc differs from it.
+part of the doc between BEGIN and END; tests/unit/test_settings.py fails while the doc differs from it.
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Writes docs/grafana/vllm-neuron.json: vLLM's latency and throughput panels beside the plugin's series.
 
-    python docs/grafana/build_dashboard.py     (tests/test_dashboard.py checks the file is up to date)
+    python docs/grafana/build_dashboard.py     (tests/unit/test_dashboard.py checks the file is up to date)
 
 Import the JSON in Grafana (Dashboards > New > Import) and pick the Prometheus data source that scrapes
 the server's /metrics.

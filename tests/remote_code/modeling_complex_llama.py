@@ -1,6 +1,7 @@
-"""Remote code of a test model (tests/test_check.py): Llama whose rotary angles are unit complex numbers, as
-Meta's reference Llama code computes them (torch.polar). StableHLO has no complex types in torch-mlir's
-lowering, so its graphs cannot lower: `vllm-neuron check` must say so, naming the op and this file's line."""
+"""Remote code of a test model (tests/engine/test_check.py): Llama whose rotary angles are unit complex
+numbers, as Meta's reference Llama code computes them (torch.polar). StableHLO has no complex types in
+torch-mlir's lowering, so its graphs cannot lower: `vllm-neuron check` must say so, naming the op and this
+file's line."""
 
 import torch
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel, LlamaRotaryEmbedding

@@ -1,9 +1,9 @@
 """XLA's CPU compiler, the closest public stand-in for neuronx-cc's front end: compiles a StableHLO module,
 runs it on torch tensors, and reports what its buffer assignment and cost model make of it.
 
-Every use of jax/jaxlib goes through this module (pinned by tests/test_xla.py): the PJRT CPU client, its
-`compile_and_load`, `execute_sharded`, compiled memory stats, cost analysis and optimised HLO are
-jaxlib's `_jax` extension and `jax._src.xla_bridge`, not public API.
+Every use of jax/jaxlib goes through this module (pinned by tests/engine/test_xla.py): the PJRT CPU client,
+its `compile_and_load`, `execute_sharded`, compiled memory stats, cost analysis and optimised HLO are jaxlib's
+`_jax` extension and `jax._src.xla_bridge`, not public API.
 
 Buffers. Inputs reach XLA as DLPack views of the torch tensors (no copy). A KV cache must be written in
 place, and PJRT updates a donated (must_alias) buffer in place only when it owns the memory and nothing

@@ -3,13 +3,12 @@ computed for many bucket sets at once with numpy. Pure Python and numpy, no torc
 
 vLLM's scheduler never sees the buckets, so the same steps happen whatever the bucket set, and one run can be
 bucketed many ways: that is what makes the bucket search cheap. Each step becomes calls as `calls.plan_step`
-makes them, whose rules this module applies in bulk: decode rows in calls of at most the largest batch
-bucket, the step's first chunk of at most `mixed_chunk_bucket` tokens riding in a decode call whose batch
-bucket has mixed calls (one mixed call), a request's first chunk alone in a fresh call where its bucket has
-a fresh graph (`calls.fresh_calls`), the other chunks packed by `buckets.pack_prefill`. Identical calls
-are stored once with a count, so a long decode-heavy run stays small. tests/test_bucket_policy.py checks the
-bulk figures against `plan_step` and `CallCosts.of` step by step.
-"""
+makes them, whose rules this module applies in bulk: decode rows in calls of at most the largest batch bucket,
+the step's first chunk of at most `mixed_chunk_bucket` tokens riding in a decode call whose batch bucket has
+mixed calls (one mixed call), a request's first chunk alone in a fresh call where its bucket has a fresh graph
+(`calls.fresh_calls`), the other chunks packed by `buckets.pack_prefill`. Identical calls are stored once with
+a count, so a long decode-heavy run stays small. tests/unit/test_bucket_policy.py checks the bulk figures
+against `plan_step` and `CallCosts.of` step by step."""
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass

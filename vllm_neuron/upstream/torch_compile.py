@@ -5,7 +5,7 @@ inductor's precompilation API; and the one patch of a public torch function (tor
 Where torch 2.13 has a public equivalent the plugin uses it instead (torch.compiler.list_backends in
 vllm_neuron/device.py). Each import of a torch internal happens when its function is called:
 vllm_neuron.device imports this module in every process, even `vllm-neuron --help`'s.
-tests/test_upstream.py pins each one; docs/maintaining.md says what to do when one moves.
+tests/unit/test_upstream.py pins each one; docs/maintaining.md says what to do when one moves.
 """
 
 import warnings

@@ -1,7 +1,7 @@
 """vLLM 0.32's internals as the engine side of the plugin reaches them, outside the model runner: the platform
 class, the scheduler's per-step limits, the MoE runner's entry point and the worker's helpers from vLLM's GPU
 worker. vllm_neuron.platform imports this module in every process: each vLLM import happens when its function
-is called. tests/test_upstream.py pins each one; docs/maintaining.md says what to do when one moves.
+is called. tests/unit/test_upstream.py pins each one; docs/maintaining.md says what to do when one moves.
 """
 
 import contextlib

@@ -1,9 +1,8 @@
 """vLLM 0.32's FP8 linear seam as the plugin reaches it: the scaled-mm kernel base class its FP8 linear
-methods call, the public registry that adds a kernel for out-of-tree platforms, the quantization keys a
-kernel is asked to implement, and `vllm._custom_ops.scaled_fp8_quant`, the C op its weight processing calls
-(absent from the CPU and Neuron builds), which the plugin replaces with plain torch. tests/test_upstream.py
-pins what the plugin relies on; docs/maintaining.md says what to do when one moves.
-"""
+methods call, the public registry that adds a kernel for out-of-tree platforms, the quantization keys a kernel
+is asked to implement, and `vllm._custom_ops.scaled_fp8_quant`, the C op its weight processing calls (absent
+from the CPU and Neuron builds), which the plugin replaces with plain torch. tests/unit/test_upstream.py pins
+what the plugin relies on; docs/maintaining.md says what to do when one moves."""
 
 from collections.abc import Callable
 

@@ -1,7 +1,7 @@
 """vLLM 0.32's LoRA seam as the plugin reaches it: the wrapper base class the LoRA layers call, the forward
 context its ops read the call's adapter slots from, the worker-side adapter manager (private attributes read
 here only), and the model manager's activation, whose slot writes the plugin takes over
-(worker/lora/images.py). tests/test_lora_punica.py pins what the wrapper relies on (the abstract ops, the
+(worker/lora/images.py). tests/unit/test_lora_punica.py pins what the wrapper relies on (the abstract ops, the
 layers' stacked weight shapes, the embedding layer reading `_embeddings_indices`); docs/maintaining.md says
 what to do when one moves.
 """

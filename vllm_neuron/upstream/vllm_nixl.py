@@ -1,6 +1,6 @@
 """vLLM 0.32's NIXL connector as worker/kv/nixl.py reaches it: the pull connector it subclasses, and the
-switches that stage its KV through host memory. tests/test_upstream.py pins each one; docs/maintaining.md says
-what to do when one moves. Imported only where a NIXL connector is created."""
+switches that stage its KV through host memory. tests/unit/test_upstream.py pins each one; docs/maintaining.md
+says what to do when one moves. Imported only where a NIXL connector is created."""
 
 import functools
 from collections.abc import Callable, Iterator

@@ -1,9 +1,8 @@
-"""vLLM 0.32's internals as the model runner and its parts reach them: helpers of vLLM's GPU model runner,
-its persistent batch (InputBatch), the speculative-decoding proposers and the forward context. The helpers the
+"""vLLM 0.32's internals as the model runner and its parts reach them: helpers of vLLM's GPU model runner, its
+persistent batch (InputBatch), the speculative-decoding proposers and the forward context. The helpers the
 runner calls as they are are re-exported here, the same objects (the forward context's run inside traced
-code); the rest are small functions. tests/test_upstream.py pins each one; docs/maintaining.md says what to do
-when one moves.
-"""
+code); the rest are small functions. tests/unit/test_upstream.py pins each one; docs/maintaining.md says what
+to do when one moves."""
 
 from typing import TYPE_CHECKING, Any
 

@@ -1,7 +1,7 @@
 """vLLM 0.32's internals as the API server and `serve`'s command line reach them: methods of the engine
 client replaced on the instance, the steps of vLLM's `run_server`, the `serve` subcommand's parser and the API
 key check. Each vLLM import happens when its function is called (server/cli.py answers --help without
-loading the engine). tests/test_upstream.py pins each one; docs/maintaining.md says what to do when one
+loading the engine). tests/unit/test_upstream.py pins each one; docs/maintaining.md says what to do when one
 moves.
 """
 

@@ -2,7 +2,7 @@
 rules, so that an engine started with VLLM_NEURON_DEVICE=neuron on a host without Trainium fails where the
 plugin would break them on Trainium.
 
-Use: put tests/fake_neuron on the PYTHONPATH of an engine process (tests/test_neuron_startup.py does).
+Use: put tests/fake_neuron on the PYTHONPATH of an engine process (tests/engine/test_neuron_startup.py does).
 
 The seam: tensors stay on the host. Python alone cannot give a torch device memory, so on import this module
 sets `vllm_neuron.device.TENSOR_DEVICE_TYPE = "cpu"` (documented there); everything else runs the plugin's

@@ -1,7 +1,7 @@
 """The fake's `neuron` compile backend: TorchNeuron's stages as its source runs them
 (torch_neuronx/neuron_dynamo_backend at parmoham-aws/test-repo-parmoham@98154b8), up to the StableHLO it hands
 neuronx-cc, written here from that source, apart from the plugin's rehearsal (vllm_neuron/compiler), so that
-a slip in either shows as a difference between the two modules (tests/test_neuron_startup.py):
+a slip in either shows as a difference between the two modules (tests/engine/test_neuron_startup.py):
 1. `backend.py` `neuron_backend_wrapper`: `preprocess_graph`, whose `AliasingAnalysis`
    (`fx/passes/aliasing_analysis.py`) reads the dynamo graph for inputs written in place;
 2. AOTAutograd with `keep_inference_input_mutations=True` and TorchNeuron's decomposition table;
