@@ -8,7 +8,7 @@ samples): what stays on the host's critical path, with the device idle, is the c
 N+1's input preparation. On Trainium the calls go to a thread of their own, so that execute_model returns
 while the device runs them. In CPU mode they run in the caller's thread: the device is the host's cores,
 and a second thread doing torch work gets an OpenMP team of its own, which throttles both teams' spinning
-(more OpenMP threads than cores): a batch-1 decode call took 57 ms on the thread against 38 ms inline.
+(more OpenMP threads than cores) and makes each call slower than inline.
 VLLM_NEURON_DEVICE_THREAD=on runs Trainium's arrangement in CPU mode, for its tests and to measure the
 host time it leaves between calls."""
 
