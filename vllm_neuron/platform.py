@@ -11,7 +11,7 @@ from vllm.platforms.interface import Platform
 from kv_cache import kernels
 from kv_cache.fp8 import FP8_KV_CACHE_DTYPES
 from vllm_neuron import device as neuron_device
-from vllm_neuron import envs, host_cpu, parallel, refusals
+from vllm_neuron import envs, host_cpu, parallel, process_exit, refusals
 from vllm_neuron.config import (
     DEFAULT_BLOCK_SIZE,
     NeuronConfig,
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
 logger = init_logger("vllm.vllm_neuron.platform")
+
+process_exit.skip_final_collections_in_child()  # an engine process exits within vLLM's 5 s after SIGTERM
 
 WORKER_CLS = "worker.neuron_worker.NeuronWorker"
 SCHEDULER_CLS = "vllm_neuron.scheduler.NeuronScheduler"

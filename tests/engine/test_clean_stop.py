@@ -16,6 +16,10 @@ from tests.conftest import ENGINE_KWARGS
 from tests.helpers import random_prompt
 from tests.serving import ServerProcess, complete, http
 
+# vLLM kills an engine process 5 s after its SIGTERM: the exit is timed, so no other worker's engines share
+# the host meanwhile.
+pytestmark = pytest.mark.alone
+
 # The stablehlo backend: a background compile is then mostly dynamo's tracing and the lowering, in and out of
 # torch's ops, where a thread left running aborts the exit and where cancelling stops it; under xla
 # most of a compile is XLA's own, which nothing cancels.
