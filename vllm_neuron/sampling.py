@@ -37,7 +37,7 @@ NO_TOKEN = -1  # the row's top-p cut lies beyond the candidates: sample it on th
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 _CHUNK = 256  # vocabulary chunk of the two-level inverse CDF
 
-# Columns of the parameter tensor. top_k 0 and top_p 1 and min_p 0 are "off"; uniform is in [0, 1); draft is
+# Columns of a sampling row. top_k 0 and top_p 1 and min_p 0 are "off"; uniform is in [0, 1); draft is
 # a draft token's id + 1 (0: none), so that a zeroed row (greedy padding) has none.
 TEMPERATURE, TOP_K, TOP_P, MIN_P, UNIFORM, DRAFT = range(6)
 PARAMS = 6
@@ -54,23 +54,24 @@ class SampledRows:
     draft_probs: torch.Tensor  # [rows] float32: the DRAFT token's probability (0 where none; random rows)
 
 
-def may_overflow(params: np.ndarray) -> bool:
-    """Whether the graph may leave a row with these parameters (a row of the parameter tensor) to the host
+def may_overflow(row: np.ndarray) -> bool:
+    """Whether the graph may leave a row with these sampling row to the host
     (NO_TOKEN): a random row with top-p on and no top-k within the candidates (`sample`'s overflow)."""
-    temperature, top_k, top_p = params[TEMPERATURE], params[TOP_K], params[TOP_P]
+    temperature, top_k, top_p = row[TEMPERATURE], row[TOP_K], row[TOP_P]
     return bool(top_p < 1 and temperature >= GREEDY_BELOW and not 0 < top_k <= TOP_K_CAP)
 
 
-def sample(logits: torch.Tensor, params: torch.Tensor, candidates: int = TOP_K_CAP) -> SampledRows:
-    """Sample one token per row of `logits` [rows, vocab] with `params` [rows, PARAMS] (float32), over the
-    `candidates` largest logits. The graph's are TOP_K_CAP; the host completes a NO_TOKEN row with the
-    whole vocabulary as candidates and the same uniform draw, which is what an uncapped graph would give."""
+def sample(logits: torch.Tensor, rows: torch.Tensor, candidates: int = TOP_K_CAP) -> SampledRows:
+    """Sample one token per row of `logits` [rows, vocab] with its sampling row (`rows` [rows, PARAMS],
+    float32), over the `candidates` largest logits. The graph's are TOP_K_CAP; the host completes a NO_TOKEN
+    row with the whole vocabulary as candidates and the same uniform draw, which is what an uncapped graph
+    would give."""
     logits = logits.float()
     vocab = logits.shape[-1]
     candidates = min(candidates, vocab)
-    temperature, top_k, top_p = params[:, TEMPERATURE], params[:, TOP_K], params[:, TOP_P]
-    min_p, uniform = params[:, MIN_P], params[:, UNIFORM]
-    draft = (params[:, DRAFT] - 1).long()  # -1: none
+    temperature, top_k, top_p = rows[:, TEMPERATURE], rows[:, TOP_K], rows[:, TOP_P]
+    min_p, uniform = rows[:, MIN_P], rows[:, UNIFORM]
+    draft = (rows[:, DRAFT] - 1).long()  # -1: none
     greedy = temperature < GREEDY_BELOW
 
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)

@@ -602,5 +602,5 @@ def test_without_lora_the_call_sends_no_slots():
     assert inputs.lora_slots is None and inputs.lora_rows is None
     # The same transfer otherwise: every other input as with the slots.
     with_lora = host.send(StagingBuffers(CPU), lora=True)
-    for name in ("input_ids", "positions", "logits_indices", "params", "token_feed", "token_keep"):
+    for name in ("input_ids", "positions", "logits_indices", "sampling_rows", "token_feed", "token_keep"):
         assert torch.equal(getattr(inputs, name), getattr(with_lora, name)), name

@@ -17,14 +17,15 @@ DRAWS = 100_000  # samples per distribution
 TOLERANCE = 0.015
 
 
-def params(rows: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed: int = 0) -> torch.Tensor:
-    table = torch.zeros(rows, sampling.PARAMS)
-    table[:, sampling.TEMPERATURE] = temperature
-    table[:, sampling.TOP_K] = top_k
-    table[:, sampling.TOP_P] = top_p
-    table[:, sampling.MIN_P] = min_p
-    table[:, sampling.UNIFORM] = torch.rand(rows, generator=torch.Generator().manual_seed(seed))
-    return table
+def make_rows(count: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed: int = 0) -> torch.Tensor:
+    """`count` sampling rows with these parameters and seeded uniform draws."""
+    rows = torch.zeros(count, sampling.PARAMS)
+    rows[:, sampling.TEMPERATURE] = temperature
+    rows[:, sampling.TOP_K] = top_k
+    rows[:, sampling.TOP_P] = top_p
+    rows[:, sampling.MIN_P] = min_p
+    rows[:, sampling.UNIFORM] = torch.rand(count, generator=torch.Generator().manual_seed(seed))
+    return rows
 
 
 def peaked_logits(seed: int) -> torch.Tensor:
@@ -69,8 +70,8 @@ def frequencies(tokens: torch.Tensor) -> torch.Tensor:
 )
 def test_sampled_distribution_matches_the_host_sampler(temperature, top_k, top_p, min_p):
     logits = peaked_logits(seed=3)
-    table = params(DRAWS, temperature, top_k, top_p, min_p, seed=5)
-    device = sampling.sample(logits.expand(DRAWS, -1), table).token_ids
+    rows = make_rows(DRAWS, temperature, top_k, top_p, min_p, seed=5)
+    device = sampling.sample(logits.expand(DRAWS, -1), rows).token_ids
     assert (device != sampling.NO_TOKEN).all()
     exact = host_probabilities(logits, temperature, top_k, top_p, min_p)[0]
     for name, tokens in (
@@ -86,21 +87,21 @@ def test_sampled_distribution_matches_the_host_sampler(temperature, top_k, top_p
 def test_greedy_is_the_host_samplers_argmax_token_for_token():
     logits = torch.randn(64, 5000, generator=torch.Generator().manual_seed(1))
     logits[3, 17] = logits[3, 18] = logits[3].max() + 1  # a tie: the first index, as torch.argmax
-    device = sampling.sample(logits, params(64, temperature=0.0)).token_ids
+    device = sampling.sample(logits, make_rows(64, temperature=0.0)).token_ids
     assert device.tolist() == Sampler.greedy_sample(logits).tolist()
 
 
 def test_a_uniform_draw_picks_the_token_whose_cumulative_probability_it_reaches():
     logits = torch.log(torch.tensor([[0.1, 0.0, 0.2, 0.7] + [0.0] * 400]).clamp_min(1e-45))
     for uniform, token in ((0.05, 0), (0.15, 2), (0.29, 2), (0.31, 3), (0.999, 3)):
-        table = params(1)
-        table[:, sampling.UNIFORM] = uniform
-        assert sampling.sample(logits, table).token_ids.item() == token, uniform
+        rows = make_rows(1)
+        rows[:, sampling.UNIFORM] = uniform
+        assert sampling.sample(logits, rows).token_ids.item() == token, uniform
 
 
 def test_logprobs_and_ranks_are_vllms_raw_ones():
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(2))
-    out = sampling.sample(logits, params(6, temperature=0.8, top_k=50, seed=3))
+    out = sampling.sample(logits, make_rows(6, temperature=0.8, top_k=50, seed=3))
     raw = Sampler.compute_logprobs(logits)
     expected = Sampler.gather_logprobs(raw, sampling.LOGPROBS_CAP, out.token_ids.long())
     assert out.logprob_token_ids.tolist() == expected.logprob_token_ids.tolist()
@@ -111,13 +112,13 @@ def test_logprobs_and_ranks_are_vllms_raw_ones():
 def test_a_top_p_cut_beyond_the_candidates_is_left_to_the_host():
     flat = torch.zeros(2, 4 * sampling.TOP_K_CAP)
     flat[1, :10] = 20.0  # the second row's nucleus is its first ten tokens
-    out = sampling.sample(flat, params(2, top_p=0.9))
+    out = sampling.sample(flat, make_rows(2, top_p=0.9))
     assert out.token_ids[0].item() == sampling.NO_TOKEN
     assert 0 <= out.token_ids[1].item() < 10
     # Greedy rows never overflow, nor does a top-k within the cap (without ties at its cut).
-    assert (sampling.sample(flat, params(2, temperature=0.0, top_p=0.9)).token_ids >= 0).all()
+    assert (sampling.sample(flat, make_rows(2, temperature=0.0, top_p=0.9)).token_ids >= 0).all()
     spread = torch.randn(2, 4 * sampling.TOP_K_CAP, generator=torch.Generator().manual_seed(6)) * 0.01
-    assert (sampling.sample(spread, params(2, top_k=100, top_p=0.9)).token_ids >= 0).all()
+    assert (sampling.sample(spread, make_rows(2, top_k=100, top_p=0.9)).token_ids >= 0).all()
 
 
 @pytest.mark.parametrize(
@@ -128,12 +129,12 @@ def test_the_host_knows_which_rows_the_graph_may_leave_to_it(temperature, top_k,
     """sampling.may_overflow, which decides whether the next step takes a row's token on the device
     (worker/step/token_slots.py): a row it clears never comes back NO_TOKEN, whatever the logits, ties
     included."""
-    table = params(3, temperature=temperature, top_k=top_k, top_p=top_p)
+    rows = make_rows(3, temperature=temperature, top_k=top_k, top_p=top_p)
     flat = torch.zeros(3, 4 * sampling.TOP_K_CAP)  # every token tied
     flat[1] = torch.randn(4 * sampling.TOP_K_CAP, generator=torch.Generator().manual_seed(3)) * 0.01
     flat[2, : 2 * sampling.TOP_K_CAP] = 1.0  # ties across the top-k cap
-    overflowed = (sampling.sample(flat, table).token_ids == sampling.NO_TOKEN).any().item()
-    may = sampling.may_overflow(table[0].numpy())
+    overflowed = (sampling.sample(flat, rows).token_ids == sampling.NO_TOKEN).any().item()
+    may = sampling.may_overflow(rows[0].numpy())
     assert may or not overflowed
     assert may == (temperature > 0 and top_p < 1 and not 0 < top_k <= sampling.TOP_K_CAP)
 
@@ -145,16 +146,16 @@ def test_the_host_completes_an_overflowed_row_with_the_whole_vocabulary_as_candi
     assert (exact > 0).sum() > sampling.TOP_K_CAP
     tokens = []
     for seed in (8, 9):
-        table = params(DRAWS, top_p=0.95, seed=seed)
-        assert (sampling.sample(logits.expand(DRAWS, -1), table).token_ids == sampling.NO_TOKEN).all()
-        tokens.append(sampling.sample(logits.expand(DRAWS, -1), table, candidates=VOCAB).token_ids)
+        rows = make_rows(DRAWS, top_p=0.95, seed=seed)
+        assert (sampling.sample(logits.expand(DRAWS, -1), rows).token_ids == sampling.NO_TOKEN).all()
+        tokens.append(sampling.sample(logits.expand(DRAWS, -1), rows, candidates=VOCAB).token_ids)
     # Nearly flat over ~290 tokens, sampling noise alone is ~0.015 at these draws; the 256 candidates
     # renormalised (what the host must not do) would be 0.115 away.
     distance = 0.5 * (frequencies(torch.cat(tokens)) - exact).abs().sum().item()
     assert distance < 0.03, f"total variation {distance:.4f} from vLLM's probabilities"
     completed = tokens[0][:4].long()
     raw = Sampler.compute_logprobs(logits.expand(4, -1))
-    out = sampling.sample(logits.expand(4, -1), params(4, top_p=0.95, seed=8), candidates=VOCAB)
+    out = sampling.sample(logits.expand(4, -1), make_rows(4, top_p=0.95, seed=8), candidates=VOCAB)
     assert out.token_ids.tolist() == completed.tolist()
     expected = Sampler.gather_logprobs(raw, sampling.LOGPROBS_CAP, completed)
     assert out.ranks.tolist() == expected.selected_token_ranks.tolist()
@@ -163,14 +164,14 @@ def test_the_host_completes_an_overflowed_row_with_the_whole_vocabulary_as_candi
 def test_the_sampler_lowers_to_stablehlo():
     backend = StableHLOBackend()
     compiled = torch.compile(
-        lambda logits, table: tuple(vars(sampling.sample(logits, table)).values()),
+        lambda logits, rows: tuple(vars(sampling.sample(logits, rows)).values()),
         backend=backend,
         fullgraph=True,
         dynamic=False,
     )
     logits = torch.randn(8, 1000)
-    table = params(8, temperature=0.9, top_k=30, top_p=0.9, min_p=0.01, seed=4)
-    assert compiled(logits, table)[0].tolist() == sampling.sample(logits, table).token_ids.tolist()
+    rows = make_rows(8, temperature=0.9, top_k=30, top_p=0.9, min_p=0.01, seed=4)
+    assert compiled(logits, rows)[0].tolist() == sampling.sample(logits, rows).token_ids.tolist()
     (graph,) = backend.graphs
     assert graph.broken_rules == []  # neuronx-cc's rules hold: no wide sort, no argmax's variadic reduce
     assert "rng" not in graph.stablehlo  # no random-number op in the graph

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.test_sampling import params
+from tests.unit.test_sampling import make_rows
 from worker.step import packed_inputs, token_slots
 
 CPU = torch.device("cpu")
@@ -72,11 +72,11 @@ def test_only_a_rows_final_token_is_fed_on_the_device():
     top-p cut may lie beyond the graph's candidates (NO_TOKEN)."""
     table = torch.cat(
         [
-            params(1, temperature=0.0),
-            params(1, temperature=0.8, top_p=0.9),  # may overflow
-            params(1, temperature=0.8, top_k=40, top_p=0.9),  # top-k within the candidates: never
-            params(1, temperature=0.0),  # partial prefill
-            params(1, temperature=0.0),  # verify
+            make_rows(1, temperature=0.0),
+            make_rows(1, temperature=0.8, top_p=0.9),  # may overflow
+            make_rows(1, temperature=0.8, top_k=40, top_p=0.9),  # top-k within the candidates: never
+            make_rows(1, temperature=0.0),  # partial prefill
+            make_rows(1, temperature=0.0),  # verify
         ]
     ).numpy()
     req_ids = ["greedy", "top-p", "top-k-top-p", "partial", "verify"]

@@ -40,15 +40,15 @@ def speculates(params: "SamplingParams | None", row: RowSampling, host_sampler_o
 
 
 def is_greedy(row: RowSampling) -> bool:
-    return row.params[sampling.TEMPERATURE] < sampling.GREEDY_BELOW
+    return row.values[sampling.TEMPERATURE] < sampling.GREEDY_BELOW
 
 
-def set_drafts(table: np.ndarray, drafts: list[int], source: torch.Generator | bool) -> None:
-    """A random verify row's parameter rows (one per query, each the row's own): query j < len(drafts)
+def set_drafts(rows: np.ndarray, drafts: list[int], source: torch.Generator | bool) -> None:
+    """A random verify row's sampling rows (one per query, each the row's own): query j < len(drafts)
     leaves draft j out of its sample and reports its probability; queries after the first get uniform
     draws of their own (the first has the row's, drawn as for any row)."""
-    table[: len(drafts), sampling.DRAFT] = np.asarray(drafts) + 1
-    table[1 : len(drafts) + 1, sampling.UNIFORM] = sampling_rows.uniforms(source, len(drafts))
+    rows[: len(drafts), sampling.DRAFT] = np.asarray(drafts) + 1
+    rows[1 : len(drafts) + 1, sampling.UNIFORM] = sampling_rows.uniforms(source, len(drafts))
 
 
 def accepted_tokens(drafts: list[int], targets: np.ndarray) -> list[int]:
@@ -152,7 +152,7 @@ def accept_drafts(
                 # vocabulary, with their own parameters and draws.
                 queries = slice(index * out.queries, (index + 1) * out.queries)
                 logits = out.part("logits", queries, to_host).float()
-                params = torch.from_numpy(step.planned[call_index].params[queries])
-                done = sampling.sample(logits, params, candidates=logits.shape[-1])
+                rows = torch.from_numpy(step.planned[call_index].sampling_rows[queries])
+                done = sampling.sample(logits, rows, candidates=logits.shape[-1])
                 row_targets, row_probs = done.token_ids.numpy(), done.draft_probs.numpy()
             sampled_ids[row] = accepted_sampled(row_drafts, row_targets, row_probs, generators.get(row, True))

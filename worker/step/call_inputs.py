@@ -41,7 +41,7 @@ class CallInputs:
     positions: torch.Tensor  # [tokens]
     logits_indices: torch.Tensor  # [rows whose logits we keep]
     metadata: NeuronAttentionMetadata
-    params: torch.Tensor  # [rows, sampling.PARAMS]: each logits row's sampling parameters
+    sampling_rows: torch.Tensor  # [rows, sampling.PARAMS]: each logits row's sampling row
     # Where each token's id is, in the compiled model's token slots (0: it is input_ids'), and where each
     # logits row's sampled token goes (0: the null slot): worker/step/token_slots.py.
     token_feed: torch.Tensor  # [tokens]
@@ -78,20 +78,22 @@ class HostInputs:
 
     def pack(
         self,
-        params: np.ndarray | None = None,
+        sampling_rows: np.ndarray | None = None,
         token_feed: np.ndarray | None = None,
         token_keep: np.ndarray | None = None,
         lora: bool = False,
     ) -> packed_inputs.Packed:
-        """Packed for one transfer, with each logits row's sampling parameters (default: greedy), where tokens
+        """Packed for one transfer, with each logits row's sampling row (default: greedy), where tokens
         come from and go to in the token slots (default: nowhere) and, with `lora`, the LoRA slots of the
         tokens and the logits rows (without it the call's inputs are as they were)."""
+        if sampling_rows is None:
+            sampling_rows = np.zeros((self.rows, sampling.PARAMS), np.float32)
         return packed_inputs.pack(
             {
                 "input_ids": self.input_ids,
                 "positions": self.positions,
                 "logits_indices": self.logits_indices,
-                "params": np.zeros((self.rows, sampling.PARAMS), np.float32) if params is None else params,
+                "sampling_rows": sampling_rows,
                 "token_feed": np.zeros(len(self.input_ids), np.int64) if token_feed is None else token_feed,
                 "token_keep": np.zeros(self.rows, np.int64) if token_keep is None else token_keep,
                 "slot_mapping": self.slot_mapping,

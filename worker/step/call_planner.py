@@ -1,5 +1,5 @@
 """A step's compiled calls with their inputs on the device: `calls.plan_step` splits the step's decode rows
-and prefill chunks into bucketed calls, and each call's padded inputs and sampling parameter rows are built
+and prefill chunks into bucketed calls, and each call's padded inputs and sampling rows are built
 here and packed for one transfer. A decode row whose token the previous step is still sampling takes it
 through the token slots (worker/step/token_slots.py)."""
 
@@ -29,7 +29,7 @@ class StepRows:
 
     decode: Rows  # one token each, or a verify row's last token and its drafts
     prefill: Rows
-    parameters: np.ndarray  # [batch rows, sampling.PARAMS]: each row's sampling parameters
+    sampling_rows: np.ndarray  # [batch rows, sampling.PARAMS]: each row's sampling row
     fills: Fills  # decode rows whose token the previous step is still sampling
     drafts: dict[int, list[int]]  # decode rows to verify -> their draft tokens
     # A verify row's source of uniform draws when its drafts are accepted by their probability (None: by
@@ -81,20 +81,22 @@ class CallPlanner:
             # are greedy.
             decode_rows = [decode[index][0] for index in plan.decode_rows]
             batch_rows = [prefill[index][0] for index, _, _ in plan.parts] + decode_rows
-            table = np.zeros((host.rows, sampling.PARAMS), dtype=np.float32)
+            sampling_rows = np.zeros((host.rows, sampling.PARAMS), dtype=np.float32)
             # A verify row's queries each sample with the row's parameters; a random row's also leave out
             # their draft and get draws of their own (speculation.set_drafts).
             queries = plan.call.queries
-            table[: host.num_real_rows * queries] = np.repeat(step.parameters[batch_rows], queries, axis=0)
+            sampling_rows[: host.num_real_rows * queries] = np.repeat(
+                step.sampling_rows[batch_rows], queries, axis=0
+            )
             for index, row in enumerate(batch_rows if queries > 1 else ()):
                 source = step.random_draws(row) if row in drafts else None
                 if source is not None:
                     speculation.set_drafts(
-                        table[index * queries : (index + 1) * queries], drafts[row], source
+                        sampling_rows[index * queries : (index + 1) * queries], drafts[row], source
                     )
             feed, host_fills = step.fills.feed(decode_rows, host.decode_token_index, len(host.input_ids))
             keep = token_slots.keep(step.slot_base, batch_rows, host.rows, queries)
-            item = PlannedCall(plan.call, host, table, feed, keep, batch_rows, host_fills, self.lora)
+            item = PlannedCall(plan.call, host, sampling_rows, feed, keep, batch_rows, host_fills, self.lora)
             if not host_fills:
                 item.pack()
             planned.append(item)

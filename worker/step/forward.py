@@ -44,7 +44,7 @@ class ForwardAndSample(torch.nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         logits_indices: torch.Tensor,
-        sampling_params: torch.Tensor,
+        sampling_rows: torch.Tensor,
         token_slots: torch.Tensor,
         token_feed: torch.Tensor,
         token_keep: torch.Tensor,
@@ -59,7 +59,7 @@ class ForwardAndSample(torch.nn.Module):
             hidden = self.model(input_ids=input_ids, positions=positions)
             logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         drop_masks(forward_context.attn_metadata)
-        sampled = sampling.sample(logits, sampling_params)
+        sampled = sampling.sample(logits, sampling_rows)
         token_slots.index_copy_(0, token_keep, sampled.token_ids)
         outputs = (
             logits,
@@ -131,7 +131,7 @@ class CompiledModel:
             inputs.input_ids,
             inputs.positions,
             inputs.logits_indices,
-            inputs.params,
+            inputs.sampling_rows,
             self.token_slots,
             inputs.token_feed,
             inputs.token_keep,

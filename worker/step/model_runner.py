@@ -297,10 +297,10 @@ class NeuronModelRunner:
             if start + count < batch.num_tokens_no_spec[row]:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
-        parameters = self._sampling_parameters(partial)
+        sampling_rows = self._sampling_rows(partial)
         slot_base = self.slot_halves.next()
         planned = self.planner.plan(
-            StepRows(decode, prefill, parameters, fills, row_drafts, self._random_draws, slot_base)
+            StepRows(decode, prefill, sampling_rows, fills, row_drafts, self._random_draws, slot_base)
         )
         host_rows = [
             self.host_sampler_only or self.batch.sampling[req_id].host_reason is not None
@@ -317,7 +317,7 @@ class NeuronModelRunner:
             started,
             schedule,
             drafts=row_drafts,
-            final_slots=token_slots.final_slots(batch.req_ids, parameters, partial, row_drafts, slot_base),
+            final_slots=token_slots.final_slots(batch.req_ids, sampling_rows, partial, row_drafts, slot_base),
         )
         if fills.from_host:
             step.previous, step.previous_outputs = previous, previous.outputs
@@ -328,7 +328,7 @@ class NeuronModelRunner:
     def _calls_on_a_thread(self) -> bool:
         return self.device_thread is not None and self.device_thread.threaded and self.serving
 
-    def _sampling_parameters(self, partial_prefill_rows: list[int]) -> np.ndarray:
+    def _sampling_rows(self, partial_prefill_rows: list[int]) -> np.ndarray:
         """[rows, sampling.PARAMS]: each batch row's sampling parameters and uniform draw. A row the host
         samples, or whose sample is discarded, draws nothing: a seeded request's generator advances once per
         token the graph samples for it."""
@@ -341,7 +341,7 @@ class NeuronModelRunner:
             else batch.generators.get(index, True)
             for index, row in enumerate(rows)
         ]
-        return sampling_rows.parameter_rows(rows, draw_from)
+        return sampling_rows.build(rows, draw_from)
 
     def _run_step(self, step: RunningStep) -> list[CallOutputs]:
         """Run a step's calls (in the device thread with async scheduling), and start the reads of the

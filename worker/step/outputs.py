@@ -120,13 +120,13 @@ def _complete_overflowed(
     the whole vocabulary, with each row's parameters and uniform draw (so a seeded request's generator
     advances once either way). Writes their tokens and logprobs in place."""
     final = final_rows(step.outputs)
-    logits, params = [], []
+    logits, sampling_rows = [], []
     for row in rows:
         call_index, j = final[row]
         logits.append(step.outputs[call_index].part("logits", slice(j, j + 1), to_host).float())
-        params.append(torch.from_numpy(step.planned[call_index].params[j : j + 1]))
+        sampling_rows.append(torch.from_numpy(step.planned[call_index].sampling_rows[j : j + 1]))
     logits = torch.cat(logits)
-    done = sampling.sample(logits, torch.cat(params), candidates=logits.shape[-1])
+    done = sampling.sample(logits, torch.cat(sampling_rows), candidates=logits.shape[-1])
     tokens[rows] = done.token_ids.numpy()
     if device_logprobs is not None:
         ids, values, ranks = device_logprobs

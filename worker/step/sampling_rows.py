@@ -1,4 +1,4 @@
-"""Which requests the compiled graph samples, and the parameter rows it samples them with.
+"""Which requests the compiled graph samples, and the sampling rows it samples them with.
 
 A request the graph cannot sample exactly (what vLLM's sampler does beyond temperature, top-k, top-p and
 min-p) takes vLLM's host sampler; a step with any such row copies its logits to the host. The graph's own
@@ -77,10 +77,10 @@ def start_up_line(host_only: bool) -> str:
 
 @dataclass(frozen=True)
 class RowSampling:
-    """One request's parameter row (temperature, top_k, top_p, min_p), and why it takes the host sampler
-    (None: the graph samples it)."""
+    """One request's sampling row before its draw (temperature, top_k, top_p, min_p), and why it takes the
+    host sampler (None: the graph samples it)."""
 
-    params: tuple[float, float, float, float]
+    values: tuple[float, float, float, float]
     host_reason: str | None
 
 
@@ -124,25 +124,25 @@ def host_reason(params: "SamplingParams", top_k: int, logprobs_mode: str) -> str
     return None
 
 
-def parameter_rows(
-    rows: list[RowSampling],
+def build(
+    requests: list[RowSampling],
     draw_from: list[torch.Generator | None | bool],
 ) -> np.ndarray:
-    """[len(rows), PARAMS] float32: each row's parameters and its uniform draw. `draw_from` per row: the
-    request's own generator (a seeded request), True (the global generator), or False (no draw: the row's
-    sample is discarded or the host samples it, and a seeded request's generator must not advance)."""
-    table = np.zeros((len(rows), sampling.PARAMS), dtype=np.float32)
-    if not rows:
-        return table
-    table[:, : sampling.UNIFORM] = [row.params for row in rows]
-    table[:, sampling.UNIFORM] = 0.5
+    """[len(requests), PARAMS] float32: each request's sampling row with its uniform draw. `draw_from` per
+    row: the request's own generator (a seeded request), True (the global generator), or False (no draw: the
+    row's sample is discarded or the host samples it, and a seeded request's generator must not advance)."""
+    rows = np.zeros((len(requests), sampling.PARAMS), dtype=np.float32)
+    if not requests:
+        return rows
+    rows[:, : sampling.UNIFORM] = [request.values for request in requests]
+    rows[:, sampling.UNIFORM] = 0.5
     unseeded = [index for index, source in enumerate(draw_from) if source is True]
     if unseeded:
-        table[unseeded, sampling.UNIFORM] = uniforms(True, len(unseeded))
+        rows[unseeded, sampling.UNIFORM] = uniforms(True, len(unseeded))
     for index, source in enumerate(draw_from):
         if isinstance(source, torch.Generator):
-            table[index, sampling.UNIFORM] = uniforms(source, 1)[0]
-    return table
+            rows[index, sampling.UNIFORM] = uniforms(source, 1)[0]
+    return rows
 
 
 def uniforms(source: torch.Generator | bool, count: int) -> np.ndarray:

@@ -74,7 +74,7 @@ class PlannedCall:
 
     call: Call
     host: HostInputs
-    params: np.ndarray  # [logits rows, sampling.PARAMS], as sent
+    sampling_rows: np.ndarray  # [logits rows, sampling.PARAMS], as sent
     token_feed: np.ndarray  # worker/step/token_slots.py
     token_keep: np.ndarray
     batch_rows: list[int]
@@ -85,7 +85,7 @@ class PlannedCall:
     packed: Packed | None = None  # None until packed
 
     def pack(self) -> None:
-        self.packed = self.host.pack(self.params, self.token_feed, self.token_keep, self.lora)
+        self.packed = self.host.pack(self.sampling_rows, self.token_feed, self.token_keep, self.lora)
 
     def send(self, staging: StagingBuffers) -> CallInputs:
         """The call's inputs on the device, sent from the thread that runs it

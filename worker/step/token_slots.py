@@ -91,7 +91,7 @@ def keep(base: int, batch_rows: list[int], rows: int, queries: int) -> np.ndarra
 
 def final_slots(
     req_ids: list[str],
-    parameters: np.ndarray,
+    sampling_rows: np.ndarray,
     partial_rows: list[int],
     verify_rows: dict[int, list[int]],
     base: int,
@@ -103,7 +103,7 @@ def final_slots(
     return {
         req_id: base + row
         for row, req_id in enumerate(req_ids)
-        if row not in skip and not sampling.may_overflow(parameters[row])
+        if row not in skip and not sampling.may_overflow(sampling_rows[row])
     }
 
 
