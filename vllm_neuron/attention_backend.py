@@ -78,7 +78,7 @@ class NeuronAttentionMetadata:
     paged: PageQueries | None = None
     # A fresh prefill call: one request's first chunk at positions 0 .. tokens - 1 (padding after it), which
     # attends over its own keys only (kv_cache.ops.causal_attention), no table and no cache read.
-    causal: bool = False
+    fresh_prefill: bool = False
 
     def without_masks(self) -> "NeuronAttentionMetadata":
         """The same inputs, no masks built yet: for a second model on the call (a draft model), whose graph
@@ -194,7 +194,7 @@ class NeuronAttentionImpl(AttentionImpl[NeuronAttentionMetadata]):
             value = fp8.dequantize(value_bits, v_scale, query.dtype)
         else:
             self.kernels.write_kv(kv_cache, key, value, attn_metadata.slot_mapping)
-        if attn_metadata.causal:
+        if attn_metadata.fresh_prefill:
             # Not a kernel-seam op: TorchNeuron binds this attention to its flash kernel itself.
             out = ops.causal_attention(
                 query,

@@ -125,11 +125,13 @@ def test_a_fresh_chunk_and_the_table_path_give_the_same_rows_over_fp8():
     blocks = torch.tensor([5, 2, 7])
     slots = (blocks.repeat_interleave(block_size) * block_size) + torch.arange(tokens) % block_size
     outputs, caches = [], []
-    for causal in (True, False):
+    for fresh_prefill in (True, False):
         kv_cache = allocate(9, block_size, kv_heads, HEAD_SIZE, torch.uint8, torch.device("cpu"))
         positions = torch.arange(tokens).view(1, -1)
         table = TableQueries(positions, torch.zeros_like(positions), blocks.view(1, -1))
-        metadata = NeuronAttentionMetadata(slots, table=None if causal else table, causal=causal)
+        metadata = NeuronAttentionMetadata(
+            slots, table=None if fresh_prefill else table, fresh_prefill=fresh_prefill
+        )
         output = torch.empty(tokens, heads * HEAD_SIZE)
         outputs.append(impl.forward(layer, query, key, value, kv_cache, metadata, output))
         caches.append(kv_cache)

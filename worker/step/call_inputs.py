@@ -64,7 +64,7 @@ class HostInputs:
     num_real_rows: int  # the first logits rows, those of real requests
     decode_token_index: np.ndarray  # where each decode row's token is in input_ids, in row order
     lora_slots: np.ndarray  # each token's LoRA slot, aligned with input_ids (padding: 0, the base)
-    causal: bool = False  # a fresh prefill call (NeuronAttentionMetadata.causal)
+    fresh_prefill: bool = False  # NeuronAttentionMetadata.fresh_prefill
 
     @property
     def rows(self) -> int:
@@ -116,7 +116,7 @@ class HostInputs:
             slot_mapping=sent.pop("slot_mapping"),
             table=TableQueries(**table) if self.table is not None else None,
             paged=PageQueries(**paged) if self.paged is not None else None,
-            causal=self.causal,
+            fresh_prefill=self.fresh_prefill,
         )
         return CallInputs(metadata=metadata, **sent)
 
@@ -344,7 +344,7 @@ def _fresh_inputs(chunks: list[Chunk], token_bucket: int, block_size: int) -> Ho
     logits_indices = np.zeros(PACKED_CHUNKS, dtype=np.int64)
     logits_indices[0] = count - 1
     part = _HostPart(input_ids, positions, slots, logits_indices, 1, {}, lora_slots)
-    return _host_inputs(table=part, causal=True)
+    return _host_inputs(table=part, fresh_prefill=True)
 
 
 def mixed_inputs(
@@ -372,11 +372,11 @@ def _host_inputs(
     table: _HostPart | None = None,
     paged: _HostPart | None = None,
     decode_at: int | None = None,
-    causal: bool = False,
+    fresh_prefill: bool = False,
 ) -> HostInputs:
     """The parts joined; `decode_at`: where the decode rows' tokens start in input_ids (the paged part's, or
-    a batch-1 decode call's one token), None in a prefill call; `causal`: the table part is a fresh chunk's,
-    without tables."""
+    a batch-1 decode call's one token), None in a prefill call; `fresh_prefill`: the table part is a fresh
+    chunk's, without tables."""
     parts = [part for part in (table, paged) if part is not None]
     logits_indices, offset = [], 0
     for part in parts:
@@ -388,7 +388,7 @@ def _host_inputs(
         positions=np.concatenate([part.positions for part in parts]),
         logits_indices=np.concatenate(logits_indices),
         slot_mapping=np.concatenate([part.slots for part in parts]),
-        table=None if table is None or causal else table.tables,
+        table=None if table is None or fresh_prefill else table.tables,
         paged=None if paged is None else paged.tables,
         # A mixed call's table part has one chunk, one logits row: the real rows of both parts come first.
         num_real_rows=sum(part.num_real_rows for part in parts),
@@ -396,5 +396,5 @@ def _host_inputs(
         * decode_part.queries
         + (decode_at or 0),
         lora_slots=np.concatenate([part.lora_slots for part in parts]),
-        causal=causal,
+        fresh_prefill=fresh_prefill,
     )
