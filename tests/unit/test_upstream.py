@@ -772,7 +772,7 @@ def test_the_persistent_batch():
     assert not missing, moved(f"InputBatch's {missing}", "vllm_runner")
     assert batch.block_table[0].block_table.np.shape[0] == 2
     fields = {field.name for field in dataclasses.fields(CachedRequestState)}
-    # worker/step/input_batch.py's fields of a new request.
+    # worker/step/persistent_batch.py's fields of a new request.
     used = {"req_id", "prompt_token_ids", "prompt_embeds", "prompt_is_token_ids", "mm_features"}
     used |= {"sampling_params", "pooling_params", "generator", "block_ids", "num_computed_tokens"}
     used |= {"output_token_ids", "lora_request"}

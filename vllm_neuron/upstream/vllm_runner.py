@@ -46,7 +46,7 @@ __all__ = [
     "strip_speculative_padding",
 ]
 
-# What the plugin reads and calls of vLLM's InputBatch (worker/step/input_batch.py,
+# What the plugin reads and calls of vLLM's InputBatch (worker/step/persistent_batch.py,
 # worker/spec_decode/speculation.py, worker/step/model_runner.py): the GPU runner's persistent batch, kept on
 # the host. vLLM 0.32: vllm/v1/worker/gpu_input_batch.py.
 INPUT_BATCH_MEMBERS = (

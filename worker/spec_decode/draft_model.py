@@ -27,7 +27,7 @@ from vllm_neuron.upstream import vllm_runner
 from vllm_neuron.upstream.vllm_runner import override_forward_context
 from worker.step.call_inputs import CallInputs, Chunk
 from worker.step.call_planner import CallPlanner
-from worker.step.input_batch import PersistentBatch
+from worker.step.persistent_batch import PersistentBatch
 from worker.step.step_state import RunningStep
 
 if TYPE_CHECKING:

@@ -41,8 +41,8 @@ from worker.step.async_steps import DeviceThread, RunningSteps, StepOutput
 from worker.step.call_inputs import CallInputs, Chunk
 from worker.step.call_planner import CallPlanner, StepRows
 from worker.step.forward import CompiledModel
-from worker.step.input_batch import PersistentBatch
 from worker.step.outputs import TokenCollector
+from worker.step.persistent_batch import PersistentBatch
 from worker.step.step_state import CallOutputs, RunningStep, ToHost, start_reads
 
 if TYPE_CHECKING:
@@ -269,32 +269,32 @@ class NeuronModelRunner:
     ) -> RunningStep:
         """The step's rows as decode rows (one token, or a verify row's last token and drafts) and prefill
         chunks, and its planned calls."""
-        batch = self.batch.input_batch
+        input_batch = self.batch.input_batch
         decode: list[tuple[int, Chunk]] = []
         prefill: list[tuple[int, Chunk]] = []
         partial: list[int] = []
         fills = token_slots.Fills()  # rows whose token the previous step is still sampling
         drafts = scheduler_output.scheduled_spec_decode_tokens
         row_drafts: dict[int, list[int]] = {}  # batch row -> its drafts, of decode rows to verify
-        lora_slots = self.lora.activate(batch) if self.lora is not None else [0] * batch.num_reqs
-        for row, req_id in enumerate(batch.req_ids):
+        lora_slots = self.lora.activate(input_batch) if self.lora is not None else [0] * input_batch.num_reqs
+        for row, req_id in enumerate(input_batch.req_ids):
             count = scheduler_output.num_scheduled_tokens[req_id]
-            start = int(batch.num_computed_tokens_cpu[row])
-            if count == 1 and start == batch.num_tokens_no_spec[row]:
+            start = int(input_batch.num_computed_tokens_cpu[row])
+            if count == 1 and start == input_batch.num_tokens_no_spec[row]:
                 fills.add(row, req_id, previous)
             if req_id in drafts:  # a decode row to verify: its last token, then its draft tokens
                 assert count == 1 + len(drafts[req_id]), (req_id, count, drafts[req_id])
                 # vLLM's scheduler pads a request that joins as a decode row (its whole prompt cached)
                 # with -1 placeholders: no draft to check, all rejected.
                 real = strip_speculative_padding(drafts[req_id])
-                token_ids = np.array([batch.token_ids_cpu[row, start], *real], dtype=np.int64)
+                token_ids = np.array([input_batch.token_ids_cpu[row, start], *real], dtype=np.int64)
                 if real:
                     row_drafts[row] = real
             else:
-                token_ids = batch.token_ids_cpu[row, start : start + count]
+                token_ids = input_batch.token_ids_cpu[row, start : start + count]
             chunk = Chunk(token_ids, start, self.batch.block_table[row], lora_slots[row])
             (decode if count == 1 or req_id in drafts else prefill).append((row, chunk))
-            if start + count < batch.num_tokens_no_spec[row]:
+            if start + count < input_batch.num_tokens_no_spec[row]:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
         sampling_rows = self._sampling_rows(partial)
@@ -304,20 +304,22 @@ class NeuronModelRunner:
         )
         host_rows = [
             self.host_sampler_only or self.batch.sampling[req_id].host_reason is not None
-            for req_id in batch.req_ids
+            for req_id in input_batch.req_ids
         ]
-        logprobs = batch.sampling_metadata.max_num_logprobs
+        logprobs = input_batch.sampling_metadata.max_num_logprobs
         step = RunningStep(
             scheduler_output,
             planned,
             partial,
-            list(batch.req_ids),
+            list(input_batch.req_ids),
             host_rows,
             logprobs,
             started,
             schedule,
             drafts=row_drafts,
-            final_slots=token_slots.final_slots(batch.req_ids, sampling_rows, partial, row_drafts, slot_base),
+            final_slots=token_slots.final_slots(
+                input_batch.req_ids, sampling_rows, partial, row_drafts, slot_base
+            ),
         )
         if fills.from_host:
             step.previous, step.previous_outputs = previous, previous.outputs
@@ -332,13 +334,13 @@ class NeuronModelRunner:
         """[rows, sampling.PARAMS]: each batch row's sampling parameters and uniform draw. A row the host
         samples, or whose sample is discarded, draws nothing: a seeded request's generator advances once per
         token the graph samples for it."""
-        batch = self.batch.input_batch
-        rows = [self.batch.sampling[req_id] for req_id in batch.req_ids]
+        input_batch = self.batch.input_batch
+        rows = [self.batch.sampling[req_id] for req_id in input_batch.req_ids]
         skip = set(partial_prefill_rows)
         draw_from = [
             False
             if self.host_sampler_only or row.host_reason or index in skip
-            else batch.generators.get(index, True)
+            else input_batch.generators.get(index, True)
             for index, row in enumerate(rows)
         ]
         return sampling_rows.build(rows, draw_from)

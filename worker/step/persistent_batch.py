@@ -51,18 +51,18 @@ class PersistentBatch:
         return self.input_batch.block_table[0].block_table.np
 
     def update(self, scheduler_output: "SchedulerOutput") -> None:
-        batch = self.input_batch
+        input_batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self.sampling.pop(req_id, None)
-            batch.remove_request(req_id)
+            input_batch.remove_request(req_id)
 
         # Requests not scheduled this step (preempted, or waiting their turn) leave the batch but keep their
         # state; resumed ones leave too so they re-enter below with their new block ids.
         scheduled = scheduler_output.num_scheduled_tokens.keys()
         cached = scheduler_output.scheduled_cached_reqs
-        for req_id in batch.req_id_to_index.keys() - (scheduled - cached.resumed_req_ids):
-            batch.remove_request(req_id)
+        for req_id in input_batch.req_id_to_index.keys() - (scheduled - cached.resumed_req_ids):
+            input_batch.remove_request(req_id)
 
         to_add: list[CachedRequestState] = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -94,12 +94,13 @@ class PersistentBatch:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
             num_output_tokens = cached.num_output_tokens[i]
-            index = batch.req_id_to_index.get(req_id)
+            index = input_batch.req_id_to_index.get(req_id)
             if num_output_tokens < len(state.output_token_ids):
                 # The scheduler dropped tokens (e.g. a failed KV load): align with it.
                 del state.output_token_ids[num_output_tokens:]
                 if index is not None:
-                    batch.num_tokens_no_spec[index] = batch.num_prompt_tokens[index] + num_output_tokens
+                    prompt = input_batch.num_prompt_tokens[index]
+                    input_batch.num_tokens_no_spec[index] = prompt + num_output_tokens
             if req_id in cached.resumed_req_ids:
                 state.block_ids = new_block_ids
             elif new_block_ids is not None:
@@ -108,29 +109,29 @@ class PersistentBatch:
             if index is None:
                 to_add.append(state)
                 continue
-            batch.num_computed_tokens_cpu[index] = state.num_computed_tokens
+            input_batch.num_computed_tokens_cpu[index] = state.num_computed_tokens
             if new_block_ids is not None:
-                batch.block_table.append_row(new_block_ids, index)
+                input_batch.block_table.append_row(new_block_ids, index)
 
         for state in to_add:
-            batch.add_request(state)
-        batch.condense()
-        batch.refresh_metadata()
+            input_batch.add_request(state)
+        input_batch.condense()
+        input_batch.refresh_metadata()
 
     def append_sampled(self, req_ids: list[str], sampled: list[list[int]]) -> None:
         """Record each request's new tokens; the scheduler does not send them back. By request id: with the
         calls on a thread of their own, the next step updates the batch before this step's output is made
         (rows move, requests leave)."""
-        batch = self.input_batch
+        input_batch = self.input_batch
         for req_id, tokens in zip(req_ids, sampled, strict=True):
             state = self.requests.get(req_id)
             if not tokens or state is None:  # nothing sampled, or finished since
                 continue
-            index = batch.req_id_to_index.get(req_id)
+            index = input_batch.req_id_to_index.get(req_id)
             if index is not None:
-                start = batch.num_tokens_no_spec[index]
+                start = input_batch.num_tokens_no_spec[index]
                 end = start + len(tokens)
-                batch.token_ids_cpu[index, start:end] = tokens
-                batch.is_token_ids[index, start:end] = True
-                batch.num_tokens_no_spec[index] = end
+                input_batch.token_ids_cpu[index, start:end] = tokens
+                input_batch.is_token_ids[index, start:end] = True
+                input_batch.num_tokens_no_spec[index] = end
             state.output_token_ids.extend(tokens)  # a request out of the batch re-enters with them
