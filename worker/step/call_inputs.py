@@ -127,12 +127,12 @@ class _HostPart:
 
     input_ids: np.ndarray
     positions: np.ndarray
-    slots: np.ndarray
+    kv_slots: np.ndarray  # each token's place in the KV cache (vLLM's slot mapping)
     logits_indices: np.ndarray  # within the part; its real rows first
     num_real_rows: int
     tables: dict[str, np.ndarray]  # the fields of its TableQueries / PageQueries
     lora_slots: np.ndarray  # each token's LoRA slot
-    queries: int = 1  # query slots a row has (a verify call's rows: its last token and its drafts)
+    queries: int = 1  # query positions a row has (a verify call's rows: its last token and its drafts)
 
 
 def _context_blocks(block_row: np.ndarray, num_blocks: int) -> np.ndarray:
@@ -157,7 +157,7 @@ def _table_part(
     positions = np.zeros(token_bucket, dtype=np.int64)
     key_positions = np.zeros(token_bucket, dtype=np.int64)
     first_keys = np.zeros(token_bucket, dtype=np.int64)
-    slots = np.full(token_bucket, NULL_BLOCK * block_size, dtype=np.int64)
+    kv_slots = np.full(token_bucket, NULL_BLOCK * block_size, dtype=np.int64)
     block_table = np.full(num_blocks, NULL_BLOCK, dtype=np.int64)
     logits_indices = np.zeros(logits_rows, dtype=np.int64)
     lora_slots = np.zeros(token_bucket, dtype=np.int64)
@@ -177,7 +177,7 @@ def _table_part(
         input_ids[tokens] = chunk.token_ids
         lora_slots[tokens] = chunk.lora_slot
         positions[tokens] = np.arange(chunk.start, end)
-        slots[tokens] = slot_mapping(segment, positions[tokens], block_size)
+        kv_slots[tokens] = slot_mapping(segment, positions[tokens], block_size)
         first_keys[tokens] = blocks_used * block_size
         key_positions[tokens] = first_keys[tokens] + positions[tokens]
         logits_indices[index] = tokens_used + count - 1
@@ -185,7 +185,7 @@ def _table_part(
     return _HostPart(
         input_ids,
         positions,
-        slots,
+        kv_slots,
         logits_indices,
         len(chunks),
         {
@@ -206,8 +206,8 @@ def _paged_part(
     queries: int = 1,
 ) -> _HostPart:
     """Rows of up to `queries` consecutive tokens of one request (decode: one) over `num_pages` KV pages the
-    rows share, each row as many as its context needs (in row order). A row's unused query slots repeat its
-    last position and write to the null block."""
+    rows share, each row as many as its context needs (in row order). A row's unused query positions repeat
+    its last position and write to the null block."""
     blocks_per_page = page_tokens // block_size
     rows = len(chunks)
     starts = np.fromiter((chunk.start for chunk in chunks), dtype=np.int64, count=rows)
@@ -227,7 +227,7 @@ def _paged_part(
 
     input_ids = np.zeros((batch_bucket, queries), dtype=np.int64)
     positions = np.zeros((batch_bucket, queries), dtype=np.int64)
-    slots = np.full((batch_bucket, queries), NULL_BLOCK * block_size, dtype=np.int64)
+    kv_slots = np.full((batch_bucket, queries), NULL_BLOCK * block_size, dtype=np.int64)
     if queries == 1:
         input_ids[:rows, 0] = [chunk.token_ids[0] for chunk in chunks]
     else:
@@ -240,7 +240,7 @@ def _paged_part(
     written = (
         block_rows[row_index, positions[:rows] // block_size] * block_size + positions[:rows] % block_size
     )
-    slots[:rows] = np.where(real, written, NULL_BLOCK * block_size)
+    kv_slots[:rows] = np.where(real, written, NULL_BLOCK * block_size)
     # Every query slot of a row takes the row's adapter (its unused ones' logits are dropped anyway).
     lora_slots = np.zeros((batch_bucket, queries), dtype=np.int64)
     lora_slots[:rows] = np.fromiter((chunk.lora_slot for chunk in chunks), dtype=np.int64, count=rows)[
@@ -261,7 +261,7 @@ def _paged_part(
     return _HostPart(
         input_ids.reshape(-1),
         positions.reshape(-1),
-        slots.reshape(-1),
+        kv_slots.reshape(-1),
         np.arange(batch_bucket * queries, dtype=np.int64),
         len(chunks),
         {
@@ -306,7 +306,7 @@ def verify_inputs(
     page_tokens: int,
     block_size: int,
 ) -> HostInputs:
-    """Speculative decoding's verify call: each row its last token and its draft tokens (`queries` slots a
+    """Speculative decoding's verify call: each row its last token and its draft tokens (`queries` positions a
     row, unused ones padding), over shared KV pages as in a decode call. Keeps every query's logits, row by
     row: logits row r * queries + j is query j of row r."""
     paged = _paged_part(chunks, batch_bucket, num_pages, page_tokens, block_size, queries)
@@ -334,16 +334,16 @@ def _fresh_inputs(chunks: list[Chunk], token_bucket: int, block_size: int) -> Ho
     count = len(chunk.token_ids)
     input_ids = np.zeros(token_bucket, dtype=np.int64)
     positions = np.zeros(token_bucket, dtype=np.int64)
-    slots = np.full(token_bucket, NULL_BLOCK * block_size, dtype=np.int64)
+    kv_slots = np.full(token_bucket, NULL_BLOCK * block_size, dtype=np.int64)
     input_ids[:count] = chunk.token_ids
     lora_slots = np.zeros(token_bucket, dtype=np.int64)
     lora_slots[:count] = chunk.lora_slot
     positions[:count] = np.arange(count)
     blocks = _context_blocks(chunk.block_row, ceil_div(count, block_size))
-    slots[:count] = slot_mapping(blocks, positions[:count], block_size)
+    kv_slots[:count] = slot_mapping(blocks, positions[:count], block_size)
     logits_indices = np.zeros(PACKED_CHUNKS, dtype=np.int64)
     logits_indices[0] = count - 1
-    part = _HostPart(input_ids, positions, slots, logits_indices, 1, {}, lora_slots)
+    part = _HostPart(input_ids, positions, kv_slots, logits_indices, 1, {}, lora_slots)
     return _host_inputs(table=part, fresh_prefill=True)
 
 
@@ -387,7 +387,7 @@ def _host_inputs(
         input_ids=np.concatenate([part.input_ids for part in parts]),
         positions=np.concatenate([part.positions for part in parts]),
         logits_indices=np.concatenate(logits_indices),
-        slot_mapping=np.concatenate([part.slots for part in parts]),
+        slot_mapping=np.concatenate([part.kv_slots for part in parts]),
         table=None if table is None or fresh_prefill else table.tables,
         paged=None if paged is None else paged.tables,
         # A mixed call's table part has one chunk, one logits row: the real rows of both parts come first.
