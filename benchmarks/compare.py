@@ -15,9 +15,8 @@ Workload (as in shared/research/anchors.md): prompts of exactly 128 random token
 the prefix cache never hits), 128 output tokens each (greedy, EOS ignored), streamed from /v1/completions
 by the load generator (loadtest/) at concurrency 1, 8 and 32, 2 unmeasured warm-up requests per level.
 HF gets the same prompts. Output tokens/s = output tokens / wall time, prefill included. Prints markdown
-tables and every ratio; asserts nothing. Takes about 15-25 minutes on a 2-core machine.
-
-Targets (issue 7) for (a) at concurrency 32: >= 0.8 x (b) and >= 10 x (c) sequential.
+tables and every ratio; asserts nothing. Takes about 15-25 minutes on a 2-core machine. The targets for (a)
+at concurrency 32: >= 0.8 x (b) and >= 10 x (c) sequential.
 """
 
 from __future__ import annotations
