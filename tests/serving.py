@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,12 +18,27 @@ MODEL_NAME = "tiny"
 # The shared test server (tests/conftest.py: api_server) requires this key and caps request bodies.
 API_KEY = "test-key"
 MAX_REQUEST_BYTES = 1_000_000
+# Test servers' ports start here, clear of the low ports that system services hold.
+PORTS_FROM = 20_000
+_PORTS = random.SystemRandom()  # each xdist worker its own draws
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port outside the kernel's ephemeral range. A port the kernel picks itself (a bind to port 0, a
+    client's source port) can go to another process between this probe and the server's own bind: CI saw a
+    NIXL side channel fail with "Address already in use" that way. Outside the range only another probe like
+    this one could take it, and each worker draws at random."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = range(PORTS_FROM, low) if low - PORTS_FROM >= 1000 else range(high + 1, 65536)
+    for _ in range(100):
+        port = _PORTS.choice(ports)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports}")
 
 
 def http(
