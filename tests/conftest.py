@@ -48,6 +48,12 @@ EXPECTED_GRAPHS = 15
 FEW_BUCKETS = {"prefill_buckets": [64], "decode_batch_buckets": [2], "context_buckets": [256]}
 FEW_BUCKETS_ENGINE = ENGINE_KWARGS | {"additional_config": FEW_BUCKETS}
 FEW_BUCKETS_GRAPHS = 3
+# Each form of call the shared plan has, at one bucket: prefill over the cache, fresh prefill, decode, and
+# mixed with the shared plan's 64-token chunk, for an engine beside the shared one whose tokens are compared
+# with its.
+EVERY_FORM = FEW_BUCKETS | {"prefill_tokens_while_decoding": 64, "fresh_prefill_buckets": [64]}
+EVERY_FORM_ENGINE = ENGINE_KWARGS | {"additional_config": EVERY_FORM}
+EVERY_FORM_GRAPHS = 4
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,7 +6,7 @@ from concurrent.futures import Future
 import torch
 from vllm import SamplingParams
 
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, FEW_BUCKETS_ENGINE, model_runner
+from tests.conftest import EVERY_FORM_ENGINE, EXPECTED_GRAPHS, FEW_BUCKETS_ENGINE, model_runner
 from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, random_prompt, run_engine
 from vllm_neuron.scheduler import NeuronAsyncScheduler, NeuronScheduler
 from worker.step.async_steps import DeviceThread, StepOutput
@@ -62,7 +62,8 @@ def test_trainiums_device_thread_in_cpu_mode_gives_the_same_tokens_and_survives_
     """VLLM_NEURON_DEVICE_THREAD=on: the calls on a thread of their own, as on Trainium, end to end, each step
     prepared while the previous one runs: the same greedy and seeded tokens as the shared engine (calls
     inline), with top-p rows the graph leaves to the host and host-path rows in the batch; then churn
-    (cancellations, n > 1, preemption-free drains) with no graph added and every KV block freed."""
+    (cancellations, n > 1, preemption-free drains) with no graph added and every KV block freed. On a plan of
+    each form of call at one bucket: tokens do not depend on the buckets."""
     cases = [
         (random_prompt(9, seed=420), dict(temperature=0.9, top_p=0.95, seed=5)),  # flat logits: NO_TOKEN rows
         (random_prompt(40, seed=421), dict(temperature=0.8, top_k=20, seed=6, logprobs=2)),
@@ -74,7 +75,8 @@ def test_trainiums_device_thread_in_cpu_mode_gives_the_same_tokens_and_survives_
         for prompt, params in cases
     ]
     env = {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_DEVICE_THREAD": "on"}
-    result = run_engine(tiny_model_dir, ENGINE_KWARGS, env, extra={"churn_bursts": 2, "sampling": sampling})
+    extra = {"churn_bursts": 2, "sampling": sampling}
+    result = run_engine(tiny_model_dir, EVERY_FORM_ENGINE, env, extra=extra)
     assert result["async_scheduling"] is True and result["device_thread"] is True
     assert result["tokens"] == generate_ids(llm, PROMPTS, greedy(MAX_TOKENS))
     inline = [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.architectures import ARCHITECTURES, Architecture
-from tests.model_matrix import CaseResult, render
+from tests.model_matrix import FRESH_PREFILL_CASES, CaseResult, render
 
 pytestmark = pytest.mark.slow
 
@@ -62,3 +62,8 @@ def test_case(results, arch: Architecture):
 def test_docs_models_is_this_run(results):
     ordered = [results[arch.name] for arch in ARCHITECTURES]
     assert (ROOT / "docs" / "models.md").read_text() == render(ordered), "stale: run `make models-doc`"
+
+
+def test_the_fresh_prefill_cases_are_served_cases():
+    served = {arch.name for arch in ARCHITECTURES if not arch.refusal}
+    assert not FRESH_PREFILL_CASES - served, "not served cases"

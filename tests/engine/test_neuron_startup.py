@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, model_runner
+from tests.conftest import ENGINE_KWARGS, EVERY_FORM_ENGINE, EVERY_FORM_GRAPHS, EXPECTED_GRAPHS, model_runner
 from tests.engine.test_speculative import SPECULATIVE, copy_friendly_prompt
 from tests.environment import TEST_ENVIRONMENT
 from tests.helpers import MAX_TOKENS, PROMPTS, hf_greedy, run_engine
@@ -269,7 +269,9 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
         {"prompt": PROMPTS[0], "params": {"max_tokens": 4, "temperature": 0.0, "logprobs": 3}},
         {"prompt": PROMPTS[1], "params": {"max_tokens": 4, "temperature": 0.8, "seed": 1, "logprobs": 0}},
     ]
-    result = run_engine(tiny_model_dir, ENGINE_KWARGS, env, extra={"sampling": logprobs, "sleep_level": 1})
+    # On a plan of each form of call at one bucket, each of which the shared engine has too.
+    extra = {"sampling": logprobs, "sleep_level": 1}
+    result = run_engine(tiny_model_dir, EVERY_FORM_ENGINE, env, extra=extra)
 
     assert result["platform"] == "NeuronPlatform"
     assert result["tokens"] == [hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
@@ -302,21 +304,21 @@ def test_neuron_mode_starts_in_the_order_the_runtime_needs(llm, tiny_model_dir, 
     assert facts["process_group_before_runtime"]
     assert facts["neff_cache_dir_at_start"] == str(folder / "neff")
     assert facts["visible_cores_at_start"] == "0"
-    assert len(facts["compiles"]) == EXPECTED_GRAPHS
+    assert len(facts["compiles"]) == EVERY_FORM_GRAPHS
     assert all(graph["fallback_disabled"] for graph in facts["compiles"])
     flags = {(graph["NEURON_COMPILER_OPT_LEVEL"], graph["NEURON_CC_FLAGS"]) for graph in facts["compiles"]}
     assert flags == {("-O1", "--enable-saturate-infinity")}
     assert compile_cache.is_warm(folder)  # the NEFFs are in this configuration's folder
     (stats,) = result["compile_stats"]
-    assert stats["graphs"] == EXPECTED_GRAPHS and stats["unexpected_recompiles"] == 0
+    assert stats["graphs"] == EVERY_FORM_GRAPHS and stats["unexpected_recompiles"] == 0
     assert stats["kv_cache_shape"][1] == int(ENGINE_CORE_MEMORY * KV_CACHE_FRACTION) // KV_BLOCK_BYTES
     # One graph for both modes: each bucket's StableHLO (the fake NEFF holds what neuronx-cc would get) is
-    # the StableHLO of the same bucket in CPU mode, the shared engine's.
+    # the StableHLO of the same bucket in CPU mode, the shared engine's (the text names the bucket's shapes).
     neuron_mode = [Path(graph["neff"]).read_text() for graph in facts["compiles"]]
     cpu_mode = [graph.stablehlo for graph in model_runner(llm).recorder.lowering.graphs]
-    assert len(cpu_mode) == EXPECTED_GRAPHS
-    for index, (neuron_text, cpu_text) in enumerate(zip(neuron_mode, cpu_mode, strict=True)):
-        assert neuron_text == cpu_text, f"graph {index} differs between Neuron mode and CPU mode"
+    assert len(cpu_mode) == EXPECTED_GRAPHS and len(set(neuron_mode)) == EVERY_FORM_GRAPHS
+    for index, neuron_text in enumerate(neuron_mode):
+        assert neuron_text in cpu_mode, f"graph {index} differs between Neuron mode and CPU mode"
     assert_every_written_input_aliased_and_the_rules_hold(facts["compiles"])
 
 
