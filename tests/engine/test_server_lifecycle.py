@@ -11,31 +11,13 @@ import threading
 import time
 from argparse import Namespace
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from tests.conftest import FEW_BUCKETS, FEW_BUCKETS_GRAPHS
 from tests.serving import MODEL_NAME, ServerProcess, free_port, http, serve_command
 from vllm_neuron import settings
-
-CLI = str(Path(sys.executable).with_name("vllm-neuron"))
-
-
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_NEURON_DEVICE"}
-    return subprocess.run([CLI, *args], capture_output=True, text=True, env=env, timeout=timeout)
-
-
-def test_serve_help_shows_vllm_groups_and_every_neuron_option():
-    result = run_cli("serve", "--help")
-    assert result.returncode == 0, result.stderr
-    assert "ModelConfig" in result.stdout and "--help=all" in result.stdout  # vLLM's overview
-    for flag, setting in settings.BY_FLAG.items():
-        assert flag in result.stdout and str(setting.env) in result.stdout
-    every = run_cli("serve", "--help=all")
-    for option in ("--max-model-len", "--api-key", "--shutdown-timeout", "--prefill-buckets"):
-        assert option in every.stdout
-
 
 BAD_CONFIGURATIONS = {
     ("--context-buckets", "100,256"): "not multiples of the KV block size",
@@ -45,38 +27,56 @@ BAD_CONFIGURATIONS = {
     ("--tensor-parallel-size", "3"): "must be divisible by tensor parallel size (3)",
     ("--compile-backend", "stablehl"): "'stablehl' is not a compile backend",
 }
+HELP = (("serve", "--help"), ("serve", "--help=all"))
+
+
+class CliRun(NamedTuple):
+    code: int
+    stdout: str
+    stderr: str
 
 
 @pytest.fixture(scope="module")
-def refused(tiny_model_dir) -> dict[tuple[str, ...], tuple[int, str, str]]:
-    """Each bad configuration's `serve`: its exit code, stderr and stdout. The CLIs run at once: each is
-    seconds of importing vLLM, on one core."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_NEURON_DEVICE"}
-    processes = {}
+def cli_runs(tiny_model_dir) -> dict[tuple[str, ...], CliRun]:
+    """`vllm-neuron serve --help` and each bad configuration's `serve`, each by its arguments: runs that end
+    before an engine starts, all in one process (tests/cli_runs.py), which imports vLLM once."""
+    runs = {}
     for args in BAD_CONFIGURATIONS:
         command = serve_command(tiny_model_dir, free_port())[1:]
         if args[0] == "--additional-config":
             index = command.index("--additional-config")
             del command[index : index + 2]
-        processes[args] = subprocess.Popen(
-            [CLI, *command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-        )
-    results = {}
-    try:
-        for args, process in processes.items():
-            stdout, stderr = process.communicate(timeout=240)
-            results[args] = (process.returncode, stderr, stdout)
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return results
+        runs[args] = [*command, *args]
+    runs |= {args: list(args) for args in HELP}
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_NEURON_DEVICE"}
+    script = Path(__file__).parents[1] / "cli_runs.py"
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(list(runs.values()))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    results = json.loads(line.removeprefix("RESULT "))
+    return {args: CliRun(**result) for args, result in zip(runs, results, strict=True)}
+
+
+def test_serve_help_shows_vllm_groups_and_every_neuron_option(cli_runs):
+    result = cli_runs[HELP[0]]
+    assert result.code == 0, result.stderr
+    assert "ModelConfig" in result.stdout and "--help=all" in result.stdout  # vLLM's overview
+    for flag, setting in settings.BY_FLAG.items():
+        assert flag in result.stdout and str(setting.env) in result.stdout
+    every = cli_runs[HELP[1]]
+    for option in ("--max-model-len", "--api-key", "--shutdown-timeout", "--prefill-buckets"):
+        assert option in every.stdout
 
 
 @pytest.mark.parametrize(("args", "message"), list(BAD_CONFIGURATIONS.items()))
-def test_bad_configuration_fails_at_start_up_with_what_to_change(refused, args, message):
-    returncode, stderr, stdout = refused[args]
+def test_bad_configuration_fails_at_start_up_with_what_to_change(cli_runs, args, message):
+    returncode, stdout, stderr = cli_runs[args]
     assert returncode == 2, stderr[-3000:]
     assert message in stderr
     assert "Traceback" not in stderr and "pydantic" not in stderr
