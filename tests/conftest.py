@@ -56,11 +56,21 @@ EVERY_FORM_ENGINE = ENGINE_KWARGS | {"additional_config": EVERY_FORM}
 EVERY_FORM_GRAPHS = 4
 
 
+def run_folder(tmp_path_factory) -> Path:
+    """The temporary folder of this pytest run: under pytest-xdist, the parent the workers' folders share."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache_root(tmp_path_factory) -> Path:
-    """Compile artefacts of the test session stay in its temporary folder (children inherit it)."""
+    """Compile artefacts of the test session stay in its temporary folder (children inherit it). XLA's
+    executables are shared by every process of the run, each worker's included: keyed by the module and the
+    host, one serves every engine of the same shapes (vllm_neuron/compiler/xla.py), as a NEFF in TorchNeuron's
+    cache does."""
     root = tmp_path_factory.mktemp("compile-cache")
     os.environ["VLLM_NEURON_CACHE_ROOT"] = str(root)
+    os.environ["VLLM_NEURON_XLA_CACHE_DIR"] = str(run_folder(tmp_path_factory) / "xla-executables")
     return root
 
 
@@ -71,8 +81,7 @@ def host_share(request, tmp_path_factory):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
-    # The workers' temporary folders share a parent of this run's own.
-    with HostLock(tmp_path_factory.getbasetemp().parent, alone=request.node.get_closest_marker("alone")):
+    with HostLock(run_folder(tmp_path_factory), alone=request.node.get_closest_marker("alone")):
         yield
 
 

@@ -7,7 +7,9 @@ collects the whole heap again (torch, vLLM, dynamo's graphs: some 800,000 object
 3 of the 4 s from SIGTERM to exit, and a loaded host went past the 5 s. Freezing the objects at exit
 (`gc.freeze`: collections skip them) leaves that memory to the operating system, which reclaims a process's
 memory when it ends; vLLM's engine does the same on ROCm after a clean shutdown (vllm/v1/engine/core.py:
-`run_engine_core`). The process that started vLLM (a server, a user's script) is left as it is.
+`run_engine_core`). The process that started vLLM (a server, a user's script) is left as it is. An extension
+built with nanobind (triton's, where it is installed) reports the objects it still had at exit as "leaked":
+they are the frozen ones, reclaimed with the process.
 """
 
 import atexit

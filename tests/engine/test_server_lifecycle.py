@@ -197,7 +197,8 @@ def test_sigterm_during_warm_up_stops_the_server_and_its_engine(tiny_model_dir, 
         tmp_path / "server.log",
         "--readiness",
         "full",
-        env={"VLLM_NEURON_CACHE_ROOT": str(tmp_path / "cold-cache")},  # a warm-up long enough to interrupt
+        # A warm-up long enough to interrupt: nothing compiled before, not even the run's XLA executables.
+        env={"VLLM_NEURON_CACHE_ROOT": str(tmp_path / "cold-cache"), "VLLM_NEURON_XLA_CACHE_DIR": None},
     )
     try:
         wait_for_starting_answer(server)
