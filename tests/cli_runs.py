@@ -59,3 +59,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from tests.helpers import end_script
+
+    end_script()

@@ -77,12 +77,17 @@ def compile_cache_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", autouse=True)
 def host_share(request, tmp_path_factory):
     """pytest-xdist's workers share the host module by module; a module marked `alone` (leases and timeouts
-    that a busy host breaks) waits for the other workers' modules to end, and holds the host until it ends."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    that a busy host breaks) waits for the other workers' engine modules to end, and holds the host until it
+    ends. Unit tests start no engine: they run beside any module."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or is_unit_test(request.node):
         yield
         return
     with HostLock(run_folder(tmp_path_factory), alone=request.node.get_closest_marker("alone")):
         yield
+
+
+def is_unit_test(node) -> bool:
+    return node.path.parent.name == "unit"
 
 
 class HostLock:
@@ -177,23 +182,37 @@ SHARED_ENGINES = ("llm", "api_server")
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` each file is one unit of work (its module fixtures start once), and the files
-    that share a session engine are one unit; without it the groups change nothing. (A wrapper: xdist reads
-    the groups in a hook of its own.) Tests marked `neuron` skip without a Trainium host."""
+    that share a session engine are one unit; without it the groups change nothing. The modules marked
+    `alone` come last, as one unit, after the unit tests: the other worker runs unit tests beside them
+    instead of waiting. (A wrapper: xdist reads the groups in a hook of its own.) Tests marked `neuron` skip
+    without a Trainium host."""
+    items.sort(key=run_order)  # stable: files keep their order within each part
     for item, unit in work_units(items).items():
         item.add_marker(pytest.mark.xdist_group(unit))
     _skip_neuron_tests(items)
     return (yield)
 
 
+def run_order(item) -> int:
+    """Engine tests, then unit tests, then the modules that need the host to themselves."""
+    if item.get_closest_marker("alone"):
+        return 2
+    return 1 if is_unit_test(item) else 0
+
+
 def work_units(items) -> dict:
-    """Each test's unit of work: the first shared engine its file uses, else its file."""
+    """Each test's unit of work: `alone` for the modules so marked, else the first shared engine its file
+    uses, else its file."""
     used: dict[Path, set[str]] = {}
     for item in items:
         used.setdefault(item.path, set()).update(getattr(item, "fixturenames", ()))
     units = {}
     for item in items:
         engines = [engine for engine in SHARED_ENGINES if engine in used[item.path]]
-        units[item] = engines[0] if engines else item.path.name
+        if item.get_closest_marker("alone"):
+            units[item] = "alone"
+        else:
+            units[item] = engines[0] if engines else item.path.name
     return units
 
 

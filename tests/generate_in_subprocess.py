@@ -10,7 +10,8 @@ after the greedy prompts: "sampled_tokens"), "churn_bursts" (then run tests/engi
 and report it), "sleep_level" (then sleep at that level, wake up, reload the weights after level 2, and
 generate again), "wait_background" (then wait until staged readiness's background compiles are done),
 "metrics" (the values of these counters of llm.get_metrics(), summed over labels: "metrics" in the result),
-"save_dequantized" (a path: the driver rank's FP8 linear weights dequantized, torch.save'd), and with the
+"save_dequantized" (a path: the driver rank's FP8 linear weights dequantized, torch.save'd), "natural_exit"
+(end as a user's script does, finalization included, not by tests/helpers.py's end_script), and with the
 plugin active the result carries each rank's compile_stats (graphs, recompiles after warm-up, KV cache shape)
 and the driver's compile_progress."""
 
@@ -102,6 +103,10 @@ def main() -> None:
         "preemptions": len(preempted),
     }
     print("RESULT " + json.dumps(result), flush=True)
+    if not request.get("natural_exit"):
+        from tests.helpers import end_script
+
+        end_script(llm)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,9 @@ def main() -> None:
         "compile_stats": [before, after],  # each rank's
     }
     print("RESULT " + json.dumps(result), flush=True)
+    from tests.helpers import end_script
+
+    end_script(llm)
 
 
 if __name__ == "__main__":

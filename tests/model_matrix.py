@@ -292,3 +292,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    from tests.helpers import end_script
+
+    end_script()

@@ -20,7 +20,7 @@ def main() -> None:
     request = json.loads(sys.argv[1])
     from vllm import LLM
 
-    from tests.helpers import generate_ids, greedy
+    from tests.helpers import end_script, generate_ids, greedy
 
     started = time.perf_counter()
     llm = LLM(model=request["model"], **request["engine"])
@@ -73,8 +73,8 @@ def main() -> None:
         "all_graphs": [list(graph) for graph in runner.buckets.graphs()],
         "minimal_graphs": [list(graph) for graph in runner.buckets.minimal_graphs()],
     }
-    llm.llm_engine.engine_core.shutdown()
     print("RESULT " + json.dumps(result), flush=True)
+    end_script(llm)
 
 
 if __name__ == "__main__":

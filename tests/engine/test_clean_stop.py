@@ -51,6 +51,7 @@ def test_an_llm_script_that_ends_during_background_compiles_exits_0(tiny_model_d
         "engine": ENGINE_KWARGS,
         "prompts": [random_prompt(5, seed=1)],
         "max_tokens": 4,
+        "natural_exit": True,
     }
     script = Path(__file__).parents[1] / "generate_in_subprocess.py"
     done = subprocess.run(
