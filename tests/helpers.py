@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -67,7 +68,10 @@ def end_script(llm=None) -> NoReturn:
     dynamo (3-4 s of CPU a process: vllm_neuron/process_exit.py) and checks nothing a test reads. A test of
     the exit itself asks for it with "natural_exit" (tests/engine/test_clean_stop.py)."""
     if llm is not None:
-        llm.llm_engine.engine_core.shutdown()
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # reported and passed over, as vLLM's finalizer of the engine does at exit
+            traceback.print_exc()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
