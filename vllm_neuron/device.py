@@ -235,7 +235,7 @@ def mixed_call_prefill_share() -> int:
 def calls_on_a_thread() -> bool:
     """Whether, with async scheduling, a step's compiled calls run on a thread of their own
     (VLLM_NEURON_DEVICE_THREAD; by default on Trainium only: in CPU mode the calls and the host share the
-    same cores, worker/step/async_steps.py)."""
+    same cores, worker/step/model_runner.py)."""
     choice = envs.VLLM_NEURON_DEVICE_THREAD
     return choice == "on" or (choice == "auto" and mode() == "neuron")
 
@@ -353,7 +353,7 @@ def read_now(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def copy_to_device(destination: torch.Tensor, source: torch.Tensor) -> None:
     """One host-to-device transfer of a host tensor into a contiguous device tensor of its shape and dtype (a
-    call's packed inputs, worker/step/packed_inputs.py; a LoRA slot's image, worker/lora/images.py), without
+    call's packed inputs, worker/step/call_inputs.py; a LoRA slot's image, worker/lora/images.py), without
     waiting for the device: every host-to-device write on the serving path. Non-blocking, TorchNeuron copies
     the host bytes to a bounce buffer at once and queues the write on the stream, behind the graphs already
     submitted, so the source may be reused at once; blocking, it then waits until the stream is idle

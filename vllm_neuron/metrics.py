@@ -10,8 +10,6 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from vllm_neuron.calls import Call
-
 COMPILED_GRAPHS = Gauge(
     "vllm_neuron:compiled_graphs",
     "Graphs compiled for the model step (one per bucket shape after warm-up).",
@@ -132,22 +130,6 @@ def sample_process(process: str) -> None:
     PROCESS_RESIDENT_MEMORY.labels(process=process).set(me.memory_info().rss)
     PROCESS_OPEN_FDS.labels(process=process).set(me.num_fds())
     PROCESS_THREADS.labels(process=process).set(me.num_threads())
-
-
-class CallStats:
-    """Per-process tallies of compiled calls while serving, mirrored into the Prometheus series above."""
-
-    def __init__(self) -> None:
-        self.real_tokens = {"prefill": 0, "decode": 0}
-        self.slots = {"prefill": 0, "decode": 0}
-
-    def record(self, call: Call) -> None:
-        BUCKET_CALLS.labels(phase=call.phase, bucket=call.bucket).inc()
-        for phase, (real, slots) in call.padding().items():
-            self.real_tokens[phase] += real
-            self.slots[phase] += slots
-            PADDING_REAL_TOKENS.labels(phase=phase).inc(real)
-            PADDING_SLOTS.labels(phase=phase).inc(slots)
 
 
 def graph_progress() -> dict[str, int]:

@@ -24,9 +24,9 @@ no per-vocabulary random numbers, and no top-k (a sort and a slice, as torch-mli
 neuronx-cc sorts (`staged_top_k`).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from vllm_neuron import trn2
@@ -54,8 +54,8 @@ class SampledRows:
     draft_probs: torch.Tensor  # [rows] float32: the DRAFT token's probability (0 where none; random rows)
 
 
-def may_overflow(row: np.ndarray) -> bool:
-    """Whether the graph may leave a row with these sampling row to the host
+def may_overflow(row: Sequence[float]) -> bool:
+    """Whether the graph may leave a row with this sampling row (its first columns at least) to the host
     (NO_TOKEN): a random row with top-p on and no top-k within the candidates (`sample`'s overflow)."""
     temperature, top_k, top_p = row[TEMPERATURE], row[TOP_K], row[TOP_P]
     return bool(top_p < 1 and temperature >= GREEDY_BELOW and not 0 < top_k <= TOP_K_CAP)

@@ -9,7 +9,7 @@ from vllm import SamplingParams
 from tests.conftest import EVERY_FORM_ENGINE, EXPECTED_GRAPHS, FEW_BUCKETS_ENGINE, model_runner
 from tests.helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, random_prompt, run_engine
 from vllm_neuron.scheduler import NeuronAsyncScheduler, NeuronScheduler
-from worker.step.async_steps import DeviceThread, StepOutput
+from worker.step.model_runner import DeviceThread, StepOutput
 
 
 def test_the_shared_engine_schedules_ahead_with_the_prefill_share(llm):

@@ -191,7 +191,7 @@ def widening_dtype_view(x: torch.Tensor) -> torch.Tensor:
 
 def test_a_graph_that_does_not_lower_names_op_source_line_and_call():
     recorder = CompileRecorder("stablehlo")
-    recorder.current_call = Call.prefill(tokens=5, token_bucket=32, chunk_context=128)
+    recorder.thread.call = Call.prefill(tokens=5, token_bucket=32, chunk_context=128)
     compiled = torch.compile(widening_dtype_view, backend=recorder, fullgraph=True, dynamic=False)
     with pytest.raises(Exception) as failure:
         compiled(torch.ones(4, 6, dtype=torch.bfloat16))

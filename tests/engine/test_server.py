@@ -294,7 +294,7 @@ def test_neuron_info_endpoint(server):
     assert len(lowered) == EVERY_FORM_GRAPHS
     for graph in lowered:
         assert graph["lowering_seconds"] > 0 and graph["stablehlo_ops"] > 100, graph
-        # Updated in place: each layer's KV cache and the token slots (worker/step/token_slots.py).
+        # Updated in place: each layer's KV cache and the token slots (worker/step/step_state.py).
         assert graph["largest_tensor"]["bytes"] > 0 and len(graph["aliased_inputs"]) == 2 + 1, graph
         # XLA's figures for the graph it compiled and ran, the caches in place.
         assert graph["caches_in_place"] and graph["flops"] > 0 and graph["alias_bytes"] > 0, graph

@@ -16,12 +16,12 @@ from worker.step.call_inputs import (
     CallInputs,
     Chunk,
     HostInputs,
+    StagingBuffers,
     decode_inputs,
     mixed_inputs,
     prefill_inputs,
     verify_inputs,
 )
-from worker.step.packed_inputs import StagingBuffers
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4

@@ -38,7 +38,7 @@ def test_new_shape_after_warm_up_is_counted_and_logged(caplog):
     compiled, recorder = compile_static(Scale(), "eager", expected_graphs=1)
     compiled(torch.ones(4))
     recorder.armed = True
-    recorder.current_call = Call.decode(rows=5, batch=8, decode_context=256)
+    recorder.thread.call = Call.decode(rows=5, batch=8, decode_context=256)
     seen = []
     recorder.on_unexpected = seen.append
     compiled(torch.ones(4))
@@ -53,7 +53,7 @@ def test_strict_mode_refuses_a_new_shape_and_names_the_setting():
     compiled, recorder = compile_static(Scale(), "eager", expected_graphs=1, strict=True)
     compiled(torch.ones(4))
     recorder.armed = True
-    recorder.current_call = Call.prefill(tokens=70, token_bucket=128, chunk_context=256)
+    recorder.thread.call = Call.prefill(tokens=70, token_bucket=128, chunk_context=256)
     with pytest.raises(Exception, match="prefill_buckets") as error:
         compiled(torch.ones(5))
     assert isinstance(error.value, UnexpectedRecompileError) or "UnexpectedRecompileError" in str(error.value)

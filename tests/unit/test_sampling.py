@@ -127,7 +127,7 @@ def test_a_top_p_cut_beyond_the_candidates_is_left_to_the_host():
 )
 def test_the_host_knows_which_rows_the_graph_may_leave_to_it(temperature, top_k, top_p):
     """sampling.may_overflow, which decides whether the next step takes a row's token on the device
-    (worker/step/token_slots.py): a row it clears never comes back NO_TOKEN, whatever the logits, ties
+    (worker/step/step_state.py): a row it clears never comes back NO_TOKEN, whatever the logits, ties
     included."""
     rows = make_rows(3, temperature=temperature, top_k=top_k, top_p=top_p)
     flat = torch.zeros(3, 4 * sampling.TOP_K_CAP)  # every token tied

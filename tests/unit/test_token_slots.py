@@ -1,5 +1,5 @@
-"""A call's inputs cross to the device in one transfer (worker/step/packed_inputs.py), and a decode row takes
-the previous step's token from the token slots on the device (worker/step/token_slots.py)."""
+"""A call's inputs cross to the device in one transfer (worker/step/call_inputs.py), and a decode row takes
+the previous step's token from the token slots on the device (worker/step/step_state.py)."""
 
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.unit.test_sampling import make_rows
-from worker.step import packed_inputs, token_slots
+from vllm_neuron import sampling
+from worker.step import call_inputs, step_state
 
 CPU = torch.device("cpu")
 
@@ -29,8 +30,8 @@ def test_a_calls_arrays_cross_in_one_transfer_as_views_of_one_buffer(monkeypatch
         "d": np.zeros(0, dtype=np.int64),
         "e": np.array([7], dtype=np.int64),
     }
-    staging = packed_inputs.StagingBuffers(CPU)
-    sent = staging.send(packed_inputs.pack(arrays))
+    staging = call_inputs.StagingBuffers(CPU)
+    sent = staging.send(call_inputs.pack(arrays))
     assert len(transfers) == 1 and list(sent) == list(arrays)
     for array, tensor in zip(arrays.values(), sent.values(), strict=True):
         assert tensor.is_contiguous() and tensor.numpy().tolist() == array.tolist()
@@ -39,7 +40,7 @@ def test_a_calls_arrays_cross_in_one_transfer_as_views_of_one_buffer(monkeypatch
         )
     assert len({tensor.untyped_storage().data_ptr() for tensor in sent.values()}) == 1
     # The next call of the layout lands in the same buffer: nothing allocated per call.
-    again = staging.send(packed_inputs.pack({name: array + 1 for name, array in arrays.items()}))
+    again = staging.send(call_inputs.pack({name: array + 1 for name, array in arrays.items()}))
     assert transfers[1][0] is transfers[0][0] and staging.nbytes == transfers[0][1]
     assert again["a"].tolist() == [1, 2, 3, 4, 5] and again["a"].data_ptr() == sent["a"].data_ptr()
 
@@ -47,24 +48,24 @@ def test_a_calls_arrays_cross_in_one_transfer_as_views_of_one_buffer(monkeypatch
 def test_each_sending_thread_has_buffers_of_its_own():
     """A transfer from another thread (a background compile, the draft model) never lands in the buffer of a
     call the device thread has yet to run."""
-    staging = packed_inputs.StagingBuffers(CPU)
-    packed = packed_inputs.pack({"ids": np.arange(4, dtype=np.int64)})
+    staging = call_inputs.StagingBuffers(CPU)
+    packed = call_inputs.pack({"ids": np.arange(4, dtype=np.int64)})
     here = staging.send(packed)
     with ThreadPoolExecutor(1, thread_name_prefix="other") as pool:
-        there = pool.submit(staging.send, packed_inputs.pack({"ids": np.zeros(4, dtype=np.int64)})).result()
+        there = pool.submit(staging.send, call_inputs.pack({"ids": np.zeros(4, dtype=np.int64)})).result()
     assert here["ids"].tolist() == [0, 1, 2, 3] and there["ids"].tolist() == [0] * 4
     assert staging.nbytes == 2 * packed.buffer.nbytes
 
 
 def test_steps_write_alternate_halves_and_padding_the_null_slot():
     rows = 4
-    first = token_slots.next_base(1, rows)
-    second = token_slots.next_base(first, rows)
-    assert {first, second} == {1, 1 + rows} and token_slots.next_base(second, rows) == first
+    first = step_state.next_base(1, rows)
+    second = step_state.next_base(first, rows)
+    assert {first, second} == {1, 1 + rows} and step_state.next_base(second, rows) == first
     # Halves of rows slots each, past the null slot 0: a step never writes the half the next one reads.
-    assert max(first, second) + rows - 1 == token_slots.size(rows) - 1
-    assert token_slots.keep(first, [2, 0], rows=4, queries=1).tolist() == [first + 2, first, 0, 0]
-    assert token_slots.keep(first, [2, 0], rows=8, queries=2).tolist() == [0] * 8  # verify: on the host
+    assert max(first, second) + rows - 1 == step_state.token_slot_count(rows) - 1
+    assert step_state.keep_slots(first, [2, 0], rows=4, queries=1).tolist() == [first + 2, first, 0, 0]
+    assert step_state.keep_slots(first, [2, 0], rows=8, queries=2).tolist() == [0] * 8  # verify: on the host
 
 
 def test_only_a_rows_final_token_is_fed_on_the_device():
@@ -80,7 +81,9 @@ def test_only_a_rows_final_token_is_fed_on_the_device():
         ]
     ).numpy()
     req_ids = ["greedy", "top-p", "top-k-top-p", "partial", "verify"]
-    slots = token_slots.final_slots(req_ids, table, [3], {4: [5, 6]}, base=9)
+    slots = step_state.final_slots(
+        req_ids, [sampling.may_overflow(row) for row in table], [3], {4: [5, 6]}, base=9
+    )
     assert slots == {"greedy": 9, "top-k-top-p": 11}
 
 
@@ -88,7 +91,7 @@ def test_a_decode_row_is_fed_from_its_slot_or_filled_in_by_the_host():
     """A row whose previous token is final in the slots takes it there; one the graph may have left to the
     host (NO_TOKEN) is filled in on the host; a row with neither is an error."""
     previous = SimpleNamespace(final_slots={"a": 7})
-    fills = token_slots.Fills()
+    fills = step_state.Fills()
     fills.add(0, "a", previous)
     fills.add(2, "b", previous)
     with pytest.raises(RuntimeError, match="neither known nor being sampled"):
@@ -109,9 +112,9 @@ def test_a_graph_reads_the_previous_steps_tokens_and_writes_its_own():
 
     compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=False)
     rows = 2
-    slots = torch.zeros(token_slots.size(rows), dtype=torch.int32)
-    base = token_slots.next_base(1, rows)
-    keep = torch.from_numpy(token_slots.keep(base, [0, 1], rows=3, queries=1))
+    slots = torch.zeros(step_state.token_slot_count(rows), dtype=torch.int32)
+    base = step_state.next_base(1, rows)
+    keep = torch.from_numpy(step_state.keep_slots(base, [0, 1], rows=3, queries=1))
     ids = compiled(
         slots,
         torch.tensor([5, 6, 0]),
@@ -122,7 +125,7 @@ def test_a_graph_reads_the_previous_steps_tokens_and_writes_its_own():
     assert ids.tolist() == [5, 6, 0] and slots[base : base + rows].tolist() == [41, 42]
     # The next step: row 0 is the previous step's row 1, row 1 a new prompt's token.
     feed = torch.tensor([base + 1, 0, 0])
-    next_keep = torch.from_numpy(token_slots.keep(token_slots.next_base(base, rows), [0, 1], 3, 1))
+    next_keep = torch.from_numpy(step_state.keep_slots(step_state.next_base(base, rows), [0, 1], 3, 1))
     ids = compiled(
         slots, torch.tensor([0, 7, 0]), feed, next_keep, torch.tensor([43, 44, 9], dtype=torch.int32)
     )

@@ -72,6 +72,15 @@ def check_neuron_constraints(graph_module: torch.fx.GraphModule, example_inputs:
             raise NeuronCompileError(f"graph node {node.name} ({node.target}) computes in float64")
 
 
+class ThreadCall(threading.local):
+    """What one thread is about to run: the model call (recompile messages, lowered graphs' labels) or
+    another graph's label (NIXL's block copies, worker/kv/nixl_blocks.py), and whether a new graph is
+    expected for it even once the recorder is armed."""
+
+    call: "Call | str | None" = None
+    expected: bool = False
+
+
 @dataclass(repr=False)
 class CompileRecorder:
     backend_name: str
@@ -85,9 +94,8 @@ class CompileRecorder:
     compile_workers: int = 1  # inductor's compile processes
 
     def __post_init__(self) -> None:
-        # Per thread: the call about to run (recompile messages, lowered graphs' labels) and whether a new
-        # graph is expected there. Serving and background compiles run in different threads.
-        self._thread = threading.local()
+        # Serving and background compiles run in different threads: each sets the call it is about to run.
+        self.thread = ThreadCall()
         self.compile_pool: OutOfProcessInductor | None = None
         if self.backend_name in _EXECUTION:
             from vllm_neuron.compiler.stablehlo import StableHLOBackend
@@ -118,39 +126,29 @@ class CompileRecorder:
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         check_neuron_constraints(graph_module, example_inputs)
         shapes = tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
-        if self.armed and not getattr(self._thread, "expected", False):
+        if self.armed and not self.thread.expected:
             self._unexpected(shapes)
         self.graphs.append(shapes)
         if self.lowering is not None:
-            current = self.current_call
+            current = self.thread.call
             self.lowering.label = str(current or f"graph {len(self.graphs) - 1}")
             self.lowering.call = current if isinstance(current, Call) else None
         return self._inner(graph_module, example_inputs)
 
-    @property
-    def current_call(self) -> Call | str | None:
-        """The model call about to run in this thread, or the label of another graph's run (NIXL's block
-        copies, worker/kv/nixl_blocks.py)."""
-        return getattr(self._thread, "call", None)
-
-    @current_call.setter
-    def current_call(self, call: Call | str | None) -> None:
-        self._thread.call = call
-
     @contextmanager
     def expecting(self, call: Call) -> Iterator[None]:
         """Within this block, in this thread, a new graph for `call` is expected even once armed."""
-        self.current_call, self._thread.expected = call, True
+        self.thread.call, self.thread.expected = call, True
         try:
             yield
         finally:
-            self.current_call, self._thread.expected = None, False
+            self.thread.call, self.thread.expected = None, False
 
     def __repr__(self) -> str:  # dynamo names the backend by it in compile errors
         return f"CompileRecorder({self.backend_name})"
 
     def _unexpected(self, shapes: Shapes) -> None:
-        described = f"{self.current_call or 'a call'} (input shapes {list(shapes)[:4]}...)"
+        described = f"{self.thread.call or 'a call'} (input shapes {list(shapes)[:4]}...)"
         advice = (
             "Every call should be padded to a configured bucket: check prefill_buckets, decode_batch_buckets "
             "and context_buckets (--additional-config or VLLM_NEURON_*_BUCKETS), and report this as a bug."

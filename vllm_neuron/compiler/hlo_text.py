@@ -157,7 +157,7 @@ class CacheWrite:
 
 def is_cache(shape: tuple[int, ...]) -> bool:
     """Whether a buffer a graph updates in place is a KV cache: every one is but the token slots
-    (worker/step/token_slots.py), a vector of a few bytes."""
+    (worker/step/step_state.py), a vector of a few bytes."""
     return len(shape) > 1
 
 

@@ -21,6 +21,7 @@ source line that produced it.
 """
 
 import collections
+import functools
 import importlib.util
 import math
 import re
@@ -289,17 +290,8 @@ def _run_program(program: "xla.Program", lowered: LoweredGraph) -> Callable:
     writes without an alias comes back as an output of its own, stored into its buffer (TorchNeuron's
     executor binds it as the output's buffer, which the NEFF was not compiled to share)."""
     aliased = {alias.output for alias in lowered.aliases}
-    copied = [alias for alias in lowered.written if alias.output not in aliased]
-
-    def run(args: list[Any]) -> list[Any]:
-        outputs = program.run(args)  # every output but the donated ones, in order
-        total = len(outputs) + len(aliased)
-        by_index = dict(zip((i for i in range(total) if i not in aliased), outputs, strict=True))
-        for alias in copied:
-            args[alias.parameter].copy_(by_index[alias.output])
-        return [by_index[index] for index in range(len(lowered.written), total)]
-
-    return torch_compile.boxed(run)
+    copies = tuple((a.parameter, a.output) for a in lowered.written if a.output not in aliased)
+    return torch_compile.boxed(functools.partial(program.run_graph, len(lowered.written), copies))
 
 
 def _zeros_instead(gm: torch.fx.GraphModule, written: list[Alias]) -> Callable:

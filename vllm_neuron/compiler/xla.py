@@ -184,6 +184,18 @@ class Program:
         kept = [array for index, array in enumerate(outputs) if index not in self._donated.values()]
         return [torch.from_dlpack(array) for array in kept]
 
+    def run_graph(self, written: int, copies: tuple[tuple[int, int], ...], args: list[torch.Tensor]) -> list:
+        """A traced graph's call: its first `written` outputs are the inputs it writes, the donated ones
+        updated in place and left out of `run`'s outputs; each of `copies` (parameter, output) is stored into
+        its input. Returns the graph's other outputs."""
+        outputs = self.run(args)  # every output but the donated ones, in order
+        donated = set(self._donated.values())
+        total = len(outputs) + len(donated)
+        by_index = dict(zip((i for i in range(total) if i not in donated), outputs, strict=True))
+        for parameter, output in copies:
+            args[parameter].copy_(by_index[output])
+        return [by_index[index] for index in range(written, total)]
+
     def _input(self, position: int, tensor: torch.Tensor) -> Any:
         if position in self._donated:
             return None

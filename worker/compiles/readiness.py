@@ -35,6 +35,9 @@ class Readiness:
         # Every graph once warm-up is over, or while staged readiness compiles in the background, those
         # ready so far (replaced, never mutated: the serving thread reads it unlocked).
         self.ready_graphs: frozenset[GraphKey] = frozenset(buckets.graphs())
+        # What a step may plan with: the ready graphs while staged readiness compiles the others, None once
+        # every graph may be used (set with ready_graphs and the background compiles, _refresh_usable).
+        self.usable: frozenset[GraphKey] | None = None
         self.serving = False  # warm-up is over: its calls are not traffic
         self.progress = CompileProgress(total=buckets.num_graphs, ready=0, pending=0)
         self.background: BackgroundCompiler | None = None
@@ -48,7 +51,11 @@ class Readiness:
     @property
     def staging(self) -> bool:
         """Graphs are still compiling in the background: steps plan with the ready ones only."""
-        return self.background is not None and len(self.ready_graphs) < self.buckets.num_graphs
+        return self.usable is not None
+
+    def _refresh_usable(self) -> None:
+        staging = self.background is not None and len(self.ready_graphs) < self.buckets.num_graphs
+        self.usable = self.ready_graphs if staging else None
 
     def warm_up(
         self,
@@ -91,11 +98,13 @@ class Readiness:
         )
         seconds, graphs = self._warm_up_graphs(first, run_step, max_model_len, block_size)
         self.ready_graphs = frozenset(first)
+        self._refresh_usable()
         self._warmup_started, self._seconds_per_graph = start, (time.perf_counter() - start) / len(first)
         if parallel and pending:
             self._start_background(pending)
             self.background.wait()
             self.background = None
+            self._refresh_usable()
             if self.progress.failed:
                 raise RuntimeError(f"Warm-up could not compile {'; '.join(self.progress.failed)}")
             pending = []
@@ -170,6 +179,7 @@ class Readiness:
                 progress.pending -= self._per_shape
                 if error is None:
                     self.ready_graphs = self.ready_graphs | {graph}
+                    self._refresh_usable()
                     progress.ready += self._per_shape
                 else:
                     progress.failed.append(f"{_describe(graph)}: {error}")
@@ -194,6 +204,7 @@ class Readiness:
             self.activity,
             self._recorder.cancel,
         )
+        self._refresh_usable()
         self.background.start()
 
     def _timed_compile(self, graph: GraphKey) -> float:
@@ -204,19 +215,9 @@ class Readiness:
         metrics.COMPILED_GRAPHS.set(self._recorder.num_graphs)
         return seconds
 
-    def plan_calls(self, plan: Callable[[frozenset[GraphKey] | None], list[CallPlan]]) -> list[CallPlan]:
-        """A step's calls, `plan(ready)` on the graphs it may use (None: every graph). While staging, the plan
-        with every graph is asked for too: the demand it shows goes to the background compiles."""
-        if not self.staging:
-            return plan(None)
-        plans = plan(self.ready_graphs)
-        if self.serving:
-            self._report_demand(plans, plan(None))
-        return plans
-
-    def _report_demand(self, plans: list[CallPlan], ideal: list[CallPlan]) -> None:
-        """What a step would have saved with every graph (estimated call costs), shared among the pending
-        graphs it would have used: the background compiles those first."""
+    def report_demand(self, plans: list[CallPlan], ideal: list[CallPlan]) -> None:
+        """While staging: what a step would have saved with every graph (`ideal`, estimated call costs),
+        shared among the pending graphs it would have used: the background compiles those first."""
         missing = {plan.call.graph for plan in ideal} - self.ready_graphs
         if not missing:
             return

@@ -26,7 +26,7 @@ from vllm_neuron import device as neuron_device
 from vllm_neuron.buckets import pick_bucket
 from vllm_neuron.compiler import compile as neuron_compile
 from vllm_neuron.graph_plan import copy_buckets, max_copy_blocks
-from worker.step.packed_inputs import StagingBuffers
+from worker.step.call_inputs import StagingBuffers
 
 if TYPE_CHECKING:
     from worker.kv.kv_caches import KVCaches
@@ -80,7 +80,7 @@ class BlockCopier:
     ) -> None:
         self.caches = caches
         self.recorder = recorder
-        self.staging = StagingBuffers(caches.device)  # as a call's inputs: worker/step/packed_inputs.py
+        self.staging = StagingBuffers(caches.device)  # as a call's inputs: worker/step/call_inputs.py
         tensors = list(caches.by_layer().values())
         dtypes = {cache.dtype for cache in tensors}
         if len(dtypes) != 1:
@@ -157,12 +157,12 @@ class BlockCopier:
     def _gather(self, block_ids: np.ndarray, blocks: int) -> torch.Tensor:
         """Every layer's pages of block_ids (a bucket's worth, `blocks` of them real), on the device: one
         transfer, one graph."""
-        self.recorder.current_call = copy_label("gather", blocks, len(block_ids))
+        self.recorder.thread.call = copy_label("gather", blocks, len(block_ids))
         return self.gather(self._caches(), self.staging.send_bytes(block_ids).view(torch.int64))
 
     def _scatter(self, buffer: np.ndarray, bucket: int, blocks: int) -> None:
         """Write a `_load_buffer` (`blocks` of its bucket real) into the caches: one transfer, one graph."""
-        self.recorder.current_call = copy_label("scatter", blocks, bucket)
+        self.recorder.thread.call = copy_label("scatter", blocks, bucket)
         block_ids, pages = self._split(self.staging.send_bytes(buffer), bucket)
         self.scatter(self._caches(), block_ids, pages)
 

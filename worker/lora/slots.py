@@ -5,6 +5,7 @@ worker/lora/images.py), and each batch row gets its slot, which the call inputs 
 docs/research/issue-39-lora.md."""
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,6 @@ from vllm_neuron.upstream.vllm_lora import (
     supports_lora,
 )
 from worker.lora.images import SlotImages
-from worker.step.async_steps import DeviceThread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,11 +46,14 @@ class LoRASlots:
     0 the base model, k vLLM's slot k - 1."""
 
     def __init__(
-        self, vllm_config: "VllmConfig", device: torch.device, device_thread: DeviceThread | None
+        self,
+        vllm_config: "VllmConfig",
+        device: torch.device,
+        submit: Callable[[Callable[[], object]], Future] | None = None,
     ) -> None:
         self.vllm_config = vllm_config
         self.device = device
-        self.device_thread = device_thread
+        self._submit = submit  # the device thread's, where a step's calls run on a thread of their own
         self.manager: CheckedLoRAManager | None = None
         self.images: SlotImages | None = None
 
@@ -85,10 +88,7 @@ class LoRASlots:
     def _write(self, writes: Callable[[], object]) -> object:
         # Slot writes go after the calls already submitted to the device thread: they may read a slot that
         # is about to be taken.
-        if self.device_thread is not None and self.device_thread.threaded:
-            result = self.device_thread.submit(writes).result()
-        else:
-            result = writes()
+        result = self._submit(writes).result() if self._submit is not None else writes()
         metrics.LORA_ADAPTERS_LOADED.set(sum(lora_id is not None for lora_id in self.manager.slot_ids()))
         return result
 

@@ -11,6 +11,7 @@ import numpy as np
 from kv_cache import layout
 from vllm_neuron import device as neuron_device
 from vllm_neuron import envs, metrics
+from vllm_neuron.calls import Call
 from worker.metrics.step_trace import StepTrace
 from worker.step.step_state import StepFigures
 
@@ -104,3 +105,20 @@ class StepMetrics:
         if self.trace is not None:
             self.trace.close()
             self.trace = None
+
+
+class CallStats:
+    """Per-process tallies of compiled calls while serving, mirrored into their Prometheus series
+    (vllm_neuron/metrics.py)."""
+
+    def __init__(self) -> None:
+        self.real_tokens = {"prefill": 0, "decode": 0}
+        self.slots = {"prefill": 0, "decode": 0}
+
+    def record(self, call: Call) -> None:
+        metrics.BUCKET_CALLS.labels(phase=call.phase, bucket=call.bucket).inc()
+        for phase, (real, slots) in call.padding().items():
+            self.real_tokens[phase] += real
+            self.slots[phase] += slots
+            metrics.PADDING_REAL_TOKENS.labels(phase=phase).inc(real)
+            metrics.PADDING_SLOTS.labels(phase=phase).inc(slots)

@@ -6,7 +6,7 @@ milliseconds between the end of the previous step and the start of this one (the
 scheduling, output processing, messages to the API server, and any wait for the CPU or for requests), the
 host's share (the device's idle time since the previous step's calls, while requests kept running), the
 bytes copied from the device, the transfers to it (one per call: its packed inputs), the decode rows whose
-token came through the host (worker/step/token_slots.py: the rest took the previous step's on the device), and
+token came through the host (worker/step/step_state.py: the rest took the previous step's on the device), and
 where the step sampled (device: the graph; host: vLLM's sampler).
 """
 

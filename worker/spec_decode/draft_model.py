@@ -26,8 +26,7 @@ from vllm_neuron.sampling import greedy_tokens
 from vllm_neuron.upstream import vllm_runner
 from vllm_neuron.upstream.vllm_runner import override_forward_context
 from worker.step.call_inputs import CallInputs, Chunk
-from worker.step.call_planner import CallPlanner
-from worker.step.persistent_batch import PersistentBatch
+from worker.step.persistent_batch import CallPlanner, PersistentBatch
 from worker.step.step_state import RunningStep
 
 if TYPE_CHECKING:
@@ -84,8 +83,7 @@ def propose(
         position = int(input_batch.num_tokens_no_spec[row]) - 1
         if sampled_ids[row] and speculating[row] and position < max_model_len - 1:
             newest[row] = position
-    readiness = planner.readiness
-    ready = readiness.ready_graphs if readiness.staging else None
+    ready = planner.readiness.usable
     for index in range(wanted):
         rows = [row for row, position in newest.items() if position + index < max_model_len - 1]
         chunks = [

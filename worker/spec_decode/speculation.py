@@ -22,9 +22,8 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_neuron import sampling
 from vllm_neuron.upstream import vllm_runner
-from worker.step import sampling_rows
 from worker.step.sampling_rows import RowSampling
-from worker.step.step_state import RunningStep, ToHost
+from worker.step.step_state import RunningStep, ToHost, uniforms
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,7 +47,7 @@ def set_drafts(rows: np.ndarray, drafts: list[int], source: torch.Generator | bo
     leaves draft j out of its sample and reports its probability; queries after the first get uniform
     draws of their own (the first has the row's, drawn as for any row)."""
     rows[: len(drafts), sampling.DRAFT] = np.asarray(drafts) + 1
-    rows[1 : len(drafts) + 1, sampling.UNIFORM] = sampling_rows.uniforms(source, len(drafts))
+    rows[1 : len(drafts) + 1, sampling.UNIFORM] = uniforms(source, len(drafts))
 
 
 def accepted_tokens(drafts: list[int], targets: np.ndarray) -> list[int]:
@@ -67,7 +66,7 @@ def accepted_sampled(
     """A random verify row's new tokens: draft j is accepted with its probability draft_probs[j] under the
     target's distribution at its query (one uniform draw each, from `source`); at the first rejection the
     row takes targets[j] (drawn without draft j), after all of them targets[len(drafts)]."""
-    draws = sampling_rows.uniforms(source, len(drafts))
+    draws = uniforms(source, len(drafts))
     count = 0
     while count < len(drafts) and draws[count] < draft_probs[count]:
         count += 1

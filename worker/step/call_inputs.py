@@ -5,19 +5,28 @@ LoRA slot 0 (the base model).
 A padded prefill query at position 0 attends to one finite key, a padded decode row to no page (zeros), so no
 row produces NaN; their logits are dropped. A padding decode page starts past every position: no key of it
 is visible.
+
+A call's host arrays cross in one transfer: packed into one byte buffer on the host, written into a device
+buffer that lives as long as the worker, and handed to the graph as views of it (each a dense run of the
+buffer: no copy, no kernel). TorchNeuron makes each host-to-device copy that creates a tensor an allocation
+and a runtime transfer of its own, and a blocking one waits for every graph already submitted
+(copy_cpu_to_neuron, csrc/utils/CopyUtils.cpp); a call has about ten arrays. A device buffer serves every
+call of one layout (one bucket's arrays) sent from one thread. Threads have buffers of their own: the
+device's one stream runs a thread's transfers and calls in the order that thread submitted them, so a call
+always reads its own inputs, while another thread's transfer could land between a call's and its run.
 """
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kv_cache.layout import NULL_BLOCK, slot_mapping
+from vllm_neuron import device as neuron_device
 from vllm_neuron import sampling
 from vllm_neuron.attention_backend import NeuronAttentionMetadata, PageQueries, TableQueries
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
-from worker.step import packed_inputs
-from worker.step.packed_inputs import StagingBuffers
 
 # First position of a padding decode page: past any context (and within int32, for device index types).
 PADDING_PAGE_START = 2**30
@@ -35,7 +44,7 @@ class Chunk:
 
 @dataclass
 class CallInputs:
-    """A call's inputs on the device (views of one transfer, worker/step/packed_inputs.py)."""
+    """A call's inputs on the device (views of one transfer, `StagingBuffers`)."""
 
     input_ids: torch.Tensor  # [tokens], as built on the host (see token_feed)
     positions: torch.Tensor  # [tokens]
@@ -43,7 +52,7 @@ class CallInputs:
     metadata: NeuronAttentionMetadata
     sampling_rows: torch.Tensor  # [rows, sampling.PARAMS]: each logits row's sampling row
     # Where each token's id is, in the compiled model's token slots (0: it is input_ids'), and where each
-    # logits row's sampled token goes (0: the null slot): worker/step/token_slots.py.
+    # logits row's sampled token goes (0: the null slot): worker/step/step_state.py.
     token_feed: torch.Tensor  # [tokens]
     token_keep: torch.Tensor  # [rows]
     # Each token's and each logits row's LoRA slot (vllm_neuron/lora/punica.py); None without --enable-lora.
@@ -82,13 +91,13 @@ class HostInputs:
         token_feed: np.ndarray | None = None,
         token_keep: np.ndarray | None = None,
         lora: bool = False,
-    ) -> packed_inputs.Packed:
+    ) -> "Packed":
         """Packed for one transfer, with each logits row's sampling row (default: greedy), where tokens
         come from and go to in the token slots (default: nowhere) and, with `lora`, the LoRA slots of the
         tokens and the logits rows (without it the call's inputs are as they were)."""
         if sampling_rows is None:
             sampling_rows = np.zeros((self.rows, sampling.PARAMS), np.float32)
-        return packed_inputs.pack(
+        return pack(
             {
                 "input_ids": self.input_ids,
                 "positions": self.positions,
@@ -104,7 +113,7 @@ class HostInputs:
         )
 
     def send(
-        self, staging: StagingBuffers, packed: packed_inputs.Packed | None = None, lora: bool = False
+        self, staging: "StagingBuffers", packed: "Packed | None" = None, lora: bool = False
     ) -> CallInputs:
         """On the device, in one transfer from this thread into its staging buffer for the call's layout:
         `packed` (this call's, packed earlier), or greedy, its tokens all its own (warm-up's synthetic calls,
@@ -398,3 +407,76 @@ def _host_inputs(
         lora_slots=np.concatenate([part.lora_slots for part in parts]),
         fresh_prefill=fresh_prefill,
     )
+
+
+# ---- one transfer per call ----------------------------------------------------------------------------
+
+# Every array starts at a multiple of this many bytes: the widest element (int64), so that each byte range
+# may be viewed as its own dtype.
+ALIGN = 8
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
+
+Layout = tuple[tuple[int, np.dtype, tuple[int, ...]], ...]  # each array's byte offset, dtype and shape
+
+
+@dataclass
+class Packed:
+    """A call's arrays packed into one host buffer, their names, and where each lies in it."""
+
+    buffer: np.ndarray  # uint8
+    names: tuple[str, ...]
+    layout: Layout
+
+
+def pack(arrays: dict[str, np.ndarray]) -> Packed:
+    """The arrays in one host buffer, each at an ALIGN-ed offset."""
+    layout, total = [], 0
+    for array in arrays.values():
+        if array.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"a call input of dtype {array.dtype}: only {list(_TORCH_DTYPES)} are packed")
+        layout.append((total, array.dtype, array.shape))
+        total += -(-array.nbytes // ALIGN) * ALIGN
+    buffer = np.zeros(total, dtype=np.uint8)
+    for array, (offset, _, _) in zip(arrays.values(), layout, strict=True):
+        buffer[offset : offset + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+    return Packed(buffer, tuple(arrays), tuple(layout))
+
+
+class StagingBuffers:
+    """The worker's device buffers for call inputs: one per layout and sending thread, made at its first call
+    (warm-up runs every bucket) and written in place by each later one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[tuple[str, Layout | int], torch.Tensor] = {}
+        self._lock = threading.Lock()  # the device thread and a background compile may add buffers at once
+
+    def send(self, packed: Packed) -> dict[str, torch.Tensor]:
+        """The packed arrays on the device, by name, in one transfer that does not wait for the device: each
+        a view of this thread's buffer for the layout, with its dtype and shape."""
+        staging = self.send_bytes(packed.buffer, packed.layout)
+        return {
+            name: staging[offset : offset + int(np.prod(shape)) * dtype.itemsize]
+            .view(_TORCH_DTYPES[dtype])
+            .view(shape)
+            for name, (offset, dtype, shape) in zip(packed.names, packed.layout, strict=True)
+        }
+
+    def send_bytes(self, buffer: np.ndarray, layout: Layout | None = None) -> torch.Tensor:
+        """A host byte buffer (any dtype, viewed as bytes) on the device, in one transfer that does not wait
+        for the device, into this thread's buffer for `layout` (default: the buffer's size)."""
+        key = (threading.current_thread().name, layout or buffer.nbytes)
+        staging = self._buffers.get(key)
+        if staging is None:
+            with self._lock:
+                staging = self._buffers.setdefault(
+                    key, torch.empty(buffer.nbytes, dtype=torch.uint8, device=self.device)
+                )
+        neuron_device.copy_to_device(staging, torch.from_numpy(buffer.view(np.uint8)))
+        return staging
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the buffers hold."""
+        return sum(buffer.numel() for buffer in self._buffers.values())

@@ -10,8 +10,9 @@ from vllm.forward_context import ForwardContext
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 
-from vllm_neuron import envs, fused_moe, sampling
+from vllm_neuron import envs, fused_moe, metrics, sampling
 from vllm_neuron.attention_backend import NeuronAttentionMetadata, drop_masks
+from vllm_neuron.calls import Call
 from vllm_neuron.compiler import compile as neuron_compile
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.lora.punica import LORA_ROWS, LORA_SLOTS
@@ -19,7 +20,7 @@ from vllm_neuron.upstream.vllm_runner import create_forward_context, override_fo
 from worker.lora.slots import LoRASlots
 from worker.spec_decode import draft_model
 from worker.step.call_inputs import CallInputs
-from worker.step.token_slots import size as token_slot_count
+from worker.step.step_state import token_slot_count
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,7 +32,7 @@ class ForwardAndSample(torch.nn.Module):
     """What gets compiled: the model forward, the logits of the rows we keep, and a token sampled from each
     (with each row's parameters, vllm_neuron/sampling.py). The logits stay on the device unless a step needs
     vLLM's host sampler. Decode rows whose token the previous step sampled take it from the token slots,
-    and each row's sample goes there for the next step (worker/step/token_slots.py); with a draft model the
+    and each row's sample goes there for the next step (worker/step/step_state.py); with a draft model the
     call's token ids are returned too, for the draft's forward."""
 
     def __init__(self, model: torch.nn.Module, returns_input_ids: bool) -> None:
@@ -123,6 +124,27 @@ class CompiledModel:
     @property
     def models(self) -> list[torch.nn.Module]:
         return [self.model, *([self.draft_model] if self.draft_model is not None else [])]
+
+    @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
+    def run(self, call: Call, inputs: CallInputs) -> tuple[torch.Tensor, ...]:
+        """One compiled call (`forward`), named to the compile recorder (recompile messages, lowered graphs'
+        labels) and, on a Neuron runtime error, in the log; the seconds of a graph it compiled are counted."""
+        self.recorder.thread.call = call
+        start, graphs = time.perf_counter(), len(self.recorder.graphs)
+        try:
+            outputs = self.forward(inputs)
+        except Exception as error:
+            # A Neuron runtime error says nothing of our shapes: name the call (phase and bucket).
+            logger.error("Compiled call failed: %s: %s", call, error)
+            raise
+        if len(self.recorder.graphs) > graphs:
+            metrics.COMPILE_SECONDS.labels(phase=call.phase).inc(time.perf_counter() - start)
+        return outputs
+
+    def run_draft(self, call: Call, inputs: CallInputs) -> torch.Tensor:
+        """The draft model's own call (`draft_tokens`), named to the compile recorder."""
+        self.recorder.thread.call = call
+        return self.draft_tokens(inputs)
 
     def forward(self, inputs: CallInputs) -> tuple[torch.Tensor, ...]:
         """The compiled model and sampler on one call's inputs, then the draft model's on the same tokens

@@ -1,49 +1,67 @@
 """One scheduler step on static shapes, as a short story: update the persistent batch, plan the step's
-bucketed calls with their inputs (worker/step/call_planner.py), run the compiled model and its sampler
-(worker/step/forward.py), bring the tokens to the host (worker/step/outputs.py) and make vLLM's output; with
-async scheduling the calls run while the engine schedules the next step (worker/step/async_steps.py).
+bucketed calls with their inputs (worker/step/persistent_batch.py), run the compiled model and its sampler
+(worker/step/forward.py), bring the tokens to the host (worker/step/step_state.py) and make vLLM's output.
 
-The runner's other jobs live beside it: readiness (warm-up and background compiles,
-worker/compiles/readiness.py), the KV cache (worker/kv/kv_caches.py), sleep mode (worker/kv/sleep_mode.py),
-speculative decoding (worker/spec_decode/speculation.py, worker/spec_decode/draft_model.py) and step metrics
-(worker/metrics/step_metrics.py)."""
+With vLLM's async scheduler (its default) the engine schedules step N+1, and processes step N-1's outputs,
+while step N runs. The runner prepares N+1 once N's tokens are on the host (its decode rows' input tokens are
+N's samples): what stays on the host's critical path, with the device idle, is the copy of N's token ids and
+N+1's input preparation. On Trainium the calls go to a thread of their own (`DeviceThread`), so that
+execute_model returns while the device runs them. In CPU mode they run in the caller's thread: the device is
+the host's cores, and a second thread doing torch work gets an OpenMP team of its own, which throttles both
+teams' spinning (more OpenMP threads than cores) and makes each call slower than inline.
+VLLM_NEURON_DEVICE_THREAD=on runs Trainium's arrangement in CPU mode, for its tests and to measure the host
+time it leaves between calls.
+
+The runner's other jobs (set-up, warm-up, sleep mode, drafts, shutdown): worker/step/runner_setup.py."""
 
 import os
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    DraftTokenIds,
+    ModelRunnerOutput,
+)
 
 from vllm_neuron import device as neuron_device
-from vllm_neuron import envs, metrics
-from vllm_neuron.buckets import GraphKey
+from vllm_neuron import envs
 from vllm_neuron.call_costs import PROFILES, profile_for
 from vllm_neuron.calls import Call
 from vllm_neuron.config import NeuronConfig
-from vllm_neuron.graph_plan import GraphPlan
 from vllm_neuron.upstream.vllm_runner import Sampler, strip_speculative_padding
-from worker.compiles import warmup
 from worker.compiles.background import compile_workers
-from worker.compiles.readiness import Readiness, lowered_graphs
+from worker.compiles.readiness import Readiness
 from worker.kv.kv_caches import KVCaches
 from worker.kv.kv_transfer import KVTransfer
 from worker.kv.sleep_mode import SleepMode
 from worker.lora.slots import LoRASlots
-from worker.metrics.step_metrics import StepMetrics
+from worker.metrics.step_metrics import CallStats, StepMetrics
 from worker.spec_decode import draft_model, speculation
-from worker.step import sampling_rows, token_slots
-from worker.step.async_steps import DeviceThread, RunningSteps, StepOutput
-from worker.step.call_inputs import CallInputs, Chunk
-from worker.step.call_planner import CallPlanner, StepRows
+from worker.step.call_inputs import Chunk
 from worker.step.forward import CompiledModel
-from worker.step.outputs import TokenCollector
-from worker.step.persistent_batch import PersistentBatch
-from worker.step.step_state import CallOutputs, RunningStep, ToHost, start_reads
+from worker.step.persistent_batch import CallPlanner, PersistentBatch, StepRows
+from worker.step.runner_setup import RunnerSetup
+from worker.step.step_state import (
+    CallOutputs,
+    Fills,
+    Halves,
+    RunningStep,
+    ToHost,
+    TokenCollector,
+    fill_previous_tokens,
+    final_slots,
+    start_reads,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,7 +70,7 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.vllm_neuron.model_runner")
 
 
-class NeuronModelRunner:
+class NeuronModelRunner(RunnerSetup):
     def __init__(self, vllm_config: "VllmConfig", device: torch.device) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
@@ -61,11 +79,10 @@ class NeuronModelRunner:
         self.buckets = self.neuron_config.buckets
         self.block_size = vllm_config.cache_config.block_size
         self.batch = PersistentBatch(vllm_config, self.block_size)
-        self.host_sampler_only = sampling_rows.host_only(self.model_config)
         self.tokens = TokenCollector(
             Sampler(logprobs_mode=self.model_config.logprobs_mode), self.model_config.get_vocab_size()
         )
-        self.slot_halves = token_slots.Halves(self.neuron_config.max_num_seqs)
+        self.slot_halves = Halves(self.neuron_config.max_num_seqs)
         self.compiled: CompiledModel | None = None
         self.kv_cache = KVCaches(vllm_config, device)
         self.sleep_mode = SleepMode(self.kv_cache)
@@ -77,14 +94,12 @@ class NeuronModelRunner:
         self.planner = CallPlanner(
             self.buckets, self.block_size, device, self.readiness, lora=bool(vllm_config.lora_config)
         )
-        self.stats = metrics.CallStats()
+        self.stats = CallStats()
         self.step_calls: list[Call] = []  # the calls of the latest step (tests, debugging, the step trace)
         # Every rank runs every call; only the driver rank (TP rank 0) records traffic.
         self.tp_rank = get_tensor_model_parallel_rank()
         self.step_metrics = StepMetrics(records_traffic=self.tp_rank == 0)
         self.steps = RunningSteps(self._output, self.step_metrics.record, self.readiness.activity.busy)
-        # Async scheduling (vLLM's default): on Trainium a step's calls run on this thread while the engine
-        # schedules the next one and processes the previous one's output (worker/step/async_steps.py).
         self.device_thread = (
             DeviceThread(threaded=neuron_device.calls_on_a_thread())
             if vllm_config.scheduler_config.async_scheduling
@@ -93,137 +108,14 @@ class NeuronModelRunner:
         # Speculative decoding: the n-gram drafter, or a draft model (worker/spec_decode/draft_model.py),
         # proposes draft tokens after each step; the scheduler takes them.
         self.drafter = speculation.Drafter.for_config(vllm_config)
-        self.lora = LoRASlots(vllm_config, device, self.device_thread) if vllm_config.lora_config else None
+        threaded = self.device_thread is not None and self.device_thread.threaded
+        submit = self.device_thread.submit if threaded else None
+        self.lora = LoRASlots(vllm_config, device, submit) if vllm_config.lora_config else None
         self._model_drafts: DraftTokenIds | None = None
 
     @property
     def serving(self) -> bool:
         return self.readiness.serving
-
-    @property
-    def model(self) -> torch.nn.Module | None:
-        return self.compiled.model if self.compiled is not None else None
-
-    @property
-    def recorder(self):
-        return self.compiled.recorder if self.compiled is not None else None
-
-    # ---- set-up -------------------------------------------------------------------------------------
-
-    def load_model(self) -> None:
-        self.compiled = CompiledModel(
-            self.vllm_config,
-            self.neuron_config.compile_backend,
-            self.buckets.num_graphs,
-            self.readiness.compile_workers,
-            self.tp_rank,
-            self.device,
-            self.lora,
-        )
-
-    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        return self.kv_cache.spec()
-
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        self._allocate_kv_cache(kv_cache_config)
-        metrics.KV_BLOCKS_TOTAL.set(kv_cache_config.num_blocks - 1)
-        logger.info(
-            "KV cache: %d blocks of %d tokens in %d layers",
-            kv_cache_config.num_blocks,
-            self.block_size,
-            len(self.kv_cache.layers),
-        )
-
-    def _allocate_kv_cache(self, config: KVCacheConfig) -> None:
-        self.kv_cache.allocate(config, self.compiled.recorder.zeros)
-        self.compiled.attention_layers = self.kv_cache.layers
-
-    def warm_up(self) -> float:
-        """Compile a KV connector's block copies, then the graphs serving needs
-        (worker/compiles/readiness.py); returns the seconds until serving may start."""
-        plan = GraphPlan(self.buckets, self.compiled.draft is not None, self.kv_transfer.copy_buckets)
-        seconds = self.kv_transfer.warm_up() + self.readiness.warm_up(
-            self.compiled.recorder,
-            self._warm_up_step,
-            self._compile_in_background,
-            max_model_len=self.model_config.max_model_len,
-            block_size=self.block_size,
-            one_rank=self.vllm_config.parallel_config.tensor_parallel_size == 1,
-            plan=plan,
-        )
-        if self.lora is not None:
-            self.lora.warm_up()
-        self._log_ready()
-        return seconds
-
-    def _warm_up_step(self, item: warmup.WarmupStep) -> None:
-        if self.execute_model(item.step) is None:
-            self.sample_tokens(None)
-        self.execute_model(warmup.finish_step(item.request_ids))
-        neuron_device.synchronize()
-
-    @torch.no_grad()  # the grad mode serving runs in: dynamo guards on it
-    def _compile_in_background(self, graph: GraphKey) -> None:
-        """Compile one graph in this (background) thread by running it on synthetic requests whose blocks are
-        all the null block, as warm-up does, beside serving."""
-        call, parts, rows = warmup.synthetic_call(
-            graph,
-            self.buckets,
-            max_model_len=self.model_config.max_model_len,
-            blocks_per_request=self.batch.block_table.shape[1],
-        )
-        inputs = self.planner.inputs(call, parts, rows)
-        with self.compiled.recorder.expecting(call):
-            self.compiled.forward(inputs)
-        neuron_device.synchronize()
-
-    def compile_progress(self) -> dict[str, object]:
-        return self.readiness.summary()
-
-    def lowered_graphs(self) -> list[dict[str, object]]:
-        return lowered_graphs(self.recorder)
-
-    def _log_ready(self) -> None:
-        max_len = self.model_config.max_model_len
-        blocks = self.kv_cache.usable_blocks
-        logger.info(
-            "Ready: %s mode, %d graphs, KV cache %d blocks of %d tokens (%.1f requests of max_model_len %d "
-            "at once), max_num_seqs %d, at most %s prefill tokens per step while requests decode",
-            neuron_device.mode(),
-            self.compiled.recorder.num_graphs,
-            blocks,
-            self.block_size,
-            blocks * self.block_size / max_len,
-            max_len,
-            self.neuron_config.max_num_seqs,
-            self.buckets.prefill_tokens_while_decoding or "unlimited",
-        )
-        logger.info("%s", sampling_rows.start_up_line(self.host_sampler_only))
-
-    def shutdown(self) -> None:
-        if self.device_thread is not None:
-            self.device_thread.close()
-        self.readiness.stop()
-        if self.recorder is not None:
-            self.recorder.close()
-        self.step_metrics.close()
-
-    # ---- sleep mode (worker/kv/sleep_mode.py) ------------------------------------------------------------
-
-    def sleep(self, level: int = 1) -> None:
-        self.steps.finish_in_flight()
-        self.readiness.pause()  # background compiles run the model on its weights and KV cache
-        self.sleep_mode.sleep(level, self.compiled.models)
-
-    def release_kv_cache(self) -> None:
-        self.sleep_mode.release_kv_cache()
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.sleep_mode.wake_up(tags, lambda: self._allocate_kv_cache(self.kv_cache.config))
-        if not self.sleep_mode.sleeping:
-            self.readiness.resume()
-
-    # ---- one step -----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def execute_model(self, scheduler_output: "SchedulerOutput") -> ModelRunnerOutput | None:
@@ -273,7 +165,7 @@ class NeuronModelRunner:
         decode: list[tuple[int, Chunk]] = []
         prefill: list[tuple[int, Chunk]] = []
         partial: list[int] = []
-        fills = token_slots.Fills()  # rows whose token the previous step is still sampling
+        fills = Fills()  # rows whose token the previous step is still sampling
         drafts = scheduler_output.scheduled_spec_decode_tokens
         row_drafts: dict[int, list[int]] = {}  # batch row -> its drafts, of decode rows to verify
         lora_slots = self.lora.activate(input_batch) if self.lora is not None else [0] * input_batch.num_reqs
@@ -297,13 +189,13 @@ class NeuronModelRunner:
             if start + count < input_batch.num_tokens_no_spec[row]:
                 partial.append(row)  # prefill not finished: this row's sample is discarded
 
-        sampling_rows = self._sampling_rows(partial)
+        sampling_rows = self.batch.sampling_rows(partial)
         slot_base = self.slot_halves.next()
         planned = self.planner.plan(
             StepRows(decode, prefill, sampling_rows, fills, row_drafts, self._random_draws, slot_base)
         )
         host_rows = [
-            self.host_sampler_only or self.batch.sampling[req_id].host_reason is not None
+            self.batch.host_only or self.batch.sampling[req_id].host_reason is not None
             for req_id in input_batch.req_ids
         ]
         logprobs = input_batch.sampling_metadata.max_num_logprobs
@@ -317,8 +209,12 @@ class NeuronModelRunner:
             started,
             schedule,
             drafts=row_drafts,
-            final_slots=token_slots.final_slots(
-                input_batch.req_ids, sampling_rows, partial, row_drafts, slot_base
+            final_slots=final_slots(
+                input_batch.req_ids,
+                [self.batch.sampling[req_id].may_overflow for req_id in input_batch.req_ids],
+                partial,
+                row_drafts,
+                slot_base,
             ),
         )
         if fills.from_host:
@@ -330,58 +226,29 @@ class NeuronModelRunner:
     def _calls_on_a_thread(self) -> bool:
         return self.device_thread is not None and self.device_thread.threaded and self.serving
 
-    def _sampling_rows(self, partial_prefill_rows: list[int]) -> np.ndarray:
-        """[rows, sampling.PARAMS]: each batch row's sampling parameters and uniform draw. A row the host
-        samples, or whose sample is discarded, draws nothing: a seeded request's generator advances once per
-        token the graph samples for it."""
-        input_batch = self.batch.input_batch
-        rows = [self.batch.sampling[req_id] for req_id in input_batch.req_ids]
-        skip = set(partial_prefill_rows)
-        draw_from = [
-            False
-            if self.host_sampler_only or row.host_reason or index in skip
-            else input_batch.generators.get(index, True)
-            for index, row in enumerate(rows)
-        ]
-        return sampling_rows.build(rows, draw_from)
-
     def _run_step(self, step: RunningStep) -> list[CallOutputs]:
         """Run a step's calls (in the device thread with async scheduling), and start the reads of the
         outputs the step's output needs."""
         if step.previous is not None:
-            token_slots.fill_previous_tokens(step)
+            fill_previous_tokens(step)
         step.device_started = time.perf_counter()
-        with self.kv_transfer.around(step.scheduler_output) as step.kv_connector_output:
-            staging = self.planner.staging
-            outputs = [
-                CallOutputs(item.batch_rows, *self._run(item.send(staging), item.call), item.call.queries)
-                for item in step.planned
-            ]
+        # A KV connector's loads before the calls and saves after them (none without a connector).
+        transfers = step.scheduler_output.kv_connector_metadata is not None
+        around = self.kv_transfer.around(step.scheduler_output) if transfers else nullcontext()
+        with around as step.kv_connector_output:
+            outputs = []
+            for item in step.planned:
+                if self.serving and self.step_metrics.records_traffic:
+                    self.stats.record(item.call)
+                out = self.compiled.run(item.call, item.send(self.planner.staging))
+                outputs.append(CallOutputs(item.batch_rows, *out, item.call.queries))
         start_reads(step, outputs)
         step.device_ended = time.perf_counter()
         step.forward_seconds = step.device_ended - step.device_started
         return outputs
 
-    @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
-    def _run(self, inputs: CallInputs, call: Call) -> tuple[torch.Tensor, ...]:
-        """One compiled call; returns its outputs (ForwardAndSample's)."""
-        recorder = self.compiled.recorder
-        recorder.current_call = call
-        if self.serving and self.step_metrics.records_traffic:
-            self.stats.record(call)
-        start, graphs = time.perf_counter(), recorder.num_graphs
-        try:
-            outputs = self.compiled.forward(inputs)
-        except Exception as error:
-            # A Neuron runtime error says nothing of our shapes: name the call (phase and bucket).
-            logger.error("Compiled call failed: %s: %s", call, error)
-            raise
-        if recorder.num_graphs > graphs:
-            metrics.COMPILE_SECONDS.labels(phase=call.phase).inc(time.perf_counter() - start)
-        return outputs
-
     @torch.no_grad()
-    def sample_tokens(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput | StepOutput:
+    def sample_tokens(self, grammar_output: "GrammarOutput | None") -> "ModelRunnerOutput | StepOutput":
         return self.steps.sample(grammar_output)
 
     @torch.no_grad()  # made in the engine's output thread too: dynamo guards on the grad mode
@@ -412,7 +279,7 @@ class NeuronModelRunner:
         self.batch.append_sampled(step.req_ids, sampled_ids)
         if self.compiled.draft is not None and self.serving:
             self._model_drafts = draft_model.propose(
-                step, sampled_ids, self.batch, speculating, self.planner, self._run_draft
+                step, sampled_ids, self.batch, speculating, self.planner, self.compiled.run_draft
             )
         if self.drafter is not None and self.serving:
             wanted = step.scheduler_output.num_spec_tokens_to_schedule
@@ -421,27 +288,106 @@ class NeuronModelRunner:
         self.step_metrics.output_made(step, start, to_host.bytes, collected.on_host, self.serving)
         return output
 
-    def _run_draft(self, call: Call, inputs: CallInputs) -> torch.Tensor:
-        self.compiled.recorder.current_call = call
-        return self.compiled.draft_tokens(inputs)
 
-    def _speculates(self, req_id: str) -> bool:
-        request = self.batch.requests[req_id]
-        return speculation.speculates(
-            request.sampling_params, self.batch.sampling[req_id], self.host_sampler_only
-        )
+class DeviceThread:
+    """One thread that runs the compiled calls of one step at a time, in submission order (started at the
+    first step, and again at the first step after close()); or, not threaded, the caller's thread."""
 
-    def _random_draws(self, row: int) -> torch.Generator | bool | None:
-        """A verify row's source of uniform draws if its drafts are accepted by their probability (a random
-        request that speculates); None otherwise."""
-        req_id = self.batch.input_batch.req_ids[row]
-        if not self._speculates(req_id) or speculation.is_greedy(self.batch.sampling[req_id]):
-            return None
-        return self.batch.input_batch.generators.get(row, True)
+    def __init__(self, threaded: bool) -> None:
+        self.threaded = threaded
+        self._executor: ThreadPoolExecutor | None = None
 
-    def take_draft_token_ids(self) -> DraftTokenIds | None:
-        """The draft tokens proposed after the latest step, for the scheduler (None: speculation off)."""
-        if self.compiled.draft is not None:
-            drafts, self._model_drafts = self._model_drafts, None
-            return drafts
-        return self.drafter.take() if self.drafter is not None else None
+    def submit(self, calls: Callable[[], object]) -> Future:
+        def run() -> object:
+            with torch.no_grad():  # grad mode is per thread, and dynamo guards on it
+                return calls()
+
+        if not self.threaded:
+            done: Future = Future()
+            done.set_result(run())
+            return done
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuron-device")
+        return self._executor.submit(run)
+
+    def close(self) -> None:
+        """Wait for the calls under way and end the thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+class StepOutput(AsyncModelRunnerOutput):
+    """A step's output, made when the engine asks for it (or earlier, when the next step needs its tokens)."""
+
+    def __init__(self, resolve: Callable[[], ModelRunnerOutput]) -> None:
+        self._resolve = resolve
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self._resolve()
+
+
+class RunningSteps:
+    """The runner's steps under way: the one prepared, from execute_model until sample_tokens; with async
+    scheduling the one in flight, until the engine or the next step asks for its output (made once, by
+    `make_output`); and one whose output is made but whose figures wait until the next step's calls run,
+    off the host's critical path (`record`)."""
+
+    def __init__(
+        self,
+        make_output: Callable[[RunningStep], ModelRunnerOutput],
+        record: Callable[[RunningStep], None],
+        busy: threading.Event,
+    ) -> None:
+        self._make_output = make_output
+        self._record = record
+        self._busy = busy  # set while a step runs: background compiles give way
+        self.pending: RunningStep | None = None
+        self.in_flight: RunningStep | None = None
+        self._unrecorded: RunningStep | None = None
+
+    def sample(self, grammar_output: "GrammarOutput | None") -> ModelRunnerOutput | StepOutput:
+        """sample_tokens: the pending step's output; one sampled in the graph on the device thread is made
+        when the engine asks for it, so that the engine goes on while its calls run."""
+        step, self.pending = self.pending, None
+        if step is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        step.grammar_output = grammar_output
+        if isinstance(step.outputs, Future) and not step.host_bound and grammar_output is None:
+            self.in_flight = step
+            return StepOutput(lambda: self.finish(step))
+        return self.finish(step)
+
+    def finish_in_flight(self, record_later: bool = False) -> None:
+        step, self.in_flight = self.in_flight, None
+        if step is not None:
+            self.finish(step, record_later)
+
+    def finish(self, step: RunningStep, record_later: bool = False) -> ModelRunnerOutput:
+        """Make the step's output once, whoever asks first: the engine (in its output thread with several
+        ranks) or the next step (which records its figures after its own calls started)."""
+        with step.lock:
+            if step.result is None:
+                try:
+                    if isinstance(step.outputs, Future):
+                        step.outputs = step.outputs.result()
+                    step.result = self._make_output(step)
+                except Exception as error:
+                    # A device error can surface at the copy of the outputs, after the call returned.
+                    calls = "; ".join(str(item.call) for item in step.planned)
+                    logger.error("Step failed (its compiled calls: %s): %s", calls, error)
+                    raise
+                finally:
+                    step.tokens_ready.set()
+                    if self.pending is None:  # no later step prepared: the device is idle
+                        self._busy.clear()
+                if record_later:
+                    self._unrecorded = step
+                else:
+                    self._record(step)
+            return step.result
+
+    def record_unrecorded(self) -> None:
+        step, self._unrecorded = self._unrecorded, None
+        if step is not None:
+            self._record(step)

@@ -77,11 +77,13 @@ def start_up_line(host_only: bool) -> str:
 
 @dataclass(frozen=True)
 class RowSampling:
-    """One request's sampling row before its draw (temperature, top_k, top_p, min_p), and why it takes the
-    host sampler (None: the graph samples it)."""
+    """One request's sampling row before its draw (temperature, top_k, top_p, min_p), why it takes the
+    host sampler (None: the graph samples it), and whether the graph may leave its token to the host
+    (sampling.may_overflow)."""
 
     values: tuple[float, float, float, float]
     host_reason: str | None
+    may_overflow: bool = False
 
 
 def describe(params: "SamplingParams | None", vocab_size: int, logprobs_mode: str) -> RowSampling:
@@ -94,7 +96,7 @@ def describe(params: "SamplingParams | None", vocab_size: int, logprobs_mode: st
         params.top_p,
         params.min_p,
     )
-    return RowSampling(row, host_reason(params, top_k, logprobs_mode))
+    return RowSampling(row, host_reason(params, top_k, logprobs_mode), sampling.may_overflow(row))
 
 
 def host_reason(params: "SamplingParams", top_k: int, logprobs_mode: str) -> str | None:
