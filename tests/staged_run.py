@@ -37,16 +37,16 @@ def main() -> None:
     llm.wake_up()
     calls: list[dict] = []
     all_graphs = runner.buckets.graphs()
-    run = runner._run
+    run = runner.compiled.run
 
-    def recording_run(inputs, call):
+    def recording_run(call, inputs):
         ready = runner.readiness.ready_graphs
         calls.append(
             {"graph": list(call.graph), "ready": call.graph in ready, "pending": len(ready) < len(all_graphs)}
         )
-        return run(inputs, call)
+        return run(call, inputs)
 
-    runner._run = recording_run
+    runner.compiled.run = recording_run
     params = greedy(request["max_tokens"])
     during = generate_ids(llm, request["prompts"], params)
     after_first = runner.compile_progress()

@@ -19,8 +19,8 @@ def test_a_failing_call_is_logged_with_its_phase_and_bucket(llm, monkeypatch, ca
     monkeypatch.setattr(runner.step_metrics, "records_traffic", False)  # no call counted on /metrics
     call = Call.decode(rows=3, batch=4, decode_context=256)
     with (
-        caplog.at_level(logging.ERROR, logger="vllm.vllm_neuron.model_runner"),
+        caplog.at_level(logging.ERROR, logger="vllm.vllm_neuron.forward"),
         pytest.raises(RuntimeError, match="NRT_EXEC_ERROR"),
     ):
-        runner._run(None, call)
+        runner.compiled.run(call, None)
     assert "decode of 3 requests: batch 4 x context 256" in caplog.text and "NRT_EXEC_ERROR" in caplog.text

@@ -97,5 +97,5 @@ def test_off_bucket_call_is_refused_in_strict_mode(llm):
     ).send(runner.planner.staging)
     with pytest.raises(Exception, match="decode of 1 requests: batch 3 x context 128.*decode_batch_buckets"):
         call = Call.decode(rows=1, batch=odd_batch, decode_context=128)
-        runner._run(inputs, call)
+        runner.compiled.run(call, inputs)
     assert runner.recorder.num_graphs == EXPECTED_GRAPHS
