@@ -2,17 +2,23 @@
 
 import fcntl
 import os
+from pathlib import Path
 
 from tests.environment import TEST_ENVIRONMENT
 
 # Before anything imports vLLM.
 os.environ.update(TEST_ENVIRONMENT)
+# The tests' interpreter settings (tests/interpreter/sitecustomize.py): in this process now, in every process
+# it starts from its start-up.
+INTERPRETER = Path(__file__).resolve().parent / "interpreter"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INTERPRETER), os.environ.get("PYTHONPATH")]))
+import tests.interpreter.sitecustomize  # noqa: E402, F401
+
 # pytest-xdist's workers share the host's cores: one thread each (as the architecture matrix's shards), so
 # that idle OpenMP threads spinning in one worker do not take the core another is tracing on.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
