@@ -9,11 +9,13 @@ is visible.
 A call's host arrays cross in one transfer: packed into one byte buffer on the host, written into a device
 buffer that lives as long as the worker, and handed to the graph as views of it (each a dense run of the
 buffer: no copy, no kernel). TorchNeuron makes each host-to-device copy that creates a tensor an allocation
-and a runtime transfer of its own, and a blocking one waits for every graph already submitted
-(copy_cpu_to_neuron, csrc/utils/CopyUtils.cpp); a call has about ten arrays. A device buffer serves every
-call of one layout (one bucket's arrays) sent from one thread. Threads have buffers of their own: the
-device's one stream runs a thread's transfers and calls in the order that thread submitted them, so a call
-always reads its own inputs, while another thread's transfer could land between a call's and its run.
+(copy_cpu_to_neuron, python_ops/cast_policy.py) and a runtime transfer of its own, and a blocking one (of
+more than one element) synchronizes the stream, waiting for every graph already submitted
+(csrc/utils/CopyUtils.cpp); a call has about ten arrays. A device buffer serves every call of one layout
+(one bucket's arrays) sent from one thread. Threads have buffers of their own: the device's one stream
+(every thread's default, csrc NeuronStream.cpp) runs a thread's transfers and calls in the order that thread
+submitted them, so a call always reads its own inputs, while another thread's transfer could land between a
+call's and its run.
 """
 
 import threading
