@@ -5,6 +5,8 @@ no torch.
 - the model's: one graph per bucket shape of each phase (vllm_neuron/buckets.py);
 - a draft model's (speculative decoding's draft_model method): one beside each of the model's, traced in the
   same warm-up step (worker/spec_decode/draft_model.py);
+- an EAGLE3 head's propose calls (speculative decoding's eagle3 method): one beside each decode graph, traced
+  after the same warm-up step (worker/spec_decode/eagle3.py; the head's first pass is inside the model's);
 - NIXL's block copies (prefill/decode disaggregation): a gather and a scatter per bucket of blocks
   (worker/kv/nixl_blocks.py), compiled before the model's.
 """
@@ -34,11 +36,12 @@ class GraphPlan:
     buckets: BucketConfig
     draft_model: bool = False
     copy_buckets: tuple[int, ...] = ()  # NIXL's block-copy buckets; (): no NIXL connector
+    propose: bool = False  # an EAGLE3 head's propose graphs
 
-    @property
-    def per_shape(self) -> int:
-        """Graphs one bucket shape's warm-up step compiles: the model's, and the draft model's."""
-        return 1 + self.draft_model
+    def graphs_of(self, graph: tuple) -> int:
+        """Graphs one bucket shape's warm-up step compiles: the model's, the draft model's, and with an
+        EAGLE3 head a decode shape's propose graph."""
+        return 1 + self.draft_model + (self.propose and graph[0] == "decode")
 
     @property
     def block_copies(self) -> int:
@@ -53,7 +56,8 @@ class GraphPlan:
             "verify": len(buckets.verify_shapes()),
         }
         draft = {"draft": buckets.num_graphs} if self.draft_model else {}
-        return graphs | draft | ({"nixl": self.block_copies} if self.copy_buckets else {})
+        propose = {"propose": len(buckets.decode_shapes())} if self.propose else {}
+        return graphs | draft | propose | ({"nixl": self.block_copies} if self.copy_buckets else {})
 
     @property
     def total(self) -> int:

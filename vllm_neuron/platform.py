@@ -215,10 +215,11 @@ class NeuronPlatform(Platform):
         # Async scheduling (vLLM's default; --no-async-scheduling turns it off): the engine schedules a step
         # while the previous one runs, with the prefill share either way.
         scheduler_config = vllm_config.scheduler_config
-        if speculative_method(vllm_config) == "draft_model" and scheduler_config.async_scheduling:
+        if speculative_method(vllm_config) in ("draft_model", "eagle3") and scheduler_config.async_scheduling:
             # With async scheduling vLLM's scheduler sends placeholders for drafts the runner would keep on
-            # the device; the plugin's draft model proposes on the host after each step, as n-gram does.
-            logger.info("Speculative decoding with a draft model: async scheduling is turned off")
+            # the device; the plugin's draft model and EAGLE3 head propose after each step's tokens are
+            # accepted on the host, as n-gram does.
+            logger.info("Speculative decoding with a draft model or head: async scheduling is turned off")
             scheduler_config.async_scheduling = False
         if scheduler_config.scheduler_cls is None:
             scheduler_config.scheduler_cls = (

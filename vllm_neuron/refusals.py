@@ -17,12 +17,12 @@ class UnsupportedConfigError(ValueError):
     """A model or engine setting the plugin refuses at start-up; the message says why and what to change."""
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
 
 
 def speculative_method(vllm_config: "VllmConfig") -> str | None:
-    """The speculative decoding method (None: off). The plugin verifies n-gram (prompt lookup) and draft
-    model proposals; an EAGLE or MTP head reads the target's hidden states, which its graphs do not return."""
+    """The speculative decoding method (None: off). The plugin verifies n-gram (prompt lookup), draft model
+    and EAGLE3 head proposals."""
     speculative = vllm_config.speculative_config
     return None if speculative is None else speculative.method
 
@@ -37,8 +37,8 @@ def _lora_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
         "LoRA on MoE models is not supported: the experts take no adapter slots": model_config.is_moe,
         "--fully-sharded-loras is not supported: remove it": lora.fully_sharded_loras,
         "VLLM_LORA_ENABLE_DUAL_STREAM is CUDA only: unset it": (vllm_envs.VLLM_LORA_ENABLE_DUAL_STREAM),
-        "LoRA with a draft model is not supported (the draft would run unadapted): use the ngram method": (
-            speculative_method(vllm_config) == "draft_model"
+        "LoRA with a draft model or an EAGLE3 head is not supported yet: use the ngram method": (
+            speculative_method(vllm_config) in ("draft_model", "eagle3")
         ),
     }
 
@@ -83,11 +83,14 @@ def _scheme(args: dict) -> str:
 
 
 def _draft_model_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
-    """What the plugin's draft model runner (worker/spec_decode/draft_model.py) does not do."""
+    """What the plugin's draft model and EAGLE3 head runners (worker/spec_decode/draft_model.py, eagle3.py) do
+    not do."""
     speculative = vllm_config.speculative_config
-    if speculative is None or speculative.method != "draft_model":
+    if speculative is None or speculative.method not in ("draft_model", "eagle3"):
         return {}
+    eagle3 = speculative.method == "eagle3"
     return {
+        **(_eagle3_refusals(vllm_config) if eagle3 else {}),
         "a draft model with another vocabulary (use_heterogeneous_vocab) is not supported: use a draft "
         "model with the target's tokenizer": speculative.use_heterogeneous_vocab,
         f"draft_sample_method {speculative.draft_sample_method!r} is not supported: the plugin's draft "
@@ -97,6 +100,15 @@ def _draft_model_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
         "verifies drafts by standard speculative sampling": speculative.rejection_sample_method != "standard",
         "a draft model with tensor parallelism is not supported yet: use --tensor-parallel-size 1": (
             vllm_config.parallel_config.tensor_parallel_size > 1
+        ),
+    }
+
+
+def _eagle3_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
+    speculative = vllm_config.speculative_config
+    return {
+        "parallel drafting (P-EAGLE) is not supported: the plugin's head drafts one token a pass": (
+            speculative.parallel_drafting
         ),
     }
 
@@ -189,18 +201,25 @@ NIXL_PROGRESS_THREAD = "progress_thread"
 
 
 def check_kv_transfer(vllm_config: "VllmConfig", neuron_config: NeuronConfig) -> None:
-    """Refuse what --kv-transfer-config asks that the plugin would serve wrong (docs/disaggregation.md)."""
+    """Refuse what --kv-transfer-config asks that the plugin would serve wrong (docs/disaggregation.md), and
+    fresh prefill calls with an EAGLE3 head: the refusals that need the resolved buckets."""
     _raise_refused(_kv_transfer_refusals(vllm_config, neuron_config))
 
 
 def _kv_transfer_refusals(vllm_config: "VllmConfig", neuron_config: NeuronConfig) -> dict[str, bool]:
     transfer = vllm_config.kv_transfer_config
     name = transfer.kv_connector if transfer is not None else None
+    # (Not a KV transfer's, but also one that needs the resolved buckets.)
+    fresh = {
+        "an EAGLE3 head with fresh prefill calls is not supported (its first pass reads the cache): set "
+        "fresh_prefill_buckets [] in --additional-config": speculative_method(vllm_config) == "eagle3"
+        and bool(neuron_config.buckets.fresh_buckets)
+    }
     if name is None:
-        return {}
+        return fresh
     scheduler = vllm_config.scheduler_config
     nixl = name in NIXL_CONNECTORS
-    return {
+    return fresh | {
         f"KV connector {name} is not supported: the plugin runs a connector around each step's compiled "
         "calls (every load before them, every save after them, no per-layer hooks inside the graph), which "
         f"{', '.join(KV_CONNECTORS)} work with; use one of them": name not in KV_CONNECTORS

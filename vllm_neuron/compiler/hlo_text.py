@@ -156,9 +156,10 @@ class CacheWrite:
 
 
 def is_cache(shape: tuple[int, ...]) -> bool:
-    """Whether a buffer a graph updates in place is a KV cache: every one is but the token slots
-    (worker/step/step_state.py), a vector of a few bytes."""
-    return len(shape) > 1
+    """Whether a buffer a graph updates in place is a KV cache ([2 x KV heads, blocks, block size, head
+    size]): every one is but the token slots (worker/step/step_state.py), a vector, and an EAGLE3 head's
+    hidden slots (worker/spec_decode/head_inputs.py), a matrix."""
+    return len(shape) == 4
 
 
 def cache_writes(text: str) -> list[CacheWrite]:

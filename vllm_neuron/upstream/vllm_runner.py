@@ -141,3 +141,35 @@ def load_draft_model(vllm_config: "VllmConfig") -> torch.nn.Module:
     proposer.vllm_config = vllm_config
     proposer.speculative_config = vllm_config.speculative_config
     return proposer._get_model()
+
+
+def load_eagle3_head(vllm_config: "VllmConfig", target: torch.nn.Module) -> torch.nn.Module:
+    """An EAGLE3 head of `vllm_config`'s speculative config, loaded the way vLLM's EagleProposer loads it
+    (its draft config, model tag "eagle_head"), with the target's embedding and lm_head shared where the
+    head has none of its own or the same ones. vLLM 0.32: `EagleProposer.__new__` (its __init__ and its GPU
+    buffers skipped), the attributes `vllm_config`, `speculative_config`, `model` and
+    `use_local_argmax_reduction` (off: the plugin takes the argmax over the whole vocabulary) set, then
+    `_get_model`, `_maybe_share_embeddings` and `_maybe_share_lm_head` of SpecDecodeBaseProposer."""
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    proposer = EagleProposer.__new__(EagleProposer)
+    proposer.vllm_config = vllm_config
+    proposer.speculative_config = vllm_config.speculative_config
+    proposer.use_local_argmax_reduction = False
+    proposer.model = proposer._get_model()
+    proposer._maybe_share_embeddings(target)
+    proposer._maybe_share_lm_head(target)
+    return proposer.model
+
+
+def eagle3_aux_layers(vllm_config: "VllmConfig", target: torch.nn.Module) -> tuple[int, ...]:
+    """The target layers whose input an EAGLE3 head reads, as vLLM's GPU runner picks them: the head's
+    config's (`eagle_aux_hidden_state_layer_ids`, also under `eagle_config`), else the target's default.
+    vLLM 0.32: GPUModelRunner._get_eagle3_aux_layers_from_config reads only `speculative_config`."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = SimpleNamespace(speculative_config=vllm_config.speculative_config)
+    layers = GPUModelRunner._get_eagle3_aux_layers_from_config(runner)
+    return tuple(layers) if layers else tuple(target.get_eagle3_default_aux_hidden_state_layers())

@@ -46,7 +46,7 @@ class Readiness:
         self._recorder: neuron_compile.CompileRecorder | None = None
         self._compile_graph: Callable[[GraphKey], None] | None = None
         self._warmup_started = self._seconds_per_graph = 0.0
-        self._per_shape = 1  # graphs a bucket shape's step compiles (GraphPlan.per_shape, set at warm-up)
+        self._plan: GraphPlan | None = None  # the rank's graphs (set at warm-up)
 
     @property
     def staging(self) -> bool:
@@ -73,7 +73,7 @@ class Readiness:
         seconds until serving may start."""
         start = time.perf_counter()
         self._recorder, self._compile_graph = recorder, compile_graph
-        self._per_shape = plan.per_shape
+        self._plan = plan
         staged = envs.VLLM_NEURON_READINESS == "staged"
         refused = staging_refused(one_rank, has_kv_transfer_group())
         if staged and refused:
@@ -93,8 +93,8 @@ class Readiness:
             "Graph plan: %d graphs (%s); %d before serving%s",
             plan.total,
             ", ".join(f"{kind} {count}" for kind, count in plan.by_kind().items() if count),
-            copies + len(first) * plan.per_shape if staged else plan.total,
-            f", {len(pending) * plan.per_shape} in the background" if staged and pending else "",
+            copies + sum(map(plan.graphs_of, first)) if staged else plan.total,
+            f", {sum(map(plan.graphs_of, pending))} in the background" if staged and pending else "",
         )
         seconds, graphs = self._warm_up_graphs(first, run_step, max_model_len, block_size)
         self.ready_graphs = frozenset(first)
@@ -146,8 +146,9 @@ class Readiness:
             seconds[item.phase] += time.perf_counter() - start
             compiled[item.phase] += recorder.num_graphs - before
             _log_lowered(lowered_graphs(recorder)[before:])
-            self.progress.ready += self._per_shape
-            self.progress.pending -= self._per_shape
+            graphs_of = self._plan.graphs_of((item.phase, *item.shape))
+            self.progress.ready += graphs_of
+            self.progress.pending -= graphs_of
             self._publish_progress()
             logger.info(
                 "Graph %d/%d ready: %s (%.1f s)",
@@ -176,11 +177,11 @@ class Readiness:
         def on_done(graph: GraphKey, error: str | None) -> None:
             with lock:
                 progress = self.progress
-                progress.pending -= self._per_shape
+                progress.pending -= self._plan.graphs_of(graph)
                 if error is None:
                     self.ready_graphs = self.ready_graphs | {graph}
                     self._refresh_usable()
-                    progress.ready += self._per_shape
+                    progress.ready += self._plan.graphs_of(graph)
                 else:
                     progress.failed.append(f"{_describe(graph)}: {error}")
                 if not progress.pending:

@@ -19,7 +19,7 @@ call's and its run.
 """
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from vllm_neuron import device as neuron_device
 from vllm_neuron import sampling
 from vllm_neuron.attention_backend import NeuronAttentionMetadata, PageQueries, TableQueries
 from vllm_neuron.buckets import PACKED_CHUNKS, ceil_div
+
+# The prefix of an EAGLE3 head's arrays among a call's inputs (worker/spec_decode/head_inputs.py).
+HEAD = "head."
 
 # First position of a padding decode page: past any context (and within int32, for device index types).
 PADDING_PAGE_START = 2**30
@@ -60,6 +63,8 @@ class CallInputs:
     # Each token's and each logits row's LoRA slot (vllm_neuron/lora/punica.py); None without --enable-lora.
     lora_slots: torch.Tensor | None = None  # [tokens]
     lora_rows: torch.Tensor | None = None  # [rows]
+    # An EAGLE3 head's inputs (HEAD names, worker/spec_decode/head_inputs.py).
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,32 +92,36 @@ class HostInputs:
         """Each logits row's LoRA slot: its token's (a padding row repeats row 0's token, harmlessly)."""
         return self.lora_slots[self.logits_indices]
 
-    def pack(
+    def arrays(
         self,
         sampling_rows: np.ndarray | None = None,
         token_feed: np.ndarray | None = None,
         token_keep: np.ndarray | None = None,
         lora: bool = False,
-    ) -> "Packed":
-        """Packed for one transfer, with each logits row's sampling row (default: greedy), where tokens
-        come from and go to in the token slots (default: nowhere) and, with `lora`, the LoRA slots of the
-        tokens and the logits rows (without it the call's inputs are as they were)."""
+        extra: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """The call's arrays by name, with each logits row's sampling row (default: greedy), where tokens
+        come from and go to in the token slots (default: nowhere), with `lora` the LoRA slots of the tokens
+        and the logits rows, and `extra` arrays (an EAGLE3 head's, worker/spec_decode/head_inputs.py)."""
         if sampling_rows is None:
             sampling_rows = np.zeros((self.rows, sampling.PARAMS), np.float32)
-        return pack(
-            {
-                "input_ids": self.input_ids,
-                "positions": self.positions,
-                "logits_indices": self.logits_indices,
-                "sampling_rows": sampling_rows,
-                "token_feed": np.zeros(len(self.input_ids), np.int64) if token_feed is None else token_feed,
-                "token_keep": np.zeros(self.rows, np.int64) if token_keep is None else token_keep,
-                "slot_mapping": self.slot_mapping,
-                **{f"table.{name}": array for name, array in (self.table or {}).items()},
-                **{f"paged.{name}": array for name, array in (self.paged or {}).items()},
-                **({"lora_slots": self.lora_slots, "lora_rows": self.lora_rows} if lora else {}),
-            }
-        )
+        return {
+            "input_ids": self.input_ids,
+            "positions": self.positions,
+            "logits_indices": self.logits_indices,
+            "sampling_rows": sampling_rows,
+            "token_feed": np.zeros(len(self.input_ids), np.int64) if token_feed is None else token_feed,
+            "token_keep": np.zeros(self.rows, np.int64) if token_keep is None else token_keep,
+            "slot_mapping": self.slot_mapping,
+            **{f"table.{name}": array for name, array in (self.table or {}).items()},
+            **{f"paged.{name}": array for name, array in (self.paged or {}).items()},
+            **({"lora_slots": self.lora_slots, "lora_rows": self.lora_rows} if lora else {}),
+            **(extra or {}),
+        }
+
+    def pack(self, *args, **kwargs) -> "Packed":
+        """`arrays` (same arguments) packed for one transfer."""
+        return pack(self.arrays(*args, **kwargs))
 
     def send(
         self, staging: "StagingBuffers", packed: "Packed | None" = None, lora: bool = False
@@ -120,7 +129,13 @@ class HostInputs:
         """On the device, in one transfer from this thread into its staging buffer for the call's layout:
         `packed` (this call's, packed earlier), or greedy, its tokens all its own (warm-up's synthetic calls,
         the draft model's calls)."""
-        sent = staging.send(packed if packed is not None else self.pack(lora=lora))
+        return self.inputs_from(staging.send(packed if packed is not None else self.pack(lora=lora)))
+
+    def inputs_from(self, sent: dict[str, torch.Tensor]) -> CallInputs:
+        """The call's inputs from its arrays on the device (`arrays`' names; an EAGLE3 head's go to
+        `extra`)."""
+        sent = dict(sent)
+        extra = {name: sent.pop(name) for name in list(sent) if name.startswith(HEAD)}
         table = {name: sent.pop(f"table.{name}") for name in self.table or ()}
         paged = {name: sent.pop(f"paged.{name}") for name in self.paged or ()}
         metadata = NeuronAttentionMetadata(
@@ -129,7 +144,7 @@ class HostInputs:
             paged=PageQueries(**paged) if self.paged is not None else None,
             fresh_prefill=self.fresh_prefill,
         )
-        return CallInputs(metadata=metadata, **sent)
+        return CallInputs(metadata=metadata, extra=extra, **sent)
 
 
 @dataclass

@@ -16,9 +16,11 @@ from vllm_neuron.calls import Call
 from vllm_neuron.compiler import compile as neuron_compile
 from vllm_neuron.config import NeuronConfig
 from vllm_neuron.lora.punica import LORA_ROWS, LORA_SLOTS
+from vllm_neuron.upstream import vllm_runner
 from vllm_neuron.upstream.vllm_runner import create_forward_context, override_forward_context
 from worker.lora.slots import LoRASlots
-from worker.spec_decode import draft_model
+from worker.spec_decode import draft_model, eagle3
+from worker.spec_decode.head_inputs import HiddenSlots
 from worker.step.call_inputs import CallInputs
 from worker.step.step_state import token_slot_count
 
@@ -33,12 +35,16 @@ class ForwardAndSample(torch.nn.Module):
     (with each row's parameters, vllm_neuron/sampling.py). The logits stay on the device unless a step needs
     vLLM's host sampler. Decode rows whose token the previous step sampled take it from the token slots,
     and each row's sample goes there for the next step (worker/step/step_state.py); with a draft model the
-    call's token ids are returned too, for the draft's forward."""
+    call's token ids are returned too, for the draft's forward; with an EAGLE3 head the head's first pass
+    runs in the call (worker/spec_decode/eagle3.py)."""
 
-    def __init__(self, model: torch.nn.Module, returns_input_ids: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, returns_input_ids: bool, head: torch.nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.model = model
         self.returns_input_ids = returns_input_ids
+        self.head = head
 
     def forward(
         self,
@@ -50,6 +56,8 @@ class ForwardAndSample(torch.nn.Module):
         token_feed: torch.Tensor,
         token_keep: torch.Tensor,
         forward_context: ForwardContext,
+        hidden_slots: torch.Tensor | None = None,
+        extra: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         fed = token_slots.index_select(0, token_feed).to(input_ids.dtype)
         input_ids = torch.where(token_feed > 0, fed, input_ids)
@@ -58,6 +66,9 @@ class ForwardAndSample(torch.nn.Module):
         # each run with their own.
         with override_forward_context(forward_context):
             hidden = self.model(input_ids=input_ids, positions=positions)
+            if self.head is not None:  # the target returns its aux layers' hidden states too
+                hidden, aux = hidden
+                eagle3.first_pass(self.head, input_ids, aux, logits_indices, hidden_slots, extra)
             logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
         drop_masks(forward_context.attn_metadata)
         sampled = sampling.sample(logits, sampling_rows)
@@ -98,9 +109,15 @@ class CompiledModel:
         if dump_dir and vllm_config.parallel_config.tensor_parallel_size > 1:
             dump_dir = f"{dump_dir}/rank-{tp_rank}"
         speculative = vllm_config.speculative_config
-        with_draft = speculative is not None and speculative.method == "draft_model"
+        method = speculative.method if speculative is not None else None
+        with_draft = method == "draft_model"
+        self.head: torch.nn.Module | None = None
+        if method == "eagle3":
+            self.model.set_aux_hidden_state_layers(vllm_runner.eagle3_aux_layers(vllm_config, self.model))
+            self.head = vllm_runner.load_eagle3_head(vllm_config, self.model)
+            self.head_layers = eagle3.layer_names(self.head)
         self.step, self.recorder = neuron_compile.compile_static(
-            ForwardAndSample(self.model, returns_input_ids=with_draft),
+            ForwardAndSample(self.model, returns_input_ids=with_draft, head=self.head),
             backend,
             num_graphs,
             strict=envs.VLLM_NEURON_STRICT_SHAPES,
@@ -116,14 +133,32 @@ class CompiledModel:
             )
         max_num_seqs = NeuronConfig.of(vllm_config).max_num_seqs
         self.token_slots = self.recorder.zeros((token_slot_count(max_num_seqs),), torch.int32, device)
+        self.hidden_slots: HiddenSlots | None = None
+        self.hidden_buffer: torch.Tensor | None = None
+        self.propose = None
+        if self.head is not None:
+            entries = 1 + speculative.num_speculative_tokens
+            self.hidden_slots = HiddenSlots(max_num_seqs, entries, vllm_config.cache_config.block_size)
+            hidden_size = self.head.config.hidden_size
+            dtype = vllm_config.model_config.dtype
+            self.hidden_buffer = self.recorder.zeros((self.hidden_slots.rows, hidden_size), dtype, device)
+            self.propose, _ = neuron_compile.compile_static(
+                eagle3.ProposeForward(self.head), backend, num_graphs, recorder=self.recorder
+            )
         # The layers whose KV cache a call's metadata describes (the draft model's too): set once the cache is
         # bound to them.
         self.attention_layers: list[str] = []
         logger.info("Model loaded in %.1f s", time.perf_counter() - start)
 
     @property
+    def drafts(self) -> bool:
+        """A second model proposes drafts: a draft model or an EAGLE3 head."""
+        return self.draft is not None or self.head is not None
+
+    @property
     def models(self) -> list[torch.nn.Module]:
-        return [self.model, *([self.draft_model] if self.draft_model is not None else [])]
+        second = self.draft_model if self.draft_model is not None else self.head
+        return [self.model, *([second] if second is not None else [])]
 
     @torch.no_grad()  # one grad mode for warm-up and serving: dynamo guards on it and would recompile
     def run(self, call: Call, inputs: CallInputs) -> tuple[torch.Tensor, ...]:
@@ -146,6 +181,18 @@ class CompiledModel:
         self.recorder.thread.call = call
         return self.draft_tokens(inputs)
 
+    @torch.no_grad()
+    def run_propose(self, call: Call, inputs: "eagle3.ProposeInputs") -> torch.Tensor:
+        """An EAGLE3 head's propose call (worker/spec_decode/eagle3.py) on `call`'s decode shape: each row's
+        drafts, on the device."""
+        self.recorder.thread.call = f"propose of {call}"
+        contexts = [
+            create_forward_context(dict.fromkeys(self.head_layers, step.metadata), self.vllm_config)
+            for step in inputs.passes
+        ]
+        positions = [step.positions for step in inputs.passes]
+        return self.propose(inputs.token_ids, inputs.hidden_index, self.hidden_buffer, positions, contexts)
+
     def forward(self, inputs: CallInputs) -> tuple[torch.Tensor, ...]:
         """The compiled model and sampler on one call's inputs, then the draft model's on the same tokens
         (its KV cache follows the target's); the outputs (ForwardAndSample's) stay on the device."""
@@ -158,6 +205,7 @@ class CompiledModel:
             inputs.token_feed,
             inputs.token_keep,
             self._context(inputs.metadata, inputs),
+            *((self.hidden_buffer, inputs.extra) if self.head is not None else ()),
         )
         if self.draft is None:
             return outputs
@@ -179,8 +227,11 @@ class CompiledModel:
         # Every attention layer, the draft model's too, reads the call's metadata: they share block tables.
         # With --enable-lora the punica wrapper reads the call's LoRA slots from it too.
         lora = inputs is not None and inputs.lora_slots is not None
+        layers = dict.fromkeys(self.attention_layers, metadata)
+        if self.head is not None and inputs is not None:  # the head's first pass: its own metadata
+            layers |= dict.fromkeys(self.head_layers, eagle3.head_metadata(inputs))
         return create_forward_context(
-            dict.fromkeys(self.attention_layers, metadata),
+            layers,
             self.vllm_config,
             additional_kwargs={LORA_SLOTS: inputs.lora_slots, LORA_ROWS: inputs.lora_rows} if lora else None,
         )

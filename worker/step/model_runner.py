@@ -46,7 +46,7 @@ from worker.kv.kv_transfer import KVTransfer
 from worker.kv.sleep_mode import SleepMode
 from worker.lora.slots import LoRASlots
 from worker.metrics.step_metrics import CallStats, StepMetrics
-from worker.spec_decode import draft_model, speculation
+from worker.spec_decode import draft_model, eagle3, speculation
 from worker.step.call_inputs import Chunk
 from worker.step.forward import CompiledModel
 from worker.step.persistent_batch import CallPlanner, PersistentBatch, StepRows
@@ -162,6 +162,10 @@ class NeuronModelRunner(RunnerSetup):
         """The step's rows as decode rows (one token, or a verify row's last token and drafts) and prefill
         chunks, and its planned calls."""
         input_batch = self.batch.input_batch
+        if self.planner.head is not None:  # an EAGLE3 head's kept hidden states of requests that left
+            self.planner.head.release(
+                scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
+            )
         decode: list[tuple[int, Chunk]] = []
         prefill: list[tuple[int, Chunk]] = []
         partial: list[int] = []
@@ -192,7 +196,16 @@ class NeuronModelRunner(RunnerSetup):
         sampling_rows = self.batch.sampling_rows(partial)
         slot_base = self.slot_halves.next()
         planned = self.planner.plan(
-            StepRows(decode, prefill, sampling_rows, fills, row_drafts, self._random_draws, slot_base)
+            StepRows(
+                decode,
+                prefill,
+                sampling_rows,
+                fills,
+                row_drafts,
+                self._random_draws,
+                slot_base,
+                list(input_batch.req_ids),
+            )
         )
         host_rows = [
             self.batch.host_only or self.batch.sampling[req_id].host_reason is not None
@@ -260,7 +273,7 @@ class NeuronModelRunner(RunnerSetup):
         for row in step.partial_prefill_rows:
             sampled_ids[row] = []
         # Which rows may speculate: only asked when speculative decoding is on (not per step otherwise).
-        drafting = self.serving and (self.compiled.draft is not None or self.drafter is not None)
+        drafting = self.serving and (self.compiled.drafts or self.drafter is not None)
         speculating = [self._speculates(req_id) for req_id in step.req_ids] if drafting else []
         if step.drafts and self.serving:
             # (Warm-up's verify rows end at max_model_len: their one token is all the batch holds.)
@@ -280,6 +293,17 @@ class NeuronModelRunner(RunnerSetup):
         if self.compiled.draft is not None and self.serving:
             self._model_drafts = draft_model.propose(
                 step, sampled_ids, self.batch, speculating, self.planner, self.compiled.run_draft
+            )
+        if self.compiled.head is not None and self.serving:
+            self._model_drafts = eagle3.propose(
+                step,
+                sampled_ids,
+                self.batch,
+                speculating,
+                self.planner,
+                self.compiled.hidden_slots.index,
+                self.compiled.run_propose,
+                self.compiled.hidden_slots.entries - 1,
             )
         if self.drafter is not None and self.serving:
             wanted = step.scheduler_output.num_spec_tokens_to_schedule

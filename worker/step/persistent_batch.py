@@ -18,7 +18,7 @@ are built and packed for one transfer. A decode row whose token the previous ste
 through the token slots (worker/step/step_state.py)."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,6 +32,7 @@ from vllm_neuron.config import NeuronConfig
 from vllm_neuron.upstream import vllm_runner
 from worker.compiles.readiness import Readiness
 from worker.spec_decode import speculation
+from worker.spec_decode.head_inputs import HiddenSlots, null_arrays
 from worker.step import call_inputs, sampling_rows
 from worker.step.call_inputs import CallInputs, Chunk, HostInputs, StagingBuffers
 from worker.step.sampling_rows import RowSampling
@@ -195,6 +196,7 @@ class StepRows:
     # equality).
     random_draws: Callable[[int], torch.Generator | bool | None]
     slot_base: int  # where the step's tokens go in the token slots
+    req_ids: list[str] = field(default_factory=list)  # the batch's requests, by row
 
 
 class CallPlanner:
@@ -212,6 +214,8 @@ class CallPlanner:
         self.readiness = readiness  # the graphs a step may use
         self.lora = lora  # send each call's LoRA slots (--enable-lora)
         self.staging = StagingBuffers(device)  # where each call's inputs land (worker/step/call_inputs.py)
+        # An EAGLE3 head's hidden slots: each call then carries the head's arrays too.
+        self.head: HiddenSlots | None = None
 
     def plan(self, step: StepRows) -> list[PlannedCall]:
         """The step's calls, each sampling the rows of its requests (a sub-chunk's row is sampled again by
@@ -256,6 +260,9 @@ class CallPlanner:
             feed, host_fills = step.fills.feed(decode_rows, host.decode_token_index, len(host.input_ids))
             keep = keep_slots(step.slot_base, batch_rows, host.rows, queries)
             item = PlannedCall(plan.call, host, sampling_rows, feed, keep, batch_rows, host_fills, self.lora)
+            if self.head is not None:
+                req_ids = [step.req_ids[row] for row in batch_rows]
+                item.extra = self.head.call_arrays(host, parts + rows, req_ids, queries, step.req_ids)
             if not host_fills:
                 item.pack()
             planned.append(item)
@@ -264,7 +271,11 @@ class CallPlanner:
     def inputs(self, call: Call, parts: list[Chunk], rows: list[Chunk]) -> CallInputs:
         """A call's inputs on the device, greedy, its tokens all its own (warm-up's synthetic calls, the
         draft model's calls)."""
-        return self.host_inputs(call, parts, rows).send(self.staging, lora=self.lora)
+        host = self.host_inputs(call, parts, rows)
+        if self.head is None:
+            return host.send(self.staging, lora=self.lora)
+        extra = null_arrays(host, self.block_size)
+        return host.send(self.staging, host.pack(lora=self.lora, extra=extra))
 
     def host_inputs(self, call: Call, parts: list[Chunk], rows: list[Chunk]) -> HostInputs:
         """A call's inputs, padded to its buckets, on the host."""

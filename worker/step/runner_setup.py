@@ -14,8 +14,9 @@ from vllm_neuron.buckets import GraphKey
 from vllm_neuron.graph_plan import GraphPlan
 from worker.compiles import warmup
 from worker.compiles.readiness import lowered_graphs
-from worker.spec_decode import speculation
+from worker.spec_decode import eagle3, speculation
 from worker.step import sampling_rows
+from worker.step.call_inputs import Chunk
 from worker.step.forward import CompiledModel
 
 logger = init_logger("vllm.vllm_neuron.model_runner")
@@ -49,6 +50,7 @@ class RunnerSetup:
             self.device,
             self.lora,
         )
+        self.planner.head = self.compiled.hidden_slots
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return self.kv_cache.spec()
@@ -70,7 +72,10 @@ class RunnerSetup:
     def warm_up(self) -> float:
         """Compile a KV connector's block copies, then the graphs serving needs
         (worker/compiles/readiness.py); returns the seconds until serving may start."""
-        plan = GraphPlan(self.buckets, self.compiled.draft is not None, self.kv_transfer.copy_buckets)
+        compiled = self.compiled
+        plan = GraphPlan(
+            self.buckets, compiled.draft is not None, self.kv_transfer.copy_buckets, compiled.head is not None
+        )
         seconds = self.kv_transfer.warm_up() + self.readiness.warm_up(
             self.compiled.recorder,
             self._warm_up_step,
@@ -89,7 +94,26 @@ class RunnerSetup:
         if self.execute_model(item.step) is None:
             self.sample_tokens(None)
         self.execute_model(warmup.finish_step(item.request_ids))
+        self._compile_propose((item.phase, *item.shape))
         neuron_device.synchronize()
+
+    def _compile_propose(self, graph: GraphKey) -> None:
+        """An EAGLE3 head's propose graph of a decode shape, run on synthetic rows (null blocks) whose
+        passes reach the shape's context."""
+        if self.compiled.head is None or graph[0] != "decode":
+            return
+        call, _, rows = warmup.synthetic_call(
+            graph,
+            self.buckets,
+            max_model_len=self.model_config.max_model_len,
+            blocks_per_request=self.batch.block_table.shape[1],
+        )
+        passes = self.compiled.hidden_slots.entries - 1
+        start = max(1, min(call.decode_context, self.model_config.max_model_len) - passes + 1)
+        rows = [Chunk(row.token_ids, start, row.block_row) for row in rows]
+        inputs = eagle3.propose_inputs(self.planner, call, rows, [0] * len(rows), passes)
+        with self.compiled.recorder.expecting(call):
+            self.compiled.run_propose(call, inputs)
 
     @torch.no_grad()  # the grad mode serving runs in: dynamo guards on it
     def _compile_in_background(self, graph: GraphKey) -> None:
@@ -104,6 +128,7 @@ class RunnerSetup:
         inputs = self.planner.inputs(call, parts, rows)
         with self.compiled.recorder.expecting(call):
             self.compiled.forward(inputs)
+        self._compile_propose(graph)
         neuron_device.synchronize()
 
     def compile_progress(self) -> dict[str, object]:
@@ -168,7 +193,7 @@ class RunnerSetup:
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The draft tokens proposed after the latest step, for the scheduler (None: speculation off)."""
-        if self.compiled.draft is not None:
+        if self.compiled.drafts:
             drafts, self._model_drafts = self._model_drafts, None
             return drafts
         return self.drafter.take() if self.drafter is not None else None

@@ -103,9 +103,12 @@ class PlannedCall:
     fills: list[tuple[int, str]] = field(default_factory=list)
     lora: bool = False  # send the LoRA slots too (--enable-lora)
     packed: Packed | None = None  # None until packed
+    extra: dict[str, np.ndarray] | None = None  # an EAGLE3 head's arrays (worker/spec_decode/head_inputs.py)
 
     def pack(self) -> None:
-        self.packed = self.host.pack(self.sampling_rows, self.token_feed, self.token_keep, self.lora)
+        self.packed = self.host.pack(
+            self.sampling_rows, self.token_feed, self.token_keep, self.lora, self.extra
+        )
 
     def send(self, staging: StagingBuffers) -> CallInputs:
         """The call's inputs on the device, sent from the thread that runs it
