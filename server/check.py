@@ -207,6 +207,7 @@ def plan_of(vllm_config) -> Plan:
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
         neuron=NeuronConfig.of(vllm_config),
         draft_model=speculative_method(vllm_config) == "draft_model",
+        head=speculative_method(vllm_config) == "eagle3",
     )
 
 

@@ -46,6 +46,7 @@ class Plan:
     tensor_parallel_size: int
     neuron: NeuronConfig
     draft_model: bool = False  # speculative decoding with a draft model: a draft graph for each shape
+    head: bool = False  # with an EAGLE3 head: a propose graph for each decode shape
     # NIXL's block-copy buckets at the TP given (a gather and a scatter graph each), known once the model's
     # KV bytes are measured; () without NIXL.
     copy_buckets: tuple[int, ...] = ()
@@ -56,7 +57,7 @@ class Plan:
 
     @property
     def graphs(self) -> dict[str, int]:
-        return GraphPlan(self.neuron.buckets, self.draft_model, self.copy_buckets).by_kind()
+        return GraphPlan(self.neuron.buckets, self.draft_model, self.copy_buckets, self.head).by_kind()
 
     @property
     def largest_batch(self) -> int:

@@ -43,6 +43,8 @@ class NeuronInfoEndpoint:
             if info["speculative"] is not None:
                 totals = _registry_totals(acceptance.COUNTERS)
                 info["speculative"] = {**info["speculative"], **acceptance.figures(*totals)}
+                calls, steps = _registry_totals((LAUNCHES, STEPS))
+                info["speculative"]["launches_per_step"] = calls / steps if steps else None
             return JSONResponse(
                 {
                     **info,
@@ -72,17 +74,20 @@ def _speculative(vllm_config, buckets) -> dict[str, Any] | None:
     if speculative is None:
         return None
     draft_model = speculative.method == "draft_model"
+    head = speculative.method == "eagle3"
     return {
         "method": speculative.method,
         "num_speculative_tokens": speculative.num_speculative_tokens,
         "prompt_lookup_min": speculative.prompt_lookup_min,
         "prompt_lookup_max": speculative.prompt_lookup_max,
-        "draft_model": speculative.draft_model_config.model if draft_model else None,
+        "draft_model": speculative.draft_model_config.model if draft_model or head else None,
         "verify_tokens": buckets.verify_tokens,
         "verify_graphs": len(buckets.verify_shapes()),
         # A draft model compiles a graph of its own for each of the plan's shapes
         # (worker/spec_decode/draft_model.py).
         "draft_graphs": buckets.num_graphs if draft_model else 0,
+        # An EAGLE3 head's passes run in one propose graph per decode shape (worker/spec_decode/eagle3.py).
+        "propose_graphs": len(buckets.decode_shapes()) if head else 0,
         "applies_to": "requests sampled in the graph without logprobs; others decode a token a step",
     }
 
@@ -109,6 +114,10 @@ def _lora_slots(slots: dict[str, Any], serving_models) -> dict[str, Any]:
         "slot_bytes": slots["slot_bytes"],
         "adapters": sorted(names.values()),
     }
+
+
+# Compiled calls (a propose call counts under phase "propose") and scheduler steps, for launches a step.
+LAUNCHES, STEPS = "vllm_neuron:bucket_calls_total", "vllm_neuron:sampled_steps_total"
 
 
 def _registry_totals(names: tuple[str, ...]) -> list[float]:

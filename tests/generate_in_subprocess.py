@@ -9,7 +9,8 @@ Optional keys: "sampling" (a list of {"prompt", "params": SamplingParams keyword
 after the greedy prompts: "sampled_tokens"), "churn_bursts" (then run tests/engine/test_churn.py's workload
 and report it), "sleep_level" (then sleep at that level, wake up, reload the weights after level 2, and
 generate again), "wait_background" (then wait until staged readiness's background compiles are done),
-"metrics" (the values of these counters of llm.get_metrics(), summed over labels: "metrics" in the result),
+"metrics" (the values of these counters of llm.get_metrics(), summed over labels: "metrics" in the result,
+and "greedy_metrics" after the greedy prompts),
 "save_dequantized" (a path: the driver rank's FP8 linear weights dequantized, torch.save'd), "natural_exit"
 (end as a user's script does, finalization included, not by tests/helpers.py's end_script), and with the
 plugin active the result carries each rank's compile_stats (graphs, recompiles after warm-up, KV cache shape)
@@ -46,6 +47,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    greedy_metrics = _metrics(llm, request.get("metrics"))
     sampled = None
     if request.get("sampling"):  # one prompt per SamplingParams keywords, all in one batch
         cases = request["sampling"]
@@ -78,18 +80,14 @@ def main() -> None:
         runner = core.model_executor.driver_worker.worker.model_runner
         if runner.readiness.background is not None and not runner.readiness.background.wait(timeout=600):
             raise TimeoutError("background compiles did not finish")
-    metrics = None
-    if request.get("metrics"):
-        metrics = dict.fromkeys(request["metrics"], 0)
-        for metric in llm.get_metrics():
-            if metric.name in metrics:
-                metrics[metric.name] += metric.value
+    metrics = _metrics(llm, request.get("metrics"))
     if request.get("save_dequantized"):  # FP8 weights as the model computes with them, for the HF reference
         from tests.fp8_reference import dequantized_weights
 
         torch.save(llm.collective_rpc(dequantized_weights)[0], request["save_dequantized"])
     result = {
         "metrics": metrics,
+        "greedy_metrics": greedy_metrics,
         "platform": type(current_platform).__name__,
         "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
         "sampled_on_host": llm.collective_rpc("sampled_on_host")[0] if ours else None,
@@ -107,6 +105,17 @@ def main() -> None:
         from tests.helpers import end_script
 
         end_script(llm)
+
+
+def _metrics(llm, names: list[str] | None) -> dict[str, float] | None:
+    """The counters `names` of llm.get_metrics() now, summed over labels."""
+    if not names:
+        return None
+    metrics = dict.fromkeys(names, 0)
+    for metric in llm.get_metrics():
+        if metric.name in metrics:
+            metrics[metric.name] += metric.value
+    return metrics
 
 
 if __name__ == "__main__":

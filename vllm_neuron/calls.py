@@ -226,8 +226,10 @@ def most_calls_per_step(
     *,
     staged: bool,
     draft_model: bool = False,
+    head: bool = False,
 ) -> int:
-    """The most compiled calls one step makes: plan_step's, and with a draft model the draft's. `staged`:
+    """The most compiled calls one step makes: plan_step's, and with a draft model or an EAGLE3 head (`head`)
+    theirs. `staged`:
     graphs may still compile while serving (staged readiness), so a step may find only the minimal ones
     ready; else every graph is.
 
@@ -241,13 +243,16 @@ def most_calls_per_step(
 
     A draft model runs beside each call of the model, then proposes a token a pass for each of its
     verify_tokens - 1 passes, in decode calls of at most max_num_seqs rows: as many as the smallest batch
-    bucket takes under staged readiness, else the largest."""
+    bucket takes under staged readiness, else the largest. An EAGLE3 head runs its passes in one propose call
+    per such decode call."""
     requests = min(max_num_seqs, max_num_batched_tokens)
     token_bucket = buckets.prefill_buckets[0] if staged else buckets.prefill_buckets[-1]
     calls = requests + (max_num_batched_tokens - requests) // token_bucket
-    if not draft_model:
+    if not draft_model and not head:
         return calls
     batch = buckets.decode_batch_buckets[0] if staged else buckets.decode_batch_buckets[-1]
+    if head:
+        return calls + ceil_div(max_num_seqs, batch)
     return 2 * calls + (buckets.verify_tokens - 1) * ceil_div(max_num_seqs, batch)
 
 

@@ -50,7 +50,8 @@ PADDING_SLOTS = Counter(
 BUCKET_CALLS = Counter(
     "vllm_neuron:bucket_calls",
     "Compiled calls by phase and bucket shape (prefill: tokens x context, decode: batch x context, "
-    "mixed: decode rows and a prefill chunk in one call, batch x context + chunk tokens).",
+    "mixed: decode rows and a prefill chunk in one call, batch x context + chunk tokens; propose: an EAGLE3 "
+    "head's drafts, batch x context).",
     ["phase", "bucket"],
 )
 

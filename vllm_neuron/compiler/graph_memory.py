@@ -208,6 +208,7 @@ def derive_for(
         scheduler.max_num_batched_tokens,
         staged=staging_refused(one_rank, vllm_config.kv_transfer_config is not None) is None,
         draft_model=speculative_method(vllm_config) == "draft_model",
+        head=speculative_method(vllm_config) == "eagle3",
     )
     steps = STEPS_IN_FLIGHT if scheduler.async_scheduling else 1
     return derive(graphs, calls, compile_workers if one_rank else 0, steps)

@@ -115,6 +115,10 @@ class CallStats:
         self.real_tokens = {"prefill": 0, "decode": 0}
         self.slots = {"prefill": 0, "decode": 0}
 
+    def record_propose(self, call: Call) -> None:
+        """An EAGLE3 head's propose call of `call`'s decode shape (worker/spec_decode/eagle3.py)."""
+        metrics.BUCKET_CALLS.labels(phase="propose", bucket=call.bucket).inc()
+
     def record(self, call: Call) -> None:
         metrics.BUCKET_CALLS.labels(phase=call.phase, bucket=call.bucket).inc()
         for phase, (real, slots) in call.padding().items():

@@ -302,7 +302,7 @@ class NeuronModelRunner(RunnerSetup):
                 speculating,
                 self.planner,
                 self.compiled.hidden_slots.index,
-                self.compiled.run_propose,
+                self._run_propose,
                 self.compiled.hidden_slots.entries - 1,
             )
         if self.drafter is not None and self.serving:

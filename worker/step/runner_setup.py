@@ -97,6 +97,12 @@ class RunnerSetup:
         self._compile_propose((item.phase, *item.shape))
         neuron_device.synchronize()
 
+    def _run_propose(self, call, inputs: "eagle3.ProposeInputs") -> torch.Tensor:
+        """An EAGLE3 head's propose call while serving, counted with the step's calls."""
+        if self.step_metrics.records_traffic:
+            self.stats.record_propose(call)
+        return self.compiled.run_propose(call, inputs)
+
     def _compile_propose(self, graph: GraphKey) -> None:
         """An EAGLE3 head's propose graph of a decode shape, run on synthetic rows (null blocks) whose
         passes reach the shape's context."""

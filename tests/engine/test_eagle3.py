@@ -1,0 +1,124 @@
+"""Speculative decoding with an EAGLE3 head (worker/spec_decode/eagle3.py): vLLM's own head class and loader,
+the head's first pass inside the target's graph, its passes in one propose graph per decode shape; against
+HF's greedy tokens and vLLM's own CPU runner on the same pair."""
+
+import pytest
+
+from server.check import plan_of
+from server.info_endpoint import describe
+from tests.conftest import ENGINE_KWARGS
+from tests.eagle3_head import build_eagle3_head
+from tests.engine.test_preemption import BLOCK_BYTES
+from tests.engine.test_speculative import SPEC_COUNTERS
+from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
+
+DRAFTS = 3
+# The suite's engine with fresh prefill calls off (the head's first pass reads the cache) and room for 8
+# requests over `blocks` KV blocks, each holding the target's two layers and the head's one.
+BUCKETS = {"prefill_buckets": [64], "decode_batch_buckets": [2, 8], "context_buckets": [256]}
+
+
+def eagle3_engine(head_dir, blocks: int) -> dict:
+    return {
+        **ENGINE_KWARGS,
+        "max_num_seqs": 8,
+        "kv_cache_memory_bytes": blocks * BLOCK_BYTES * 3 // 2,
+        "disable_log_stats": False,
+        "speculative_config": {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": DRAFTS},
+        "additional_config": {**BUCKETS, "fresh_prefill_buckets": []},
+    }
+
+
+@pytest.fixture(scope="module")
+def echo_head(tiny_model_dir, tmp_path_factory):
+    """A head that mostly proposes the target's token again (tests/eagle3_head.py): accepted where the
+    output repeats a token, so that both acceptance and rejection run."""
+    return build_eagle3_head(
+        tmp_path_factory.mktemp("eagle3") / "echo", tiny_model_dir, echo=True, scale=0.002
+    )
+
+
+PROMPTS = [random_prompt(5 + (37 * i) % 150, seed=950 + i) for i in range(10)]  # past 64 tokens: chunked
+
+
+@pytest.mark.slow
+def test_an_eagle3_head_drafts_and_accepts_as_vllms_own_runner(tiny_model_dir, hf_model, echo_head):
+    """Through chunked prefill and requests joining mid-stream, the plugin drafts and accepts exactly as many
+    tokens as vLLM's own CPU runner on the same pair, and its tokens are HF's greedy ones."""
+    extra = {"metrics": SPEC_COUNTERS}
+    ours = run_engine(
+        tiny_model_dir, eagle3_engine(echo_head, 64), {"VLLM_NEURON_DEVICE": "cpu"}, PROMPTS, 24, extra
+    )
+    vllm_cpu = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 8, "enforce_eager": True, "seed": 0}
+    vllm_cpu |= {
+        "disable_log_stats": False,
+        "speculative_config": eagle3_engine(echo_head, 64)["speculative_config"],
+    }
+    vllm = run_engine(
+        tiny_model_dir,
+        vllm_cpu,
+        {"VLLM_NEURON_DEVICE": None, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        PROMPTS,
+        24,
+        extra,
+    )
+    assert vllm["platform"] == "CpuPlatform"
+    assert ours["tokens"] == vllm["tokens"] == [hf_greedy(hf_model, p, 24) for p in PROMPTS]
+    assert ours["metrics"] == vllm["metrics"]
+    drafted = vllm["metrics"]["vllm:spec_decode_num_draft_tokens"]
+    assert 0 < vllm["metrics"]["vllm:spec_decode_num_accepted_tokens"] < drafted
+    # prefill 1, decode 2, mixed 1, verify 2, and a propose graph per decode shape: all at warm-up
+    [stats] = ours["compile_stats"]
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (6 + 2, 0)
+    progress = ours["compile_progress"]
+    assert progress["graphs_total"] == progress["graphs_ready"] == stats["graphs"]
+
+
+@pytest.mark.slow
+def test_an_eagle3_head_under_preemption_and_sampling_changes_no_token(tiny_model_dir, hf_model, echo_head):
+    """Preempted requests come back without their kept hidden states (and their drafts); random rows (top-k
+    1: a point mass) give the greedy tokens, a seeded row the same tokens twice; async scheduling is off."""
+    seeded = {"temperature": 0.9, "top_p": 0.9, "seed": 11, "max_tokens": 16, "ignore_eos": True}
+    near_greedy = {"temperature": 1.0, "top_k": 1, "max_tokens": 24, "ignore_eos": True}
+    sampling = [{"prompt": PROMPTS[0], "params": seeded}, {"prompt": PROMPTS[0], "params": seeded}]
+    sampling += [{"prompt": prompt, "params": near_greedy} for prompt in PROMPTS[1:3]]
+    # 8 requests at once want up to 48 KV blocks of 24
+    result = run_engine(
+        tiny_model_dir,
+        eagle3_engine(echo_head, 24),
+        {"VLLM_NEURON_DEVICE": "cpu"},
+        PROMPTS,
+        24,
+        {"sampling": sampling, "metrics": SPEC_COUNTERS},
+    )
+    assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in PROMPTS]
+    assert result["preemptions"] > 0 and not result["async_scheduling"]
+    first, second, *near_greedy_tokens = result["sampled_tokens"]
+    assert first == second
+    assert near_greedy_tokens == [hf_greedy(hf_model, p, 24) for p in PROMPTS[1:3]]
+    metrics = result["metrics"]
+    assert 0 < metrics["vllm:spec_decode_num_accepted_tokens"] < metrics["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_an_eagle3_heads_graphs_are_in_the_plan_and_the_info(tiny_model_dir, tmp_path):
+    head = build_eagle3_head(tmp_path / "head", tiny_model_dir)
+    config = engine_config(tiny_model_dir, **eagle3_engine(head, 24))
+    described = describe(config)["speculative"]
+    assert (described["method"], described["draft_model"]) == ("eagle3", str(head))
+    assert described["propose_graphs"] == described["verify_graphs"] == 2  # one per decode shape
+    graphs = plan_of(config).graphs  # `vllm-neuron check` counts them in its compile estimate
+    assert graphs["propose"] == graphs["decode"] == 2
+    assert not config.scheduler_config.async_scheduling
+
+
+@pytest.mark.parametrize(
+    ("change", "refused"),
+    [
+        ({"additional_config": {**BUCKETS, "fresh_prefill_buckets": [64]}}, "fresh_prefill_buckets \\[\\]"),
+        ({"enable_lora": True}, "LoRA with a draft model or an EAGLE3 head"),
+    ],
+)
+def test_what_an_eagle3_head_does_not_run_is_refused_at_start_up(tiny_model_dir, tmp_path, change, refused):
+    head = build_eagle3_head(tmp_path / "head", tiny_model_dir)
+    with pytest.raises(ValueError, match=refused):
+        engine_config(tiny_model_dir, **(eagle3_engine(head, 24) | change))
