@@ -43,8 +43,7 @@ class NeuronInfoEndpoint:
             if info["speculative"] is not None:
                 totals = _registry_totals(acceptance.COUNTERS)
                 info["speculative"] = {**info["speculative"], **acceptance.figures(*totals)}
-                calls, steps = _registry_totals((LAUNCHES, STEPS))
-                info["speculative"]["launches_per_step"] = calls / steps if steps else None
+                info["speculative"] |= _calls_per_step()
             return JSONResponse(
                 {
                     **info,
@@ -116,8 +115,27 @@ def _lora_slots(slots: dict[str, Any], serving_models) -> dict[str, Any]:
     }
 
 
-# Compiled calls (a propose call counts under phase "propose") and scheduler steps, for launches a step.
-LAUNCHES, STEPS = "vllm_neuron:bucket_calls_total", "vllm_neuron:sampled_steps_total"
+def _calls_per_step() -> dict[str, float | None]:
+    """Compiled calls a scheduler step so far, all of them and an EAGLE3 head's propose calls (None before
+    any step): a decode step is a verify call and a propose call."""
+    from prometheus_client import REGISTRY, CollectorRegistry, multiprocess
+
+    registry = REGISTRY
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:  # the engine core's series (server/cli.py)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    calls = proposes = steps = 0.0
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == "vllm_neuron:bucket_calls_total":
+                calls += sample.value
+                proposes += sample.value if sample.labels.get("phase") == "propose" else 0
+            elif sample.name == "vllm_neuron:sampled_steps_total":
+                steps += sample.value
+    return {
+        "calls_per_step": calls / steps if steps else None,
+        "propose_calls_per_step": proposes / steps if steps else None,
+    }
 
 
 def _registry_totals(names: tuple[str, ...]) -> list[float]:

@@ -108,13 +108,28 @@ def main() -> None:
 
 
 def _metrics(llm, names: list[str] | None) -> dict[str, float] | None:
-    """The counters `names` of llm.get_metrics() now, summed over labels."""
+    """The counters `names` of llm.get_metrics() now, summed over labels; the plugin's (vllm_neuron:...) from
+    this process's Prometheus registry, which the in-process engine core writes, those of one label's value
+    as "name{label=value}"."""
     if not names:
         return None
+    from prometheus_client import REGISTRY
+
     metrics = dict.fromkeys(names, 0)
     for metric in llm.get_metrics():
         if metric.name in metrics:
             metrics[metric.name] += metric.value
+    for family in REGISTRY.collect():
+        for name in metrics:
+            if name.split("{")[0] != family.name or not name.startswith("vllm_neuron:"):
+                continue
+            label = name.removesuffix("}").split("{")[1].split("=") if "{" in name else None
+            metrics[name] += sum(
+                sample.value
+                for sample in family.samples
+                if sample.name.endswith("_total")
+                and (label is None or sample.labels.get(label[0]) == label[1])
+            )
     return metrics
 
 

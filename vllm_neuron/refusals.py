@@ -99,9 +99,7 @@ def _draft_model_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
         f"rejection_sample_method {speculative.rejection_sample_method!r} is not supported: the plugin "
         "verifies drafts by standard speculative sampling": speculative.rejection_sample_method != "standard",
         "a draft model or EAGLE3 head with tensor parallelism is not supported yet: use "
-        "--tensor-parallel-size 1": (
-            vllm_config.parallel_config.tensor_parallel_size > 1
-        ),
+        "--tensor-parallel-size 1": (vllm_config.parallel_config.tensor_parallel_size > 1),
     }
 
 
@@ -160,10 +158,7 @@ def check(vllm_config: "VllmConfig") -> None:
         '(prompt lookup), \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\' '
         "(a small model with the target's tokenizer), "
         '\'{"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3}\' (an EAGLE3 head), '
-        "or remove --speculative-config": speculative_method(
-            vllm_config
-        )
-        not in (None, *SPECULATIVE_METHODS),
+        "or remove --speculative-config": speculative_method(vllm_config) not in (None, *SPECULATIVE_METHODS),
         **_draft_model_refusals(vllm_config),
         **_lora_refusals(vllm_config),
         **_quantization_refusals(vllm_config),

@@ -10,19 +10,28 @@ from tests.conftest import ENGINE_KWARGS
 from tests.eagle3_head import build_eagle3_head
 from tests.engine.test_preemption import BLOCK_BYTES
 from tests.engine.test_speculative import SPEC_COUNTERS
+from tests.fp8_reference import hf_with_weights, round_kv_through_fp8
 from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
 
 DRAFTS = 3
 # The suite's engine with fresh prefill calls off (the head's first pass reads the cache) and room for 8
 # requests over `blocks` KV blocks, each holding the target's two layers and the head's one.
+# Compiled calls, propose calls and scheduler steps.
+LAUNCHES = (
+    "vllm_neuron:bucket_calls",
+    "vllm_neuron:bucket_calls{phase=propose}",
+    "vllm_neuron:sampled_steps",
+)
 BUCKETS = {"prefill_buckets": [64], "decode_batch_buckets": [2, 8], "context_buckets": [256]}
 
 
-def eagle3_engine(head_dir, blocks: int) -> dict:
+def eagle3_engine(head_dir, blocks: int, fp8_cache: bool = False) -> dict:
     return {
         **ENGINE_KWARGS,
         "max_num_seqs": 8,
-        "kv_cache_memory_bytes": blocks * BLOCK_BYTES * 3 // 2,
+        # float32 (4 bytes an element) or FP8 (1)
+        "kv_cache_memory_bytes": blocks * BLOCK_BYTES * 3 // 2 // (4 if fp8_cache else 1),
+        "kv_cache_dtype": "fp8" if fp8_cache else "auto",
         "disable_log_stats": False,
         "speculative_config": {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": DRAFTS},
         "additional_config": {**BUCKETS, "fresh_prefill_buckets": []},
@@ -75,9 +84,13 @@ def test_an_eagle3_head_drafts_and_accepts_as_vllms_own_runner(tiny_model_dir, h
 
 
 @pytest.mark.slow
-def test_an_eagle3_head_under_preemption_and_sampling_changes_no_token(tiny_model_dir, hf_model, echo_head):
+def test_an_eagle3_head_under_preemption_sampling_and_an_fp8_cache_changes_no_token(
+    tiny_model_dir, hf_model, echo_head
+):
     """Preempted requests come back without their kept hidden states (and their drafts); random rows (top-k
-    1: a point mass) give the greedy tokens, a seeded row the same tokens twice; async scheduling is off."""
+    1: a point mass) give the greedy tokens, a seeded row the same tokens twice; async scheduling is off. Over
+    an FP8 cache (the head's layer quantized in the shared blocks too, scales 1.0) the tokens are HF's with
+    its keys and values rounded through FP8 the same way."""
     seeded = {"temperature": 0.9, "top_p": 0.9, "seed": 11, "max_tokens": 16, "ignore_eos": True}
     near_greedy = {"temperature": 1.0, "top_k": 1, "max_tokens": 24, "ignore_eos": True}
     sampling = [{"prompt": PROMPTS[0], "params": seeded}, {"prompt": PROMPTS[0], "params": seeded}]
@@ -85,19 +98,25 @@ def test_an_eagle3_head_under_preemption_and_sampling_changes_no_token(tiny_mode
     # 8 requests at once want up to 48 KV blocks of 24
     result = run_engine(
         tiny_model_dir,
-        eagle3_engine(echo_head, 24),
+        eagle3_engine(echo_head, 24, fp8_cache=True),
         {"VLLM_NEURON_DEVICE": "cpu"},
         PROMPTS,
         24,
-        {"sampling": sampling, "metrics": SPEC_COUNTERS},
+        {"sampling": sampling, "metrics": [*SPEC_COUNTERS, *LAUNCHES]},
     )
-    assert result["tokens"] == [hf_greedy(hf_model, p, 24) for p in PROMPTS]
+    reference = round_kv_through_fp8(hf_with_weights(tiny_model_dir, {}), {0: (1.0, 1.0), 1: (1.0, 1.0)})
+    assert result["tokens"] == [hf_greedy(reference, p, 24) for p in PROMPTS]
+    assert result["compile_stats"][0]["kv_cache_dtype"] == "uint8"
     assert result["preemptions"] > 0 and not result["async_scheduling"]
     first, second, *near_greedy_tokens = result["sampled_tokens"]
     assert first == second
-    assert near_greedy_tokens == [hf_greedy(hf_model, p, 24) for p in PROMPTS[1:3]]
+    assert near_greedy_tokens == [hf_greedy(reference, p, 24) for p in PROMPTS[1:3]]
     metrics = result["metrics"]
     assert 0 < metrics["vllm:spec_decode_num_accepted_tokens"] < metrics["vllm:spec_decode_num_draft_tokens"]
+    calls, proposes, steps = (metrics[name] for name in LAUNCHES)
+    # One propose call a step at most (the decode rows fit one call): a decode step is a verify call and a
+    # propose call; a step with prefill chunks runs their calls too, as it would without speculation.
+    assert 0 < proposes <= steps < calls, (calls, proposes, steps)
 
 
 def test_an_eagle3_heads_graphs_are_in_the_plan_and_the_info(tiny_model_dir, tmp_path):

@@ -347,6 +347,12 @@ def test_a_speculating_server_answers_greedy_requests_as_hf_and_reports_its_acce
         1,
     )
     assert speculative["acceptance_rate"] == pytest.approx(accepted / drafts)
+    # The engine core's calls a step, read back from Prometheus's multiprocess files: n-gram proposes on the
+    # host (no propose call); each step is at least one call.
+    calls = sum(metric_values(metrics, "vllm_neuron:bucket_calls_total").values())
+    steps = sum(metric_values(metrics, "vllm_neuron:sampled_steps_total").values())
+    assert speculative["calls_per_step"] == pytest.approx(calls / steps) and calls >= steps > 0
+    assert speculative["propose_calls_per_step"] == 0
     assert info["graphs"] == 3
 
 

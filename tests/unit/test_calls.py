@@ -5,6 +5,7 @@ from dataclasses import replace
 
 from vllm_neuron.buckets import BucketConfig
 from vllm_neuron.calls import Call, CallPlan, most_calls_per_step, plan_step
+from vllm_neuron.graph_plan import GraphPlan
 
 BLOCK_SIZE = 32
 # The suite's engine buckets (tests/conftest.py), mixed calls for batch buckets 1 and 2 with 64-token chunks.
@@ -183,3 +184,16 @@ def test_a_draft_model_doubles_the_calls_and_adds_a_decode_pass_a_draft_token():
     staged = most_calls_per_step(verify, 4, 96, staged=True, draft_model=True)
     assert staged == 2 * (4 + 92 // 32) + 2 * 4
     assert most_calls_per_step(verify, 4, 96, staged=False, draft_model=True) == 2 * (4 + 92 // 64) + 2 * 1
+
+
+def test_an_eagle3_head_adds_one_propose_call_per_decode_call():
+    # The head's first pass rides in the model's calls; its passes run in one call per decode call of at most
+    # max_num_seqs rows: 4 calls of the smallest batch bucket (1) with the minimal graphs, else 1.
+    verify = replace(BUCKETS, verify_tokens=4)
+    assert most_calls_per_step(verify, 4, 96, staged=True, head=True) == (4 + 92 // 32) + 4
+    assert most_calls_per_step(verify, 4, 96, staged=False, head=True) == (4 + 92 // 64) + 1
+    plan = GraphPlan(verify, propose=True)
+    assert plan.by_kind()["propose"] == len(verify.decode_shapes())
+    assert [plan.graphs_of(graph) for graph in verify.graphs()] == [
+        1 + (graph[0] == "decode") for graph in verify.graphs()
+    ]

@@ -797,11 +797,20 @@ def test_the_draft_proposer_loads_its_model_from_two_attributes():
     speculative_config only: `_get_model` and `_create_draft_vllm_config` must read no other attribute."""
     from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
+    read = _self_attributes(DraftModelProposer, ("_get_model", "_create_draft_vllm_config"))
+    assert parameters(DraftModelProposer._get_model) == ["self"]
+    assert read <= {"vllm_config", "speculative_config", "_create_draft_vllm_config"}, moved(
+        f"DraftModelProposer._get_model (it now reads {sorted(read)})", "vllm_runner"
+    )
+
+
+def _self_attributes(cls, names: tuple[str, ...]) -> set[str]:
+    """The attributes of `self` that `cls`'s methods `names` (as defined along its MRO) read or write."""
     read = set()
-    for cls in DraftModelProposer.__mro__:
-        for name in ("_get_model", "_create_draft_vllm_config"):
-            if name in vars(cls):
-                tree = ast.parse(textwrap.dedent(inspect.getsource(vars(cls)[name])))
+    for klass in cls.__mro__:
+        for name in names:
+            if name in vars(klass):
+                tree = ast.parse(textwrap.dedent(inspect.getsource(vars(klass)[name])))
                 read |= {
                     node.attr
                     for node in ast.walk(tree)
@@ -809,9 +818,30 @@ def test_the_draft_proposer_loads_its_model_from_two_attributes():
                     and isinstance(node.value, ast.Name)
                     and node.value.id == "self"
                 }
-    assert parameters(DraftModelProposer._get_model) == ["self"]
-    assert read <= {"vllm_config", "speculative_config", "_create_draft_vllm_config"}, moved(
-        f"DraftModelProposer._get_model (it now reads {sorted(read)})", "vllm_runner"
+    return read
+
+
+def test_the_eagle_proposer_loads_its_head_from_four_attributes():
+    """vllm_runner.load_eagle3_head skips EagleProposer.__init__ and sets vllm_config, speculative_config,
+    model and use_local_argmax_reduction: the methods it calls must read no other attribute of the proposer
+    (their own methods and vLLM's logger aside)."""
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    methods = ("_get_model", "_create_draft_vllm_config", "_maybe_share_embeddings", "_maybe_share_lm_head")
+    read = _self_attributes(EagleProposer, methods)
+    allowed = {"vllm_config", "speculative_config", "model", "use_local_argmax_reduction", *methods}
+    allowed |= {"_share_mtp_indices"}  # written by _maybe_share_lm_head
+    assert read <= allowed, moved(
+        f"EagleProposer's loading (it now reads {sorted(read - allowed)})", "vllm_runner"
+    )
+
+
+def test_the_gpu_runner_picks_eagle3_aux_layers_from_the_speculative_config_only():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    read = _self_attributes(GPUModelRunner, ("_get_eagle3_aux_layers_from_config",))
+    assert read == {"speculative_config"}, moved(
+        "GPUModelRunner._get_eagle3_aux_layers_from_config", "vllm_runner"
     )
 
 

@@ -79,12 +79,12 @@ class HiddenSlots:
                 slots[token] += before % self.block_size
                 hidden[token] = index
         keep = np.zeros(host.rows, dtype=np.int64)
-        for row, req_id in enumerate(req_ids):
+        for row, (chunk, req_id) in enumerate(zip(chunks, req_ids, strict=True)):
             slot = self._slot(req_id, live)
-            rows = slice(row * queries, (row + 1) * queries)
-            real = host.slot_mapping[host.logits_indices[rows]] != NULL_BLOCK * self.block_size
-            keep[rows] = slot * self.entries + np.arange(queries)
-            self._kept[req_id] = (int(host.positions[host.logits_indices[rows.start]]), int(real.sum()) or 1)
+            keep[row * queries : (row + 1) * queries] = slot * self.entries + np.arange(queries)
+            # A verify row's logits rows are its queries; a chunk's or a decode row's, its last token.
+            count = len(chunk.token_ids)
+            self._kept[req_id] = (chunk.start, count) if queries > 1 else (chunk.start + count - 1, 1)
         arrays[HEAD + "keep"] = keep
         return arrays
 
