@@ -12,6 +12,7 @@ from tests.engine.test_preemption import BLOCK_BYTES
 from tests.engine.test_speculative import SPEC_COUNTERS
 from tests.fp8_reference import hf_with_weights, round_kv_through_fp8
 from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
+from vllm_neuron.compiler import hlo_text
 
 DRAFTS = 3
 # The suite's engine with fresh prefill calls off (the head's first pass reads the cache) and room for 8
@@ -141,3 +142,27 @@ def test_what_an_eagle3_head_does_not_run_is_refused_at_start_up(tiny_model_dir,
     head = build_eagle3_head(tmp_path / "head", tiny_model_dir)
     with pytest.raises(ValueError, match=refused):
         engine_config(tiny_model_dir, **(eagle3_engine(head, 24) | change))
+
+
+@pytest.mark.slow
+def test_an_eagle3_heads_graphs_lower_with_every_cache_written_in_place(tiny_model_dir, tmp_path):
+    """The head's graphs go the way TorchNeuron lowers them (lowered, not run: `vllm-neuron check`'s
+    backend), in bfloat16: the target's calls write the head's layer beside the target's two, each once; the
+    propose call writes the head's layer once a pass, each pass on the value the one before wrote."""
+    head = build_eagle3_head(tmp_path / "head", tiny_model_dir)
+    engine = eagle3_engine(head, 64) | {"dtype": "bfloat16", "kv_cache_memory_bytes": None}
+    engine["additional_config"] = {**BUCKETS, "decode_batch_buckets": [4], "fresh_prefill_buckets": []}
+    dumps = tmp_path / "graphs"
+    env = {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_DUMP_GRAPHS": str(dumps)}
+    env["VLLM_NEURON_COMPILE_BACKEND"] = "lower-only"
+    result = run_engine(tiny_model_dir, engine, env, prompts=PROMPTS[:2], max_tokens=8)
+    [stats] = result["compile_stats"]
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (5, 0)  # prefill, decode, mixed, propose, verify
+    for dump in sorted(dumps.glob("*.stablehlo.mlir")):
+        writes = hlo_text.cache_writes(dump.read_text())
+        assert all(write.problems == [] for write in writes), (dump.name, [w.problems for w in writes])
+        if "-propose-of-" in dump.name:
+            (write,) = writes  # the head's layer, once a pass
+            assert write.scatters == [(2 * 2 * 4, 32)] * DRAFTS  # K and V, 2 KV heads, 4 rows; head size 32
+        else:
+            assert len(writes) == 3 and all(len(write.scatters) == 1 for write in writes), dump.name

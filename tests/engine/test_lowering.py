@@ -89,6 +89,31 @@ def test_lower_only_lowers_the_graph_and_runs_nothing():
     assert not module.kv_cache.any()
 
 
+class PassesThenRead(torch.nn.Module):
+    """Two passes over one layer's cache, as an EAGLE3 head's propose call runs them: each writes its rows,
+    then reads the cache it wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer(
+            "kv_cache", allocate(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, torch.float32, "cpu")
+        )
+
+    def forward(self, key, value, slots, blocks):
+        write_kv(self.kv_cache, key, value, slots)
+        first = gather_blocks(self.kv_cache, blocks)[0].sum()
+        write_kv(self.kv_cache, value, key, slots + 1)
+        return first * gather_blocks(self.kv_cache, blocks)[1].sum()
+
+
+def test_a_cache_written_once_a_pass_is_written_in_place():
+    backend = StableHLOBackend()
+    torch.compile(PassesThenRead(), backend=backend, fullgraph=True, dynamic=False)(*write_inputs())
+    (write,) = hlo_text.cache_writes(backend.graphs[0].stablehlo)
+    assert write.scatters == [(2 * KV_HEADS * TOKENS, HEAD_SIZE)] * 2
+    assert write.problems == []
+
+
 def test_a_whole_cache_write_is_named():
     backend, module, _ = lower_module(whole_cache_write)
     (write,) = hlo_text.cache_writes(backend.graphs[0].stablehlo)

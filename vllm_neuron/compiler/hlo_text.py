@@ -164,12 +164,14 @@ def is_cache(shape: tuple[int, ...]) -> bool:
 
 def cache_writes(text: str) -> list[CacheWrite]:
     """For each aliased KV cache: follow it through reshapes and scatters to the aliased output, and name
-    what else touches it or copies a tensor of its size."""
+    what else touches it or copies a tensor of its size. A cache is written once a call, or once a pass
+    where a call runs several passes over one layer (an EAGLE3 head's propose call): each scatter writes the
+    newest value, and nothing reads an older one after it."""
     module = parse(text)
     chains = _chains(module)
     buffers = aliased_buffers(module, chains)
     writes = []
-    for parameter, (old, new, scatters) in chains.items():
+    for parameter, (versions, scatters) in chains.items():
         shape = module.arguments[f"%arg{parameter}"]
         if not is_cache(shape):
             continue
@@ -179,48 +181,51 @@ def cache_writes(text: str) -> list[CacheWrite]:
             for op in module.ops
             if op.numel in (numel, numel // 2) and op.result not in buffers
         ]
-        if len(scatters) != 1:
-            problems.append(f"{len(scatters)} scatters into the cache (want one)")
-        else:
-            write = scatters[0]
+        if not scatters:
+            problems.append("no scatter into the cache")
+        for version, write in zip(versions, scatters, strict=False):
+            if write.operands[0] not in version:
+                problems.append(f"{write.name} ({write.result}) writes an older value of the cache")
             problems += [
                 f"{op.name} ({op.result}) reads the cache after its write"
                 for op in module.ops
-                if op.index > write.index and old.intersection(op.operands)
+                if op.index > write.index and version.intersection(op.operands)
             ]
             updates = _updates_shape(module, write)
             if math.prod(updates) * 2 >= numel:
                 problems.append(f"the scatter's updates {updates} are as large as the cache")
         output = module.aliases[parameter]
-        if output >= len(module.returned) or module.returned[output] not in new:
+        if output >= len(module.returned) or module.returned[output] not in versions[-1]:
             problems.append(f"output {output} is not the written cache")
         writes.append(CacheWrite(parameter, shape, [_updates_shape(module, op) for op in scatters], problems))
     return writes
 
 
-def _chains(module: Module) -> dict[int, tuple[set[str], set[str], list[Op]]]:
+def _chains(module: Module) -> dict[int, tuple[list[set[str]], list[Op]]]:
     return {parameter: _chain(module, f"%arg{parameter}") for parameter in sorted(module.aliases)}
 
 
 def aliased_buffers(module: Module, chains: dict | None = None) -> set[str]:
     """The values that are an aliased input's own buffer: its views and its in-place writes."""
     chains = _chains(module) if chains is None else chains
-    return set().union(*(old | new for old, new, _ in chains.values()))
+    return set().union(*(value for versions, _ in chains.values() for value in versions))
 
 
-def _chain(module: Module, argument: str) -> tuple[set[str], set[str], list[Op]]:
-    """Views of the parameter before its write, views of the written value, and the scatters between."""
-    old, new = {argument}, set()
+def _chain(module: Module, argument: str) -> tuple[list[set[str]], list[Op]]:
+    """The parameter's values and their views, one set per write (the parameter's own first), and the
+    scatters between them."""
+    versions: list[set[str]] = [{argument}]
     scatters: list[Op] = []
     for op in module.ops:
-        if op.name in _VIEWS and op.operands[0] in old:
-            old.add(op.result)
-        elif op.name in _VIEWS and op.operands[0] in new:
-            new.add(op.result)
-        elif op.name == "stablehlo.scatter" and op.operands[0] in old | new:
+        written = next((version for version in versions if op.operands and op.operands[0] in version), None)
+        if written is None:
+            continue
+        if op.name in _VIEWS:
+            written.add(op.result)
+        elif op.name == "stablehlo.scatter":
             scatters.append(op)
-            new.add(op.result)
-    return old, new, scatters
+            versions.append({op.result})
+    return versions, scatters
 
 
 def _updates_shape(module: Module, scatter: Op) -> tuple[int, ...]:
