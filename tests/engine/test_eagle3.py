@@ -157,7 +157,10 @@ def test_an_eagle3_heads_graphs_lower_with_every_cache_written_in_place(tiny_mod
     env["VLLM_NEURON_COMPILE_BACKEND"] = "lower-only"
     result = run_engine(tiny_model_dir, engine, env, prompts=PROMPTS[:2], max_tokens=8)
     [stats] = result["compile_stats"]
-    assert (stats["graphs"], stats["unexpected_recompiles"]) == (5, 0)  # prefill, decode, mixed, propose, verify
+    assert (stats["graphs"], stats["unexpected_recompiles"]) == (
+        5,
+        0,
+    )  # prefill, decode, mixed, propose, verify
     for dump in sorted(dumps.glob("*.stablehlo.mlir")):
         writes = hlo_text.cache_writes(dump.read_text())
         assert all(write.problems == [] for write in writes), (dump.name, [w.problems for w in writes])
