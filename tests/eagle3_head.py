@@ -15,7 +15,12 @@ AUX_LAYERS = [0, 1, 2]
 
 
 def build_eagle3_head(
-    out: Path, target_dir: Path, seed: int = 7, scale: float = 0.05, echo: bool = False
+    out: Path,
+    target_dir: Path,
+    seed: int = 7,
+    scale: float = 0.05,
+    echo: bool = False,
+    attention_scale: float | None = None,
 ) -> Path:
     """`echo`: a head that mostly proposes the target's own next token again: it takes the target's
     embedding and lm_head, `fc` passes the target's last state through, and its attention and MLP add only a
@@ -47,12 +52,14 @@ def build_eagle3_head(
     }
     generator = torch.Generator().manual_seed(seed)
 
+    sharpen = 1.0 if attention_scale is None else attention_scale / scale
+
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * scale
 
     weights = {
-        "midlayer.self_attn.q_proj.weight": randn(heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.k_proj.weight": randn(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.q_proj.weight": randn(heads * head_dim, 2 * hidden) * sharpen,
+        "midlayer.self_attn.k_proj.weight": randn(kv_heads * head_dim, 2 * hidden) * sharpen,
         "midlayer.self_attn.v_proj.weight": randn(kv_heads * head_dim, 2 * hidden),
         "midlayer.self_attn.o_proj.weight": randn(hidden, heads * head_dim),
         "midlayer.mlp.gate_proj.weight": randn(inter, hidden),

@@ -9,7 +9,8 @@ Optional keys: "sampling" (a list of {"prompt", "params": SamplingParams keyword
 after the greedy prompts: "sampled_tokens"), "churn_bursts" (then run tests/engine/test_churn.py's workload
 and report it), "sleep_level" (then sleep at that level, wake up, reload the weights after level 2, and
 generate again), "wait_background" (then wait until staged readiness's background compiles are done),
-"metrics" (the values of these counters of llm.get_metrics(), summed over labels: "metrics" in the result,
+"record_drafts" (each greedy prompt's drafts as the scheduler received them: "drafts"), "metrics" (the
+values of these counters of llm.get_metrics(), summed over labels: "metrics" in the result,
 and "greedy_metrics" after the greedy prompts),
 "save_dequantized" (a path: the driver rank's FP8 linear weights dequantized, torch.save'd), "natural_exit"
 (end as a user's script does, finalization included, not by tests/helpers.py's end_script), and with the
@@ -44,6 +45,18 @@ def main() -> None:
             return preempt(request, *args, **kwargs)
 
         scheduler._preempt_request = counting_preempt
+    # Each request's drafts as the scheduler receives them (non-empty ones, in order), if asked.
+    drafts: dict[str, list[list[int]]] = {}
+    if request.get("record_drafts"):
+        update_drafts = core.scheduler.update_draft_token_ids
+
+        def recording_update(draft_token_ids, *args, **kwargs):
+            for req_id, ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True):
+                if len(ids):
+                    drafts.setdefault(req_id, []).append([int(token) for token in ids])
+            return update_drafts(draft_token_ids, *args, **kwargs)
+
+        core.scheduler.update_draft_token_ids = recording_update
     params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -96,6 +109,13 @@ def main() -> None:
         "compile_progress": llm.collective_rpc("compile_progress")[0] if ours else None,
         "churn": churn,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        # (the scheduler's request ids are the outputs' with a random suffix)
+        "drafts": [
+            next((ids for req_id, ids in drafts.items() if req_id.startswith(f"{o.request_id}-")), [])
+            for o in outputs
+        ]
+        if drafts
+        else None,
         "sampled_tokens": sampled,
         "tokens_after_wake_up": after_wake_up,
         "preemptions": len(preempted),

@@ -98,8 +98,9 @@ def _draft_model_refusals(vllm_config: "VllmConfig") -> dict[str, bool]:
         != "greedy",
         f"rejection_sample_method {speculative.rejection_sample_method!r} is not supported: the plugin "
         "verifies drafts by standard speculative sampling": speculative.rejection_sample_method != "standard",
-        "a draft model or EAGLE3 head with tensor parallelism is not supported yet: use "
-        "--tensor-parallel-size 1": (vllm_config.parallel_config.tensor_parallel_size > 1),
+        "a draft model with tensor parallelism is not supported yet: use --tensor-parallel-size 1": (
+            not eagle3 and vllm_config.parallel_config.tensor_parallel_size > 1
+        ),
     }
 
 

@@ -10,6 +10,7 @@ from tests.conftest import ENGINE_KWARGS
 from tests.eagle3_head import build_eagle3_head
 from tests.engine.test_preemption import BLOCK_BYTES
 from tests.engine.test_speculative import SPEC_COUNTERS
+from tests.environment import TENSOR_PARALLEL_ENVIRONMENT
 from tests.fp8_reference import hf_with_weights, round_kv_through_fp8
 from tests.helpers import engine_config, hf_greedy, random_prompt, run_engine
 from vllm_neuron.compiler import hlo_text
@@ -48,43 +49,49 @@ def echo_head(tiny_model_dir, tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def attending_head(tiny_model_dir, tmp_path_factory):
+    """The echo head with sharp attention that weighs in: its drafts depend on every entry of its cache (a
+    first pass that skips the kept hidden states changes the drafts of half these prompts), and a few are
+    accepted."""
+    out = tmp_path_factory.mktemp("eagle3") / "attending"
+    return build_eagle3_head(out, tiny_model_dir, echo=True, scale=0.02, attention_scale=0.3)
+
+
 PROMPTS = [random_prompt(5 + (37 * i) % 150, seed=950 + i) for i in range(10)]  # past 64 tokens: chunked
 
 
 @pytest.mark.slow
-def test_an_eagle3_head_drafts_and_accepts_as_vllms_own_runner(tiny_model_dir, hf_model, echo_head, tmp_path):
-    """Through chunked prefill and requests joining mid-stream, the plugin drafts and accepts exactly as many
-    tokens as vLLM's own CPU runner on the same pair, and its tokens are HF's greedy ones. Its graphs, lowered
-    on TorchNeuron's route: the target's calls write the head's layer beside the target's two, each once;
-    the propose call writes the head's layer once a pass, each pass on the value the one before wrote."""
-    extra = {"metrics": SPEC_COUNTERS}
+def test_an_eagle3_head_drafts_and_accepts_as_vllms_own_runner(
+    tiny_model_dir, hf_model, attending_head, tmp_path
+):
+    """Through chunked prefill and requests joining mid-stream, over two tensor-parallel ranks (the head's
+    attention split by KV head as the target's), the plugin proposes exactly the drafts vLLM's own CPU
+    runner (one rank) proposes on the same pair, request by request, accepts as many, and its tokens are
+    HF's greedy ones. Its graphs, lowered on TorchNeuron's route: the target's calls write the head's layer
+    beside the target's two, each once; the propose call writes the head's layer once a pass, each pass on
+    the value the one before wrote."""
+    extra = {"metrics": SPEC_COUNTERS, "record_drafts": True}
     # (80 blocks: no tensor of these graphs has a cache's size, or half of it, by chance)
-    env = {"VLLM_NEURON_DEVICE": "cpu", "VLLM_NEURON_DUMP_GRAPHS": str(tmp_path)}
-    ours = run_engine(tiny_model_dir, eagle3_engine(echo_head, 80), env, PROMPTS, 24, extra)
+    env = {**TENSOR_PARALLEL_ENVIRONMENT, "VLLM_NEURON_DUMP_GRAPHS": str(tmp_path)}
+    engine = eagle3_engine(attending_head, 80)
+    ours = run_engine(tiny_model_dir, engine | {"tensor_parallel_size": 2}, env, PROMPTS, 24, extra)
     vllm_cpu = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 8, "enforce_eager": True, "seed": 0}
-    vllm_cpu |= {
-        "disable_log_stats": False,
-        "speculative_config": eagle3_engine(echo_head, 80)["speculative_config"],
-    }
-    vllm = run_engine(
-        tiny_model_dir,
-        vllm_cpu,
-        {"VLLM_NEURON_DEVICE": None, "VLLM_CPU_KVCACHE_SPACE": "1"},
-        PROMPTS,
-        24,
-        extra,
-    )
+    vllm_cpu |= {"disable_log_stats": False, "speculative_config": engine["speculative_config"]}
+    vllm_env = {"VLLM_NEURON_DEVICE": None, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    vllm = run_engine(tiny_model_dir, vllm_cpu, vllm_env, PROMPTS, 24, extra)
     assert vllm["platform"] == "CpuPlatform"
     assert ours["tokens"] == vllm["tokens"] == [hf_greedy(hf_model, p, 24) for p in PROMPTS]
+    assert ours["drafts"] == vllm["drafts"] and all(vllm["drafts"])
     assert ours["metrics"] == vllm["metrics"]
     drafted = vllm["metrics"]["vllm:spec_decode_num_draft_tokens"]
     assert 0 < vllm["metrics"]["vllm:spec_decode_num_accepted_tokens"] < drafted
     # prefill 1, decode 2, mixed 1, verify 2, and a propose graph per decode shape: all at warm-up
-    [stats] = ours["compile_stats"]
-    assert (stats["graphs"], stats["unexpected_recompiles"]) == (6 + 2, 0)
+    for stats in ours["compile_stats"]:  # each rank's
+        assert (stats["graphs"], stats["unexpected_recompiles"]) == (6 + 2, 0)
     progress = ours["compile_progress"]
     assert progress["graphs_total"] == progress["graphs_ready"] == stats["graphs"]
-    dumps = sorted(tmp_path.glob("*.stablehlo.mlir"))
+    dumps = sorted((tmp_path / "rank-0").glob("*.stablehlo.mlir"))
     assert len(dumps) == stats["graphs"]
     for dump in dumps:
         writes = hlo_text.cache_writes(dump.read_text())
@@ -92,7 +99,7 @@ def test_an_eagle3_head_drafts_and_accepts_as_vllms_own_runner(tiny_model_dir, h
         if "-propose-of-" in dump.name:
             (write,) = writes  # the head's layer, once a pass
             rows = int(dump.name.split("-batch-")[1].split("-")[0])
-            assert write.scatters == [(2 * 2 * rows, 32)] * DRAFTS  # K and V, 2 KV heads; head size 32
+            assert write.scatters == [(2 * rows, 32)] * DRAFTS  # K and V of one KV head a rank; head size 32
         else:
             assert len(writes) == 3 and all(len(write.scatters) == 1 for write in writes), dump.name
 

@@ -112,12 +112,15 @@ class ProposeInputs:
 
 
 def propose_inputs(
-    planner: CallPlanner, call: Call, rows: list[Chunk], hidden_index: list[int], passes: int
+    planner: CallPlanner, call: Call, rows: list[Chunk], hidden_index: list[int], passes: int, last: int
 ) -> ProposeInputs:
     """`rows`: each row's newest token at its position; the passes run at that position - 1 onwards (the first
-    pass writes the head's entry before the newest token). Sent in one transfer."""
+    pass writes the head's entry before the newest token), none past position `last` (max_model_len - 1:
+    a row near the end repeats it, and the scheduler drops the drafts past the end). Sent in one transfer."""
     hosts = [
-        planner.host_inputs(call, [], [Chunk(r.token_ids, r.start - 1 + j, r.block_row) for r in rows])
+        planner.host_inputs(
+            call, [], [Chunk(r.token_ids, min(r.start - 1 + j, last), r.block_row) for r in rows]
+        )
         for j in range(passes)
     ]
     token_ids = np.zeros(call.batch, dtype=np.int64)
@@ -148,7 +151,7 @@ def propose(
 ) -> DraftTokenIds:
     """The head's drafts for the step's rows that sampled a token and may speculate: one propose call per
     decode shape the rows need (their newest position + the passes), each row's drafts as many as the
-    scheduler wants and the model's length allows."""
+    scheduler wants (it drops those past max_model_len, as after vLLM's proposer)."""
     input_batch = batch.input_batch
     assert input_batch.req_ids == step.req_ids, "the batch changed between a step and its drafts"
     wanted = step.scheduler_output.num_spec_tokens_to_schedule
@@ -158,16 +161,17 @@ def propose(
     for row, req_id in enumerate(step.req_ids):
         newest = int(input_batch.num_tokens_no_spec[row]) - 1
         index = hidden_index(req_id, newest - 1)
-        if sampled_ids[row] and speculating[row] and newest + passes < max_model_len and index is not None:
+        if sampled_ids[row] and speculating[row] and newest + 1 < max_model_len and index is not None:
             token = input_batch.token_ids_cpu[row, newest : newest + 1].copy()
             rows.append((row, Chunk(token, newest, batch.block_table[row])))
             kept.append(index)
     if not rows or not wanted:
         return DraftTokenIds(list(step.req_ids), drafts)
-    contexts = [chunk.start + passes - 1 for _, chunk in rows]
+    contexts = [min(chunk.start + passes - 1, max_model_len) for _, chunk in rows]
     for plan in plan_step(contexts, [], planner.buckets, planner.block_size, planner.readiness.usable):
         chunks = [rows[j][1] for j in plan.decode_rows]
-        inputs = propose_inputs(planner, plan.call, chunks, [kept[j] for j in plan.decode_rows], passes)
+        index = [kept[j] for j in plan.decode_rows]
+        inputs = propose_inputs(planner, plan.call, chunks, index, passes, max_model_len - 1)
         tokens = neuron_device.to_host(run_propose(plan.call, inputs)[: len(chunks)])
         for j, row_tokens in zip(plan.decode_rows, tokens.tolist(), strict=True):
             drafts[rows[j][0]] = row_tokens[:wanted]

@@ -129,6 +129,9 @@ class NeuronModelRunner(RunnerSetup):
         started, schedule = self.step_metrics.step_started(scheduler_output)
         self.readiness.activity.busy.set()  # until the step's output is made
         self.batch.update(scheduler_output)
+        if self.planner.head is not None:  # an EAGLE3 head's kept hidden states of requests that left
+            left = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
+            self.planner.head.release(left)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self._without_forward(scheduler_output)
         self.steps.pending = step = self._prepare(scheduler_output, previous, started, schedule)
@@ -162,10 +165,6 @@ class NeuronModelRunner(RunnerSetup):
         """The step's rows as decode rows (one token, or a verify row's last token and drafts) and prefill
         chunks, and its planned calls."""
         input_batch = self.batch.input_batch
-        if self.planner.head is not None:  # an EAGLE3 head's kept hidden states of requests that left
-            self.planner.head.release(
-                scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
-            )
         decode: list[tuple[int, Chunk]] = []
         prefill: list[tuple[int, Chunk]] = []
         partial: list[int] = []

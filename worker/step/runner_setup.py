@@ -117,7 +117,8 @@ class RunnerSetup:
         passes = self.compiled.hidden_slots.entries - 1
         start = max(1, min(call.decode_context, self.model_config.max_model_len) - passes + 1)
         rows = [Chunk(row.token_ids, start, row.block_row) for row in rows]
-        inputs = eagle3.propose_inputs(self.planner, call, rows, [0] * len(rows), passes)
+        last = self.model_config.max_model_len - 1
+        inputs = eagle3.propose_inputs(self.planner, call, rows, [0] * len(rows), passes, last)
         with self.compiled.recorder.expecting(call):
             self.compiled.run_propose(call, inputs)
 
