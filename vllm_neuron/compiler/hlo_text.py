@@ -163,23 +163,24 @@ def is_cache(shape: tuple[int, ...]) -> bool:
 
 
 def cache_writes(text: str) -> list[CacheWrite]:
-    """For each aliased KV cache: follow it through reshapes and scatters to the aliased output, and name
-    what else touches it or copies a tensor of its size. A cache is written once a call, or once a pass
-    where a call runs several passes over one layer (an EAGLE3 head's propose call): each scatter writes the
-    newest value, and nothing reads an older one after it."""
+    """For each aliased KV cache (and an EAGLE3 head's hidden slots, a matrix; not the token slots, a
+    vector): follow it through reshapes and scatters to the aliased output, and name what else touches it
+    or copies a tensor of a cache's size. A cache is written once a call, or once a pass where a call runs
+    several passes over one layer (an EAGLE3 head's propose call): each scatter writes the newest value, and
+    nothing reads an older one after it."""
     module = parse(text)
     chains = _chains(module)
     buffers = aliased_buffers(module, chains)
     writes = []
     for parameter, (versions, scatters) in chains.items():
         shape = module.arguments[f"%arg{parameter}"]
-        if not is_cache(shape):
+        if len(shape) < 2:
             continue
         numel = math.prod(shape)
         problems = [
             f"{op.name} ({op.result}) makes a tensor of {op.shape}: a copy of a whole cache or half of one"
             for op in module.ops
-            if op.numel in (numel, numel // 2) and op.result not in buffers
+            if is_cache(shape) and op.numel in (numel, numel // 2) and op.result not in buffers
         ]
         if not scatters:
             problems.append("no scatter into the cache")
@@ -192,7 +193,7 @@ def cache_writes(text: str) -> list[CacheWrite]:
                 if op.index > write.index and version.intersection(op.operands)
             ]
             updates = _updates_shape(module, write)
-            if math.prod(updates) * 2 >= numel:
+            if is_cache(shape) and math.prod(updates) * 2 >= numel:
                 problems.append(f"the scatter's updates {updates} are as large as the cache")
         output = module.aliases[parameter]
         if output >= len(module.returned) or module.returned[output] not in versions[-1]:
