@@ -59,30 +59,39 @@ def attending_head(tiny_model_dir, tmp_path_factory):
 
 
 PROMPTS = [random_prompt(5 + (37 * i) % 150, seed=950 + i) for i in range(10)]  # past 64 tokens: chunked
+# Two more after the first eight, sharing a prefix of 3 blocks: the second finds it in the prefix cache.
+PREFIX = random_prompt(100, seed=990)
+SHARED = [PREFIX + random_prompt(7, seed=991), PREFIX + random_prompt(12, seed=992)]
 
 
 @pytest.mark.slow
 def test_an_eagle3_head_drafts_and_accepts_as_vllms_own_runner(
     tiny_model_dir, hf_model, attending_head, tmp_path
 ):
-    """Through chunked prefill and requests joining mid-stream, over two tensor-parallel ranks (the head's
-    attention split by KV head as the target's), the plugin proposes exactly the drafts vLLM's own CPU
-    runner (one rank) proposes on the same pair, request by request, accepts as many, and its tokens are
-    HF's greedy ones. Its graphs, lowered on TorchNeuron's route: the target's calls write the head's layer
-    beside the target's two, each once; the propose call writes the head's layer once a pass, each pass on
-    the value the one before wrote; the kept hidden states are written in place too."""
-    extra = {"metrics": SPEC_COUNTERS, "record_drafts": True}
+    """Through chunked prefill, requests joining mid-stream and a prefix-cache hit, over two tensor-parallel
+    ranks (the head's attention split by KV head as the target's), the plugin proposes exactly the drafts
+    vLLM's own CPU runner (one rank) proposes on the same pair, request by request, accepts as many, and its
+    tokens are HF's greedy ones. Its graphs, lowered on TorchNeuron's route: the target's calls write the
+    head's layer beside the target's two, each once; the propose call writes the head's layer once a pass,
+    each pass on the value the one before wrote; the kept hidden states are written in place too."""
+    extra = {"metrics": [*SPEC_COUNTERS, "vllm:prefix_cache_hits"], "record_drafts": True}
+    prompts = PROMPTS + SHARED
     # (80 blocks: no tensor of these graphs has a cache's size, or half of it, by chance)
     env = {**TENSOR_PARALLEL_ENVIRONMENT, "VLLM_NEURON_DUMP_GRAPHS": str(tmp_path)}
     engine = eagle3_engine(attending_head, 80)
-    ours = run_engine(tiny_model_dir, engine | {"tensor_parallel_size": 2}, env, PROMPTS, 24, extra)
+    ours = run_engine(tiny_model_dir, engine | {"tensor_parallel_size": 2}, env, prompts, 24, extra)
     vllm_cpu = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 8, "enforce_eager": True, "seed": 0}
     vllm_cpu |= {"disable_log_stats": False, "speculative_config": engine["speculative_config"]}
     vllm_env = {"VLLM_NEURON_DEVICE": None, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    vllm = run_engine(tiny_model_dir, vllm_cpu, vllm_env, PROMPTS, 24, extra)
+    vllm = run_engine(tiny_model_dir, vllm_cpu, vllm_env, prompts, 24, extra)
     assert vllm["platform"] == "CpuPlatform"
-    assert ours["tokens"] == vllm["tokens"] == [hf_greedy(hf_model, p, 24) for p in PROMPTS]
+    assert ours["tokens"] == vllm["tokens"] == [hf_greedy(hf_model, p, 24) for p in prompts]
     assert ours["drafts"] == vllm["drafts"] and all(vllm["drafts"])
+    hits = ours["metrics"].pop("vllm:prefix_cache_hits")
+    # The shared prefix's whole blocks but the last, which vLLM computes again for an EAGLE head: its entry
+    # before the first new token comes from that token.
+    assert hits >= 64
+    vllm["metrics"].pop("vllm:prefix_cache_hits")
     assert ours["metrics"] == vllm["metrics"]
     drafted = vllm["metrics"]["vllm:spec_decode_num_draft_tokens"]
     assert 0 < vllm["metrics"]["vllm:spec_decode_num_accepted_tokens"] < drafted
