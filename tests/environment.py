@@ -26,6 +26,9 @@ TEST_ENVIRONMENT = dict(
     # A KV cache the size the tests use (the CPU default is 512 MiB): in bfloat16 XLA's CPU compiler converts
     # the whole cache around each write (no bfloat16 scatter), so every call's cost follows its size.
     VLLM_NEURON_CPU_KV_CACHE_BYTES=str(64 * 1024**2),
+    # No collection after each dynamo compile (a gc.collect(1) per graph, ~1 s of CPU per 15 graphs under
+    # cProfile): the tests' interpreter collects rarely anyway (tests/interpreter/sitecustomize.py).
+    TORCH_DYNAMO_RUN_GC_AFTER_COMPILE="0",
     # Every graph before the engine serves, so each test sees the calls of the whole bucket set; staged
     # readiness has its own tests (tests/engine/test_staged_readiness.py).
     VLLM_NEURON_READINESS="full",
