@@ -25,6 +25,8 @@ from worker.step.call_inputs import HEAD, Chunk, HostInputs
 
 @dataclass
 class HiddenSlots:
+    """The hidden slots' owners and contents, on the host; the buffer itself is the compiled model's."""
+
     max_num_seqs: int
     entries: int  # hidden states a request keeps: 1 + num_speculative_tokens
     block_size: int
