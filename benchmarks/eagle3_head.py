@@ -138,14 +138,7 @@ def build_data(model, tokenizer, aux_ids: list[int], args) -> list[dict]:
     sequences = list(
         zip(q_prompts + copy_prompts + r_prompts, q_outputs + copy_outputs + r_outputs, strict=True)
     )
-    rows = features(model, sequences, aux_ids)
-    for row, kind in zip(
-        rows,
-        ["chat"] * len(q_prompts) + ["copy"] * len(copy_prompts) + ["random"] * len(r_prompts),
-        strict=True,
-    ):
-        row["kind"] = kind
-    return rows
+    return features(model, sequences, aux_ids)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -385,8 +378,10 @@ def rope_theta(config: dict) -> float:
     return float((config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 10000.0))
 
 
-def recipe(args) -> dict:
-    keys = ("questions", "copies", "randoms", "random_len", "new_tokens", "epochs", "steps", "lr", "batch")
+DATA_KEYS = ("questions", "copies", "randoms", "random_len", "new_tokens")
+
+
+def recipe(args, keys=(*DATA_KEYS, "epochs", "steps", "lr", "batch")) -> dict:
     return {"version": RECIPE_VERSION, "seed": SEED} | {k: getattr(args, k) for k in keys}
 
 
@@ -435,7 +430,15 @@ def ensure_head(argv: list[str] | None = None) -> Path:
     aux_ids = [2, layers // 2, layers - 3]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
-    rows = build_data(model, tokenizer, aux_ids, args)
+    # The data (the slow part) is kept beside the head, for training again with other settings.
+    data_path, data_key = args.out / "data.pt", recipe(args, DATA_KEYS)
+    cached = torch.load(data_path, weights_only=False) if data_path.exists() else {}
+    if cached.get("recipe") == data_key:
+        rows = cached["rows"]
+    else:
+        rows = build_data(model, tokenizer, aux_ids, args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save({"recipe": data_key, "rows": rows}, data_path)
     data_s = time.monotonic() - started
     embed = model.get_input_embeddings().weight.detach().to(torch.bfloat16)
     lm_head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
