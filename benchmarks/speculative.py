@@ -13,8 +13,9 @@ workloads:
 `--method draft_model` takes as draft the default model's first `--draft-layers` layers with its final norm
 and head (an early-exit draft, built once into the work directory): no second model is at hand offline.
 `--method eagle3` takes the head benchmarks/eagle3_head.py trains on the default model's own greedy outputs
-(a few minutes, once: reused from ~/.cache/vllm-neuron/eagle3-smollm2), or `--head DIR`; both servers then
-run with `--additional-config '{"fresh_prefill_buckets": []}'` (an EAGLE3 head needs it), like for like.
+(about 20 minutes on 2 loaded cores, once: reused from ~/.cache/vllm-neuron/eagle3-smollm2), or `--head DIR`;
+both servers then run with `--additional-config '{"fresh_prefill_buckets": []}'` (an EAGLE3 head needs it),
+like for like.
 
 The greedy workloads give the same tokens on both servers. Prints one markdown table:
 output tok/s, TPOT (mean time per output token after the first: the per-token latency a stream sees, where
@@ -122,7 +123,7 @@ def early_exit_draft(model: str, layers: int, out: Path) -> Path:
 
 def eagle3_head(head: Path | None) -> Path:
     """`head` where it holds one, else benchmarks/eagle3_head.py's head for the default model, trained into
-    `head` or its cache directory once (a few minutes), then reused."""
+    `head` or its cache directory once (about 20 minutes on 2 loaded cores), then reused."""
     if head is not None and (head / "config.json").exists():
         return head
     out = head or Path.home() / ".cache" / "vllm-neuron" / "eagle3-smollm2"
