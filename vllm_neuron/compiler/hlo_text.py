@@ -156,9 +156,14 @@ class CacheWrite:
 
 
 def is_cache(shape: tuple[int, ...]) -> bool:
-    """Whether a buffer a graph updates in place is a KV cache ([2 x KV heads, blocks, block size, head
-    size]): every one is but the token slots (worker/step/step_state.py), a vector, and an EAGLE3 head's
-    hidden slots (worker/spec_decode/head_inputs.py), a matrix."""
+    """Whether a buffer a graph updates in place is a cache, kept in place like the KV caches: every one is
+    but the token slots (worker/step/step_state.py), a vector. An EAGLE3 head's hidden slots
+    (worker/spec_decode/head_inputs.py) are one, a matrix."""
+    return len(shape) > 1
+
+
+def is_kv_cache(shape: tuple[int, ...]) -> bool:
+    """Whether a cache is a KV cache: [2 x KV heads, blocks, block size, head size]."""
     return len(shape) == 4
 
 
@@ -174,13 +179,13 @@ def cache_writes(text: str) -> list[CacheWrite]:
     writes = []
     for parameter, (versions, scatters) in chains.items():
         shape = module.arguments[f"%arg{parameter}"]
-        if len(shape) < 2:
+        if not is_cache(shape):
             continue
         numel = math.prod(shape)
         problems = [
             f"{op.name} ({op.result}) makes a tensor of {op.shape}: a copy of a whole cache or half of one"
             for op in module.ops
-            if is_cache(shape) and op.numel in (numel, numel // 2) and op.result not in buffers
+            if is_kv_cache(shape) and op.numel in (numel, numel // 2) and op.result not in buffers
         ]
         if not scatters:
             problems.append("no scatter into the cache")
@@ -193,7 +198,7 @@ def cache_writes(text: str) -> list[CacheWrite]:
                 if op.index > write.index and version.intersection(op.operands)
             ]
             updates = _updates_shape(module, write)
-            if is_cache(shape) and math.prod(updates) * 2 >= numel:
+            if is_kv_cache(shape) and math.prod(updates) * 2 >= numel:
                 problems.append(f"the scatter's updates {updates} are as large as the cache")
         output = module.aliases[parameter]
         if output >= len(module.returned) or module.returned[output] not in versions[-1]:

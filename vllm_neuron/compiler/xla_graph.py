@@ -106,7 +106,11 @@ def minimum_bytes(call: Call, memory: xla.Memory, caches: list[torch.Tensor]) ->
         "mixed": call.batch + call.token_bucket,
     }[call.phase]
     # [2 * kv_heads, blocks, block_size, head_size]: K and V of each KV head per token.
-    token_bytes = sum(cache.shape[0] * cache.shape[3] * cache.element_size() for cache in caches)
+    token_bytes = sum(
+        cache.shape[0] * cache.shape[3] * cache.element_size()
+        for cache in caches
+        if hlo_text.is_kv_cache(tuple(cache.shape))
+    )
     cache_total = sum(cache.numel() * cache.element_size() for cache in caches)
     outputs = memory.output - memory.alias
     return memory.argument - cache_total + (attended + written) * token_bytes + outputs
